@@ -1,0 +1,51 @@
+# On a fresh clone `make train` and `make test` are all anyone needs: both install first.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+ARGS   ?=
+PYTEST_ARGS ?=
+LOGDIR ?= logs
+PORT   ?= 6006
+
+.DEFAULT_GOAL := help
+.PHONY: help install train eval test lint format tensorboard bench clean
+
+help:  ## list the targets
+	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml constraints.txt
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "trainkit needs Python 3.10+; run make PYTHON=python3.X")'
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev]"
+	@touch $(STAMP)
+
+install: $(STAMP)  ## create .venv with the pinned, tested set
+
+train: $(STAMP)  ## train: make train ARGS="strategy=ddp devices=2"
+	$(BIN)/python train.py $(ARGS)
+
+eval: $(STAMP)  ## evaluate a checkpoint: make eval ARGS="ckpt_path=..."
+	$(BIN)/python eval.py $(ARGS)
+
+test: $(STAMP)  ## run the test suite
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)  ## ruff lint and format check
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)  ## ruff fix and format
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+tensorboard: $(STAMP)  ## serve the logs: make tensorboard LOGDIR=logs PORT=6006
+	$(BIN)/tensorboard --logdir $(LOGDIR) --port $(PORT)
+
+bench: $(STAMP)  ## template vs plain PyTorch throughput
+	$(BIN)/python -m trainkit.bench $(ARGS)
+
+clean:  ## remove the virtualenv, caches and logs
+	rm -rf $(VENV) .pytest_cache .ruff_cache src/*.egg-info logs outputs multirun
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,15 @@
+"""Evaluate a checkpoint: `python eval.py ckpt_path=...`. The checkpoint carries its own config."""
+
+import hydra
+from omegaconf import DictConfig
+
+from trainkit.evaluate import run
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="eval")
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()

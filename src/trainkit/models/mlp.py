@@ -1,0 +1,35 @@
+from collections.abc import Sequence
+
+from torch import nn
+
+
+class MLP(nn.Sequential):
+    """An MLP as an ordered sequence of blocks: one block per hidden layer, then the head.
+
+    Images are flattened in the first block, so it takes (B, C, H, W) batches as they come.
+    """
+
+    def __init__(
+        self,
+        in_features: int = 784,
+        hidden: Sequence[int] = (512, 256),
+        num_classes: int = 10,
+        dropout: float = 0.0,
+    ) -> None:
+        if in_features <= 0 or num_classes <= 0 or any(h <= 0 for h in hidden):
+            raise ValueError(
+                f"MLP sizes must be positive: in_features={in_features}, hidden={list(hidden)}, "
+                f"num_classes={num_classes}"
+            )
+        blocks: list[nn.Module] = []
+        width = in_features
+        for i, h in enumerate(hidden):
+            layers: list[nn.Module] = [nn.Flatten()] if i == 0 else []
+            layers += [nn.Linear(width, h), nn.ReLU()]
+            if dropout > 0:
+                layers.append(nn.Dropout(dropout))
+            blocks.append(nn.Sequential(*layers))
+            width = h
+        head = nn.Linear(width, num_classes)
+        blocks.append(nn.Sequential(nn.Flatten(), head) if not hidden else head)
+        super().__init__(*blocks)

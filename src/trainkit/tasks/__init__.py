@@ -1,0 +1,5 @@
+"""LightningModules: what is learned and how it is scored, whatever strategy runs it."""
+
+from trainkit.tasks.classification import ImageClassifier
+
+__all__ = ["ImageClassifier"]

@@ -1,0 +1,96 @@
+from collections.abc import Callable
+
+import lightning as L
+import torch
+from torch import Tensor, nn
+from torchmetrics import MeanMetric
+from torchmetrics.classification import MulticlassAccuracy
+
+OptimizerFactory = Callable[..., torch.optim.Optimizer]
+SchedulerFactory = Callable[..., torch.optim.lr_scheduler.LRScheduler]
+
+
+class ImageClassifier(L.LightningModule):
+    """Any ``net`` trained with cross-entropy, scored with torchmetrics accuracy.
+
+    ``optimizer`` and ``scheduler`` are factories (Hydra ``_partial_: true``) bound to the
+    parameters in ``configure_optimizers``, after a strategy has wrapped or split the model. Only
+    plain values go into ``hparams``: the checkpoint loads with ``torch.load(weights_only=True)``.
+
+    Training metrics accumulate in torchmetrics every step but reach ``self.log`` only every
+    ``trainer.log_every_n_steps`` steps and at epoch end: a ``self.log`` call costs a sizeable part
+    of a small model's step on CPU, and the logger writes only every n steps anyway.
+    """
+
+    def __init__(
+        self,
+        net: nn.Module,
+        optimizer: OptimizerFactory,
+        num_classes: int,
+        scheduler: SchedulerFactory | None = None,
+        scheduler_interval: str = "epoch",
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters(ignore=["net", "optimizer", "scheduler"])
+        self.net = net
+        self.optimizer_factory = optimizer
+        self.scheduler_factory = scheduler
+        self.loss_fn = nn.CrossEntropyLoss()
+        # validate_args=False: the checks scan every target each step, which a classifier's own
+        # labels never need
+        self.train_loss = MeanMetric()
+        self.train_acc = MulticlassAccuracy(num_classes, average="micro", validate_args=False)
+        self.val_acc = MulticlassAccuracy(num_classes, average="micro", validate_args=False)
+        self.test_acc = MulticlassAccuracy(num_classes, average="micro", validate_args=False)
+        # sample-weighted means synced at compute: exact for any world size and uneven shards
+        self.val_loss = MeanMetric()
+        self.test_loss = MeanMetric()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+    def _shared_step(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        x, y = batch
+        logits = self(x)
+        return self.loss_fn(logits, y), logits, y
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss, logits, y = self._shared_step(batch)
+        self.train_loss.update(loss.detach(), len(y))
+        self.train_acc.update(logits.detach(), y)
+        if self.global_step % self.trainer.log_every_n_steps == 0:
+            self.log("train/loss_step", loss, on_step=True, on_epoch=False, prog_bar=True)
+        return loss
+
+    def on_train_epoch_end(self) -> None:
+        self.log("train/loss", self.train_loss.compute())
+        self.log("train/acc", self.train_acc.compute())
+        self.train_loss.reset()
+        self.train_acc.reset()
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        loss, logits, y = self._shared_step(batch)
+        self.val_loss.update(loss, len(y))
+        self.val_acc.update(logits, y)
+        self.log("val/loss", self.val_loss)
+        self.log("val/acc", self.val_acc, prog_bar=True)
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        loss, logits, y = self._shared_step(batch)
+        self.test_loss.update(loss, len(y))
+        self.test_acc.update(logits, y)
+        self.log("test/loss", self.test_loss)
+        self.log("test/acc", self.test_acc)
+
+    def predict_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        return self(batch[0]).argmax(dim=1)
+
+    def configure_optimizers(self):
+        optimizer = self.optimizer_factory(params=self.parameters())
+        if self.scheduler_factory is None:
+            return optimizer
+        scheduler = self.scheduler_factory(optimizer=optimizer)
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": self.hparams.scheduler_interval},
+        }

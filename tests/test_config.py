@@ -1,0 +1,308 @@
+"""The Hydra configs, composed in-process, and the objects ``trainkit.train.build`` makes."""
+
+import io
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue
+
+from trainkit.callbacks import RunConfig, StartupTime
+from trainkit.config import compose_config
+from trainkit.data import MNISTDataModule
+from trainkit.models import MLP
+from trainkit.tasks import ImageClassifier
+from trainkit.train import build, run
+
+Built = tuple[DictConfig, MNISTDataModule, ImageClassifier, L.Trainer]
+
+
+@pytest.fixture
+def output_dir(tmp_path: Path) -> Path:
+    return tmp_path / "run"
+
+
+@pytest.fixture
+def compose(data_overrides: tuple[str, ...], output_dir: Path) -> Callable[..., DictConfig]:
+    """``compose(*overrides)``: the train config on the test data, writing into ``output_dir``."""
+
+    def compose(*overrides: str) -> DictConfig:
+        return compose_config("train", output_dir, [*data_overrides, *overrides])
+
+    return compose
+
+
+@pytest.fixture
+def built(compose: Callable[..., DictConfig]) -> Callable[..., Built]:
+    def built(*overrides: str) -> Built:
+        cfg = compose(*overrides)
+        return (cfg, *build(cfg))
+
+    return built
+
+
+@pytest.fixture
+def restore_seed_state(monkeypatch: pytest.MonkeyPatch):
+    """In-process runs seed the global RNGs and export PL_GLOBAL_SEED: undo both afterwards."""
+    for name in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):
+        monkeypatch.delenv(name, raising=False)
+    state = torch.get_rng_state()
+    yield
+    torch.set_rng_state(state)
+
+
+def callbacks_of(trainer: L.Trainer, kind: type) -> list:
+    return [c for c in trainer.callbacks if isinstance(c, kind)]
+
+
+def run_checkpoints(trainer: L.Trainer, output_dir: Path) -> list[ModelCheckpoint]:
+    """The template's ModelCheckpoint: checkpoints/best.ckpt and last.ckpt in the run directory."""
+    return [
+        c
+        for c in callbacks_of(trainer, ModelCheckpoint)
+        if c.dirpath and Path(c.dirpath) == output_dir / "checkpoints"
+    ]
+
+
+def is_plain(value: Any) -> bool:
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and is_plain(v) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return all(is_plain(v) for v in value)
+    return isinstance(value, str | int | float | bool | type(None))
+
+
+# --- the default config ----------------------------------------------------------------------
+
+
+def test_default_builds_data_model_and_trainer(
+    built, mnist_root: Path, val_size: int, output_dir: Path
+) -> None:
+    cfg, dm, model, trainer = built()
+
+    assert isinstance(dm, MNISTDataModule)
+    assert dm.root == mnist_root and dm.val_size == val_size and dm.download is False
+    assert isinstance(model, ImageClassifier) and isinstance(model.net, MLP)
+    assert cfg.model.num_classes == dm.num_classes == model.hparams.num_classes
+    assert model.net(torch.zeros(2, 1, 28, 28)).shape == (2, dm.num_classes)
+    optimizer = model.configure_optimizers()
+    assert isinstance(optimizer, torch.optim.Adam)
+    assert optimizer.defaults["lr"] == cfg.model.optimizer.lr
+
+    assert trainer.max_epochs == cfg.trainer.max_epochs
+    assert Path(trainer.default_root_dir) == output_dir
+    [logger] = trainer.loggers
+    assert isinstance(logger, TensorBoardLogger)
+    assert Path(logger.log_dir) == output_dir / "tensorboard"
+    [checkpoint] = run_checkpoints(trainer, output_dir)
+    assert (checkpoint.monitor, checkpoint.mode) == ("val/acc", "max")
+    assert checkpoint.save_last
+    assert len(callbacks_of(trainer, StartupTime)) == 1
+
+
+def test_resolved_config_is_written_and_carried_into_checkpoints(built, output_dir: Path) -> None:
+    cfg, _, _, trainer = built()
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+
+    text = (output_dir / "config.yaml").read_text()
+    assert "${" not in text
+    assert OmegaConf.to_container(OmegaConf.load(output_dir / "config.yaml")) == resolved
+
+    [run_config] = callbacks_of(trainer, RunConfig)
+    checkpoint: dict[str, Any] = {}
+    run_config.on_save_checkpoint(trainer, None, checkpoint)
+    assert checkpoint["trainkit_config"] == resolved
+    assert is_plain(checkpoint["trainkit_config"])
+
+
+# --- group options ---------------------------------------------------------------------------
+
+
+def check_tensorboard(cfg, dm, model, trainer, out):
+    [logger] = trainer.loggers
+    assert isinstance(logger, TensorBoardLogger)
+    assert Path(logger.log_dir) == out / "tensorboard"
+
+
+def check_csv(cfg, dm, model, trainer, out):
+    [logger] = trainer.loggers
+    assert isinstance(logger, CSVLogger)
+    assert Path(logger.log_dir) == out / "csv"
+
+
+def check_no_logger(cfg, dm, model, trainer, out):
+    assert trainer.loggers == []
+    assert trainer.logger is None
+
+
+def check_default_callbacks(cfg, dm, model, trainer, out):
+    assert len(run_checkpoints(trainer, out)) == 1
+    assert len(callbacks_of(trainer, StartupTime)) == 1
+
+
+def check_no_callbacks(cfg, dm, model, trainer, out):
+    assert run_checkpoints(trainer, out) == []
+    assert callbacks_of(trainer, StartupTime) == []
+    assert len(callbacks_of(trainer, RunConfig)) == 1  # whatever is saved still carries the config
+
+
+def check_fast_dev_run(cfg, dm, model, trainer, out):
+    assert cfg.trainer.fast_dev_run is True
+    assert trainer.fast_dev_run is True
+    assert trainer.max_epochs == 1
+
+
+def check_limit_batches(cfg, dm, model, trainer, out):
+    assert trainer.max_epochs == 2
+    assert trainer.limit_train_batches == 5
+    assert (trainer.limit_val_batches, trainer.limit_test_batches) == (2, 2)
+
+
+def check_experiment(cfg, dm, model, trainer, out):
+    assert trainer.max_epochs == 10
+    assert dm.batch_size == 256
+    assert isinstance(model.net, MLP)
+    assert model.configure_optimizers().defaults["lr"] == pytest.approx(1e-3)
+
+
+@pytest.mark.parametrize(
+    ("override", "check"),
+    [
+        ("logger=tensorboard", check_tensorboard),
+        ("logger=csv", check_csv),
+        ("logger=none", check_no_logger),
+        ("callbacks=default", check_default_callbacks),
+        ("callbacks=none", check_no_callbacks),
+        ("debug=fast_dev_run", check_fast_dev_run),
+        ("debug=limit_batches", check_limit_batches),
+        ("experiment=mnist_mlp", check_experiment),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_group_option_builds(built, output_dir: Path, override: str, check) -> None:
+    cfg, dm, model, trainer = built(override)
+    assert isinstance(dm, MNISTDataModule) and isinstance(model, ImageClassifier)
+    check(cfg, dm, model, trainer, output_dir)
+
+
+def test_callbacks_none_writes_no_checkpoints(built) -> None:
+    _, _, _, trainer = built("callbacks=none")
+    assert callbacks_of(trainer, ModelCheckpoint) == []
+
+
+def test_command_line_overrides_win_over_the_experiment(built) -> None:
+    _, dm, _, trainer = built("experiment=mnist_mlp", "trainer.max_epochs=3", "data.batch_size=64")
+    assert trainer.max_epochs == 3
+    assert dm.batch_size == 64
+
+
+# --- top-level keys --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "64-true", "32-true"])
+def test_top_level_keys_flow_into_the_trainer(built, precision: str) -> None:
+    cfg, _, _, trainer = built(
+        "devices=1", f"precision={precision}", "num_nodes=1", "accelerator=cpu"
+    )
+
+    assert cfg.trainer.devices == 1 and type(cfg.trainer.devices) is int
+    assert cfg.trainer.num_nodes == 1 and type(cfg.trainer.num_nodes) is int
+    assert cfg.trainer.precision == precision
+    assert cfg.trainer.accelerator == "cpu"
+
+    assert trainer.precision == precision
+    assert isinstance(trainer.accelerator, CPUAccelerator)
+    assert trainer.num_devices == 1
+    assert trainer.num_nodes == 1
+
+
+@pytest.mark.parametrize("seed", [0, 7])
+@pytest.mark.usefixtures("restore_seed_state")
+def test_seed_is_honoured_including_zero(compose, output_dir: Path, seed: int) -> None:
+    cfg = compose(f"seed={seed}", "debug=fast_dev_run", "logger=none", "tune_malloc=false")
+    assert cfg.seed == seed and cfg.data.seed == seed  # the data's shuffling seed follows
+    torch.manual_seed(12345)
+
+    run(cfg)
+
+    assert torch.initial_seed() == seed
+    assert os.environ["PL_GLOBAL_SEED"] == str(seed)
+    assert (output_dir / "metrics.json").is_file()
+
+
+@pytest.mark.usefixtures("restore_seed_state")
+def test_seed_null_trains(compose, output_dir: Path) -> None:
+    cfg = compose("seed=null", "debug=fast_dev_run", "logger=none", "tune_malloc=false")
+    run(cfg)
+    assert (output_dir / "metrics.json").is_file()
+
+
+# --- model hyperparameters -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        (),
+        ("experiment=mnist_mlp",),
+        (
+            "model.scheduler={_target_: torch.optim.lr_scheduler.StepLR, _partial_: true, "
+            "step_size: 1}",
+        ),
+    ],
+    ids=["default", "experiment", "scheduler"],
+)
+def test_model_hparams_are_plain_values(built, overrides: tuple[str, ...]) -> None:
+    _, _, model, _ = built(*overrides)
+    hparams = dict(model.hparams)
+    assert hparams["num_classes"] == 10
+    assert is_plain(hparams), hparams
+    assert not any(isinstance(v, torch.nn.Module) or callable(v) for v in hparams.values())
+
+    buffer = io.BytesIO()
+    torch.save(hparams, buffer)
+    buffer.seek(0)
+    assert torch.load(buffer, weights_only=True) == hparams
+
+
+def test_scheduler_factory_is_bound_to_the_optimizer(built) -> None:
+    _, _, model, _ = built(
+        "model.scheduler={_target_: torch.optim.lr_scheduler.StepLR, _partial_: true, step_size: 1}"
+    )
+    config = model.configure_optimizers()
+    assert isinstance(config["optimizer"], torch.optim.Adam)
+    scheduler = config["lr_scheduler"]["scheduler"]
+    assert isinstance(scheduler, torch.optim.lr_scheduler.StepLR)
+    assert scheduler.optimizer is config["optimizer"]
+    assert config["lr_scheduler"]["interval"] == "epoch"
+
+
+# --- eval config -----------------------------------------------------------------------------
+
+
+def test_eval_config_composes_with_ckpt_path(tmp_path: Path) -> None:
+    ckpt = tmp_path / "some" / "best.ckpt"
+    cfg = compose_config("eval", tmp_path / "out", [f"ckpt_path={ckpt}"])
+
+    assert cfg.task_name == "eval"
+    assert cfg.ckpt_path == str(ckpt)
+    assert cfg.precision is None  # the checkpoint's own precision
+    assert all(v is None for v in cfg.data.values())  # nothing overrides the checkpoint's data
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    assert resolved["paths"]["output_dir"] == str((tmp_path / "out").resolve())
+    assert resolved["logger"]["csv"]["save_dir"] == str((tmp_path / "out").resolve())
+
+
+def test_eval_config_requires_ckpt_path(tmp_path: Path) -> None:
+    cfg = compose_config("eval", tmp_path / "out")
+    assert OmegaConf.is_missing(cfg, "ckpt_path")
+    with pytest.raises(MissingMandatoryValue):
+        _ = cfg.ckpt_path

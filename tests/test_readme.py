@@ -1,0 +1,79 @@
+"""Every command in the README works as written (with test data and small epochs appended)."""
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+FAST = [
+    "data.val_size=200",
+    "trainer.max_epochs=1",
+    "++trainer.limit_train_batches=2",
+    "++trainer.limit_val_batches=1",
+    "++trainer.limit_test_batches=1",
+]
+
+
+def bash_block_after(heading: str) -> list[str]:
+    """The command lines of the first ```bash block after ``heading``, comments stripped."""
+    section = README[README.index(heading) :]
+    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    return [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def quickstart_run(tmp_path_factory) -> Path:
+    """The offline quickstart, run line by line through bash; returns its run directory."""
+    tmp = tmp_path_factory.mktemp("readme")
+    block = README.split("<!-- offline-quickstart -->")[1].split("<!-- /offline-quickstart -->")[0]
+    lines = re.search(r"```bash\n(.*?)```", block, re.S).group(1).strip().splitlines()
+    env = {**os.environ, "TRAINKIT_LOG_DIR": str(tmp / "logs")}
+    for line in lines:
+        line = line.replace("data/synthetic", str(tmp / "synthetic"))
+        proc = subprocess.run(
+            ["bash", "-c", line], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+        )
+        assert proc.returncode == 0, (
+            f"`{line}` failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
+    (run_dir,) = (tmp / "logs" / "train" / "runs").iterdir()
+    return run_dir
+
+
+def test_offline_quickstart_trains(quickstart_run: Path) -> None:
+    assert (quickstart_run / "checkpoints" / "best.ckpt").is_file()
+    assert (quickstart_run / "checkpoints" / "last.ckpt").is_file()
+    assert list((quickstart_run / "tensorboard").glob("events.out.tfevents.*"))
+    assert (quickstart_run / "config.yaml").is_file()
+
+
+def test_readme_commands_run(quickstart_run: Path, tmp_path: Path) -> None:
+    data_root = quickstart_run.parents[3] / "synthetic"
+    commands = bash_block_after("## Running things") + bash_block_after("### Sweeps")
+    assert len(commands) >= 8
+    env = {**os.environ, "TRAINKIT_LOG_DIR": str(tmp_path / "logs")}
+    for command in commands:
+        command = command.replace("logs/train/runs/<run>", str(quickstart_run))
+        argv = shlex.split(command)
+        assert argv[:2] == ["python", "train.py"], command
+        argv = [sys.executable, *argv[1:], f"data.root={data_root}", *FAST]
+        proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, f"`{command}` failed:\n{proc.stderr[-3000:]}"
+
+
+def test_readme_eval_command(quickstart_run: Path, tmp_path: Path) -> None:
+    (command,) = [line for line in bash_block_after("Evaluate a checkpoint") if "eval" in line]
+    ckpt = quickstart_run / "checkpoints" / "best.ckpt"
+    args = shlex.split(command.replace("logs/train/runs/<run>", str(quickstart_run)))
+    assert args[:2] == ["make", "eval"]
+    env = {**os.environ, "TRAINKIT_LOG_DIR": str(tmp_path / "logs")}
+    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (eval_dir,) = (tmp_path / "logs" / "eval" / "runs").iterdir()
+    assert str(ckpt) in (eval_dir / "metrics.json").read_text()

@@ -1,0 +1,187 @@
+"""End to end: ``python train.py`` and ``python eval.py`` as real subprocesses on IDX files."""
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+
+def read_metrics(run_dir: Path) -> dict:
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+def load_checkpoint(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def scalars(run_dir: Path) -> EventAccumulator:
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    return events
+
+
+def output_of(proc) -> str:
+    return proc.stdout + proc.stderr
+
+
+# --- one epoch -------------------------------------------------------------------------------
+
+
+def test_run_directory_holds_the_artifacts(trained_run: Path, train_log_dir: Path) -> None:
+    assert trained_run.parent == train_log_dir / "train" / "runs"
+    assert list((trained_run / "tensorboard").glob("events.out.tfevents.*"))
+    for name in ("best.ckpt", "last.ckpt"):
+        assert (trained_run / "checkpoints" / name).is_file()
+    assert (trained_run / "config.yaml").is_file()
+    assert (trained_run / "metrics.json").is_file()
+    assert (trained_run / ".hydra" / "overrides.yaml").is_file()
+
+
+def test_config_yaml_is_the_resolved_run_config(trained_run: Path, mnist_root: Path) -> None:
+    text = (trained_run / "config.yaml").read_text()
+    assert "${" not in text
+    cfg = OmegaConf.load(trained_run / "config.yaml")
+    assert cfg.paths.output_dir == str(trained_run)
+    assert cfg.data.root == str(mnist_root)
+    assert cfg.trainer.max_epochs == 1
+    assert cfg.seed == 0 and cfg.data.seed == 0
+    assert cfg.model.num_classes == 10 and cfg.model.net.num_classes == 10
+
+
+def test_metrics_json_records_fit_and_test(trained_run: Path) -> None:
+    metrics = read_metrics(trained_run)
+    assert Path(metrics["best_checkpoint"]) == trained_run / "checkpoints" / "best.ckpt"
+    assert set(metrics["test"]) == {"test/acc", "test/loss"}
+    assert 0.0 <= metrics["test"]["test/acc"] <= 1.0
+    assert math.isfinite(metrics["test"]["test/loss"]) and metrics["test"]["test/loss"] > 0
+    assert {"val/acc", "val/loss"} <= set(metrics["fit"])
+    assert set(metrics["fit"]) & {"train/loss", "train/loss_epoch"}  # an epoch-level training loss
+
+
+@pytest.mark.parametrize("name", ["best.ckpt", "last.ckpt"])
+def test_checkpoint_loads_weights_only_and_rebuilds_the_model(trained_run: Path, name: str) -> None:
+    checkpoint = load_checkpoint(trained_run / "checkpoints" / name)
+
+    config = checkpoint["trainkit_config"]
+    assert config == OmegaConf.to_container(OmegaConf.load(trained_run / "config.yaml"))
+    assert checkpoint["epoch"] == 0
+
+    # The stored config alone rebuilds a model the stored weights fit exactly.
+    model = instantiate(OmegaConf.create(config).model)
+    model.load_state_dict(checkpoint["state_dict"], strict=True)
+    assert model.net(torch.zeros(1, 1, 28, 28)).shape == (1, 10)
+
+
+def test_tensorboard_has_the_scalars(trained_run: Path) -> None:
+    events = scalars(trained_run)
+    tags = set(events.Tags()["scalars"])
+    assert {"val/acc", "val/loss", "time/startup_s"} <= tags
+    assert tags & {"train/loss_step", "train/loss_epoch", "train/loss"}
+
+    [startup] = events.Scalars("time/startup_s")
+    assert startup.value > 0
+    [val_acc] = events.Scalars("val/acc")  # one epoch, one validation
+    fit = read_metrics(trained_run)["fit"]
+    assert val_acc.value == pytest.approx(fit["val/acc"], rel=1e-6)
+
+
+# --- eval.py ---------------------------------------------------------------------------------
+
+
+def test_eval_reproduces_the_test_metrics(
+    trained_run: Path, run_script: Callable[..., Path], train_log_dir: Path
+) -> None:
+    best = trained_run / "checkpoints" / "best.ckpt"
+    eval_run = run_script("eval.py", f"ckpt_path={best}", "accelerator=cpu", log_dir=train_log_dir)
+
+    assert eval_run.parent == train_log_dir / "eval" / "runs"
+    metrics = read_metrics(eval_run)
+    assert metrics["checkpoint"] == str(best.resolve())
+    assert metrics["test"] == read_metrics(trained_run)["test"]  # exactly, not approximately
+
+
+def test_eval_missing_checkpoint_fails_clearly(tmp_path: Path, run_process) -> None:
+    missing = tmp_path / "no-such-run" / "best.ckpt"
+    proc = run_process("eval.py", f"ckpt_path={missing}", log_dir=tmp_path / "logs")
+
+    assert proc.returncode != 0
+    assert f"ckpt_path={missing} does not exist" in output_of(proc)
+    assert not list((tmp_path / "logs").rglob("metrics.json"))
+
+
+def test_eval_foreign_checkpoint_fails_clearly(tmp_path: Path, run_process) -> None:
+    foreign = tmp_path / "foreign.ckpt"
+    torch.save({"state_dict": {"weight": torch.zeros(3)}, "epoch": 4}, foreign)
+    proc = run_process("eval.py", f"ckpt_path={foreign}", log_dir=tmp_path / "logs")
+
+    assert proc.returncode != 0
+    out = output_of(proc)
+    assert f"{foreign} has no 'trainkit_config'" in out
+    assert "not written by trainkit" in out
+    assert not list((tmp_path / "logs").rglob("metrics.json"))
+
+
+# --- learning --------------------------------------------------------------------------------
+
+
+def test_learns_the_learnable_data(
+    run_script: Callable[..., Path], train_overrides: tuple[str, ...]
+) -> None:
+    run_dir = run_script("train.py", *train_overrides, "trainer.max_epochs=3")
+
+    assert read_metrics(run_dir)["test"]["test/acc"] > 0.9  # chance is 0.1
+    val_loss = [e.value for e in scalars(run_dir).Scalars("val/loss")]
+    assert len(val_loss) == 3
+    assert val_loss[-1] < val_loss[0]
+
+
+# --- determinism and run directories ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def repeat_run(
+    run_script: Callable[..., Path],
+    trained_run_overrides: tuple[str, ...],
+    train_log_dir: Path,
+    trained_run: Path,
+) -> Path:
+    """The shared run's exact command again, into the same log directory."""
+    return run_script("train.py", *trained_run_overrides, log_dir=train_log_dir)
+
+
+def state_dict(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_checkpoint(run_dir / "checkpoints" / "last.ckpt")["state_dict"]
+
+
+def test_same_command_gets_its_own_run_directory(trained_run: Path, repeat_run: Path) -> None:
+    assert repeat_run != trained_run
+    assert repeat_run.parent == trained_run.parent
+    for run_dir in (trained_run, repeat_run):
+        assert OmegaConf.load(run_dir / "config.yaml").paths.output_dir == str(run_dir)
+        assert Path(read_metrics(run_dir)["best_checkpoint"]).parent == run_dir / "checkpoints"
+
+
+def test_same_seed_gives_identical_weights(trained_run: Path, repeat_run: Path) -> None:
+    first, second = state_dict(trained_run), state_dict(repeat_run)
+    assert first.keys() == second.keys()
+    for key in first:
+        assert torch.equal(first[key], second[key]), key
+    first_metrics, second_metrics = read_metrics(trained_run), read_metrics(repeat_run)
+    assert first_metrics["fit"] == second_metrics["fit"]
+    assert first_metrics["test"] == second_metrics["test"]
+
+
+def test_other_seed_gives_other_weights(
+    run_script: Callable[..., Path], train_overrides: tuple[str, ...], trained_run: Path
+) -> None:
+    other = run_script("train.py", *train_overrides, "seed=1", "trainer.max_epochs=1")
+    assert OmegaConf.load(other / "config.yaml").seed == 1
+    seed0, seed1 = state_dict(trained_run), state_dict(other)
+    assert seed0.keys() == seed1.keys()
+    assert not all(torch.equal(seed0[key], seed1[key]) for key in seed0)
