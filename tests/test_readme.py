@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from trainkit.data.synthetic import write_cifar10
+
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 FAST = [
@@ -55,6 +57,7 @@ def test_offline_quickstart_trains(quickstart_run: Path) -> None:
 
 def test_readme_commands_run(quickstart_run: Path, tmp_path: Path) -> None:
     data_root = quickstart_run.parents[3] / "synthetic"
+    write_cifar10(data_root, n_per_batch=80, n_test=50)  # beside the MNIST files: one data.root
     commands = bash_block_after("## Running things") + bash_block_after("### Sweeps")
     assert len(commands) >= 8
     env = {**os.environ, "TRAINKIT_LOG_DIR": str(tmp_path / "logs")}

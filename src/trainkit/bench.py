@@ -1,12 +1,17 @@
-"""Template vs plain PyTorch: MNIST MLP training throughput over the same preloaded tensors.
+"""Template vs plain PyTorch, over the same preloaded tensors; and ImageFolder loading speed.
 
-    python -m trainkit.bench [--samples 60000] [--repeats 5] [--threads N]
+    python -m trainkit.bench mlp          # MNIST MLP, batch 256 (the default)
+    python -m trainkit.bench resnet       # ResNet-50 on 32x32 CIFAR-10 batches
+    python -m trainkit.bench imagefolder  # decode + augment images/s with 0, 1, 2 workers
+    python -m trainkit.bench all
 
-Both run in this one process, alternating (template epoch, plain epoch, ...), so load on a shared
-machine hits both alike; the figure is the ratio of their medians. The template runs the real
-recipe objects (default logger, callbacks, progress bar); the plain loop does the same work by
-hand: gather a batch, normalise it, forward, cross-entropy, backward, Adam step. Steady state: the
-first ``--warmup`` steps of every epoch are excluded; validation and epoch-end work are not timed.
+Template and plain loop run in this one process, alternating (template epoch, plain epoch, ...),
+so load on a shared machine hits both alike; the figure is the ratio of their medians. The
+template runs the real recipe objects (default logger, callbacks, progress bar); the plain loop
+does the same work by hand with the same model and optimizer config and the datamodule's own batch
+transforms: gather a batch, augment and normalise it, forward, cross-entropy, backward, step.
+Steady state: the first ``--warmup`` steps of every epoch are excluded; validation and epoch-end
+work are not timed. Data is synthetic, written in the real file formats.
 """
 
 import argparse
@@ -18,6 +23,7 @@ import platform
 import statistics
 import tempfile
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import lightning as L
@@ -27,9 +33,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from trainkit.config import compose_config
-from trainkit.data import MNISTDataModule
-from trainkit.data.in_memory import normalize_images
-from trainkit.data.synthetic import write_mnist
+from trainkit.data.in_memory import InMemoryDataModule, normalize_images
+from trainkit.data.synthetic import write_cifar10, write_imagefolder, write_mnist
 from trainkit.runtime import tune_malloc
 from trainkit.train import build
 
@@ -41,7 +46,6 @@ class StepTimer(L.Callback):
         self.warmup = warmup
         self.start: float | None = None
         self.end: float | None = None
-        self.steps = 0
         self.samples = 0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
@@ -51,7 +55,6 @@ class StepTimer(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if batch_idx >= self.warmup:
             self.end = time.perf_counter()
-            self.steps += 1
             self.samples += len(batch[1])
 
     @property
@@ -59,26 +62,16 @@ class StepTimer(L.Callback):
         return self.samples / (self.end - self.start)
 
 
-def template_epoch(data_root: Path, out: Path, args: argparse.Namespace) -> float:
-    cfg = compose_config(
-        "train",
-        out,
-        [
-            f"data.root={data_root}",
-            f"data.batch_size={args.batch_size}",
-            f"data.val_size={args.val_size}",
-            "trainer.max_epochs=1",
-            "accelerator=cpu",
-        ],
-    )
+def template_epoch(overrides: list[str], out: Path, warmup: int) -> float:
+    cfg = compose_config("train", out, [*overrides, "trainer.max_epochs=1", "accelerator=cpu"])
     L.seed_everything(cfg.seed, verbose=False)
-    timer = StepTimer(args.warmup)
+    timer = StepTimer(warmup)
     datamodule, model, trainer = build(cfg, extra_callbacks=[timer])
     trainer.fit(model, datamodule=datamodule)
     return timer.samples_per_s
 
 
-def timed_steps(batches, cfg: DictConfig, warmup: int) -> float:
+def timed_steps(batches: Iterable, cfg: DictConfig, warmup: int) -> float:
     """A hand-written training loop over ``(x, y)`` batches; samples/s after ``warmup`` steps."""
     torch.manual_seed(0)
     model = instantiate(cfg.model.net)
@@ -96,33 +89,120 @@ def timed_steps(batches, cfg: DictConfig, warmup: int) -> float:
     return samples / (time.perf_counter() - start)
 
 
-def plain_epoch(
-    images: torch.Tensor, labels: torch.Tensor, cfg: DictConfig, args: argparse.Namespace
-) -> float:
-    """The loop a person would write over the preloaded tensors, with the template's model and
-    optimizer config: gather a batch, normalise it, step."""
-    order = torch.randperm(len(images))
+def plain_epoch(dm: InMemoryDataModule, cfg: DictConfig, steps: int | None, warmup: int) -> float:
+    """The loop a person would write over the datamodule's preloaded tensors."""
+    images, labels = dm.splits["train"]
+    order = torch.randperm(len(images)).split(dm.batch_size)[:steps]
     batches = (
-        (
-            normalize_images(images[idx], MNISTDataModule.mean, MNISTDataModule.std),
-            labels[idx],
-        )
-        for idx in order.split(args.batch_size)
+        (normalize_images(dm.augment(images[idx]), dm.mean, dm.std), labels[idx]) for idx in order
     )
-    return timed_steps(batches, cfg, args.warmup)
+    return timed_steps(batches, cfg, warmup)
 
 
-def tutorial_epoch(data_root: Path, cfg: DictConfig, args: argparse.Namespace) -> float:
+def compare(
+    name: str,
+    overrides: list[str],
+    tmp: Path,
+    args: argparse.Namespace,
+    steps: int | None,
+    warmup: int,
+) -> dict[str, object]:
+    """Alternates template and plain epochs; returns medians, spreads and their ratio."""
+    cfg = compose_config("train", tmp / "cfg", overrides)
+    datamodule, _, _ = build(cfg)  # the same preloaded uint8 tensors the template trains on
+    datamodule.setup("fit")
+    limit = [f"++trainer.limit_train_batches={steps}"] if steps else []
+    template, plain = [], []
+    for r in range(args.repeats):
+        template.append(template_epoch([*overrides, *limit], tmp / f"{name}{r}", warmup))
+        plain.append(plain_epoch(datamodule, cfg, steps, warmup))
+        print(f"{name} repeat {r}: template {template[-1]:,.1f} samples/s, plain {plain[-1]:,.1f}")
+    result = {
+        "workload": name,
+        "batch_size": datamodule.batch_size,
+        "template_samples_per_s": template,
+        "plain_samples_per_s": plain,
+        "ratio_of_medians": statistics.median(template) / statistics.median(plain),
+        "paired_ratios": [t / p for t, p in zip(template, plain, strict=True)],
+    }
+    print(
+        f"{name}: template {statistics.median(template):,.1f} samples/s "
+        f"(min {min(template):,.1f}, max {max(template):,.1f}), plain loop "
+        f"{statistics.median(plain):,.1f} (min {min(plain):,.1f}, max {max(plain):,.1f}): "
+        f"ratio {result['ratio_of_medians']:.3f}x"
+    )
+    return result
+
+
+def tutorial_epoch(data_root: Path, cfg: DictConfig, warmup: int) -> float:
     """The classic tutorial's loop: torchvision MNIST, per-sample PIL transforms, a DataLoader."""
     from torchvision import transforms
     from torchvision.datasets import MNIST
 
-    to_tensor = transforms.Compose(
-        [transforms.ToTensor(), transforms.Normalize(MNISTDataModule.mean, MNISTDataModule.std)]
-    )
+    mean, std = instantiate(cfg.data).mean, instantiate(cfg.data).std
+    to_tensor = transforms.Compose([transforms.ToTensor(), transforms.Normalize(mean, std)])
     dataset = MNIST(str(data_root), train=True, transform=to_tensor)
-    loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, shuffle=True)
-    return timed_steps(loader, cfg, args.warmup)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=cfg.data.batch_size, shuffle=True)
+    return timed_steps(loader, cfg, warmup)
+
+
+def bench_mlp(tmp: Path, args: argparse.Namespace) -> dict[str, object]:
+    root = write_mnist(tmp / "mnist", args.samples + 5000, 1000)
+    overrides = [f"data.root={root}", "data.batch_size=256"]
+    result = compare("mlp", overrides, tmp, args, steps=None, warmup=args.warmup)
+    if args.tutorial:
+        cfg = compose_config("train", tmp / "cfg", overrides)
+        cfg.model.num_classes = 10
+        rates = [tutorial_epoch(root, cfg, args.warmup) for _ in range(args.repeats)]
+        result["tutorial_samples_per_s"] = rates
+        print(f"mlp: classic tutorial loop {statistics.median(rates):,.0f} samples/s")
+    return result
+
+
+def bench_resnet(tmp: Path, args: argparse.Namespace) -> dict[str, object]:
+    batch, warmup = args.resnet_batch, args.resnet_warmup
+    steps = warmup + args.resnet_steps
+    root = write_cifar10(tmp / "cifar", batch * (steps + 1) // 5 + 100, 100)
+    overrides = [
+        "experiment=cifar10_resnet50",
+        f"data.root={root}",
+        f"data.batch_size={batch}",
+        "data.val_size=100",
+        "++trainer.limit_val_batches=1",
+        "++trainer.num_sanity_val_steps=0",
+    ]
+    return compare("resnet50_32px", overrides, tmp, args, steps=steps, warmup=warmup)
+
+
+def bench_imagefolder(tmp: Path, args: argparse.Namespace) -> dict[str, object]:
+    """Images/s through ImageFolder + train transforms + DataLoader, after the first batch."""
+    root = write_imagefolder(tmp / "folder", classes=4, per_class=args.images // 4, size=(320, 240))
+    cfg = compose_config(
+        "train",
+        tmp / "if",
+        ["data=imagefolder", f"data.root={root}", "data.val_size=4", "data.batch_size=32"],
+    )
+    rates: dict[int, list[float]] = {w: [] for w in args.workers}
+    for _ in range(args.repeats):
+        for workers in args.workers:
+            cfg.data.num_workers = workers
+            dm = instantiate(cfg.data)
+            dm.setup("fit")
+            start, samples = None, 0
+            for x, _ in dm.train_dataloader():
+                if start is None:
+                    start = time.perf_counter()  # worker start-up and the first batch excluded
+                    continue
+                samples += len(x)
+            rates[workers].append(samples / (time.perf_counter() - start))
+    for workers, r in rates.items():
+        print(f"imagefolder {workers} workers: {statistics.median(r):,.0f} images/s")
+    return {
+        "workload": "imagefolder_decode_augment",
+        "image_size": cfg.data.image_size,
+        "source_size": [320, 240],
+        "images_per_s": {str(w): r for w, r in rates.items()},
+    }
 
 
 def machine() -> dict[str, object]:
@@ -143,63 +223,40 @@ def machine() -> dict[str, object]:
     }
 
 
+WORKLOADS: dict[str, Callable[[Path, argparse.Namespace], dict[str, object]]] = {
+    "mlp": bench_mlp,
+    "resnet": bench_resnet,
+    "imagefolder": bench_imagefolder,
+}
+
+
 def main(argv: list[str] | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--samples", type=int, default=60000, help="training images (MNIST: 60000)")
-    parser.add_argument("--val-size", type=int, default=5000)
-    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("workload", nargs="?", default="mlp", choices=[*WORKLOADS, "all"])
+    parser.add_argument("--samples", type=int, default=60000, help="MLP training images")
+    parser.add_argument("--resnet-batch", type=int, default=64)
+    parser.add_argument("--resnet-steps", type=int, default=6, help="timed ResNet steps")
+    parser.add_argument("--resnet-warmup", type=int, default=2)
+    parser.add_argument("--images", type=int, default=256, help="ImageFolder images")
+    parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--repeats", type=int, default=5, help="epochs of each, alternating")
-    parser.add_argument("--warmup", type=int, default=10, help="steps per epoch left untimed")
+    parser.add_argument("--warmup", type=int, default=10, help="MLP steps per epoch untimed")
+    parser.add_argument("--tutorial", action="store_true", help="MLP: also the tutorial loop")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--json", type=Path, help="also write the results here")
-    parser.add_argument(
-        "--tutorial", action="store_true", help="also time the classic per-sample DataLoader loop"
-    )
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
     tune_malloc()  # the template does this at start-up; the plain loop gets it too
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    names = list(WORKLOADS) if args.workload == "all" else [args.workload]
     with tempfile.TemporaryDirectory(prefix="trainkit-bench-") as tmp:
-        data_root = write_mnist(Path(tmp) / "data", args.samples + args.val_size, 1000)
-        template, plain, tutorial = [], [], []
-        for r in range(args.repeats):
-            template.append(template_epoch(data_root, Path(tmp) / f"run{r}", args))
-            if r == 0:  # the same preloaded uint8 tensors the template trains on
-                cfg = compose_config("train", Path(tmp), [f"data.root={data_root}"])
-                datamodule, _, _ = build(cfg)
-                datamodule.setup("fit")
-                images, labels = datamodule.splits["train"]
-            plain.append(plain_epoch(images, labels, cfg, args))
-            if args.tutorial:
-                tutorial.append(tutorial_epoch(data_root, cfg, args))
-            print(f"repeat {r}: template {template[-1]:,.0f} samples/s, plain {plain[-1]:,.0f}")
-
-    result = {
-        "machine": machine(),
-        "batch_size": args.batch_size,
-        "train_samples": len(images),
-        "template_samples_per_s": template,
-        "plain_samples_per_s": plain,
-        "ratio_of_medians": statistics.median(template) / statistics.median(plain),
-        "paired_ratios": [t / p for t, p in zip(template, plain, strict=True)],
-        "tutorial_samples_per_s": tutorial,
-    }
-    print(json.dumps(result["machine"]))
-    print(
-        f"MLP {args.batch_size}/batch: template {statistics.median(template):,.0f} samples/s "
-        f"(min {min(template):,.0f}, max {max(template):,.0f}), plain loop "
-        f"{statistics.median(plain):,.0f} (min {min(plain):,.0f}, max {max(plain):,.0f}): "
-        f"ratio {result['ratio_of_medians']:.3f}x"
-    )
-    if tutorial:
-        print(
-            f"classic tutorial loop {statistics.median(tutorial):,.0f} samples/s: "
-            f"template / tutorial {statistics.median(template) / statistics.median(tutorial):.2f}x"
-        )
+        results = {name: WORKLOADS[name](Path(tmp), args) for name in names}
+    report = {"machine": machine(), "repeats": args.repeats, "results": results}
+    print(json.dumps(report["machine"]))
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    return result
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return report
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ DistributedSampler, which pads with duplicate samples and so skews distributed v
 
 from collections.abc import Iterator, Sequence
 
+import lightning as L
 import torch
 from torch import Tensor
 
@@ -99,3 +100,78 @@ def normalize_images(images: Tensor, mean: Sequence[float], std: Sequence[float]
     m = torch.tensor(mean, device=x.device).view(1, -1, 1, 1)
     s = torch.tensor(std, device=x.device).view(1, -1, 1, 1)
     return x.sub_(m).div_(s)
+
+
+class InMemoryDataModule(L.LightningDataModule):
+    """Base for datasets decoded once into uint8 tensors: subclasses fill ``self.splits`` in
+    ``setup`` and set ``mean``/``std``; batches are augmented (``augment``) and normalised on the
+    training device, in ``on_after_batch_transfer``."""
+
+    num_classes: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+    def __init__(self, batch_size: int, eval_batch_size: int | None, seed: int | None) -> None:
+        super().__init__()
+        if batch_size <= 0 or (eval_batch_size is not None and eval_batch_size <= 0):
+            raise ValueError(
+                f"data.batch_size and data.eval_batch_size must be positive, "
+                f"got {batch_size} and {eval_batch_size}"
+            )
+        self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size or batch_size
+        # seed=null leaves the global RNGs unseeded; the shard order needs a seed all ranks share
+        self.seed = 0 if seed is None else seed
+        self.splits: dict[str, tuple[Tensor, Tensor]] = {}
+
+    def _loader(self, split: str, train: bool) -> InMemoryLoader:
+        images, labels = self.splits[split]
+        trainer = self.trainer
+        rank, world = (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
+        sampler = ShardSampler(
+            len(images), shuffle=train, seed=self.seed, rank=rank, world_size=world, even=train
+        )
+        batch_size = self.batch_size if train else self.eval_batch_size
+        return InMemoryLoader((images, labels), batch_size, sampler)
+
+    def train_dataloader(self) -> InMemoryLoader:
+        return self._loader("train", train=True)
+
+    def val_dataloader(self) -> InMemoryLoader:
+        return self._loader("val", train=False)
+
+    def test_dataloader(self) -> InMemoryLoader:
+        return self._loader("test", train=False)
+
+    def predict_dataloader(self) -> InMemoryLoader:
+        return self._loader("test", train=False)
+
+    def augment(self, images: Tensor) -> Tensor:
+        """Training-time augmentation of a uint8 batch; none by default."""
+        return images
+
+    def on_after_batch_transfer(self, batch, dataloader_idx: int):
+        images, labels = batch
+        if self.trainer is not None and self.trainer.training:
+            images = self.augment(images)
+        return normalize_images(images, self.mean, self.std), labels
+
+
+def seeded_split(n: int, n_val: int, seed: int) -> tuple[Tensor, Tensor]:
+    """(train indices, val indices): a fixed random split of ``range(n)``."""
+    if not 0 < n_val < n:
+        raise ValueError(
+            f"data.val_size={n_val} leaves no training data: the training set has {n} samples. "
+            f"Use a smaller count or a fraction such as 0.1."
+        )
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    return order[n_val:], order[:n_val]
+
+
+def val_count(val_size: int | float, n: int) -> int:
+    """``val_size`` as a count: an int is a count, a float in (0, 1) a fraction of ``n``."""
+    if val_size <= 0 or (isinstance(val_size, float) and val_size >= 1):
+        raise ValueError(
+            f"data.val_size must be a positive count or a fraction in (0, 1), got {val_size}"
+        )
+    return round(val_size * n) if isinstance(val_size, float) else int(val_size)

@@ -1,12 +1,9 @@
 import gzip
 from pathlib import Path
 
-import lightning as L
-import torch
-from torch import Tensor
 from torchvision.datasets import MNIST
 
-from trainkit.data.in_memory import InMemoryLoader, ShardSampler, normalize_images
+from trainkit.data.in_memory import InMemoryDataModule, seeded_split, val_count
 
 MNIST_FILES = (
     "train-images-idx3-ubyte",
@@ -16,7 +13,7 @@ MNIST_FILES = (
 )
 
 
-class MNISTDataModule(L.LightningDataModule):
+class MNISTDataModule(InMemoryDataModule):
     """MNIST decoded once into uint8 tensors; batches are normalised on the training device.
 
     Files are read by ``torchvision.datasets.MNIST`` from ``<root>/MNIST/raw`` and downloaded there
@@ -36,24 +33,11 @@ class MNISTDataModule(L.LightningDataModule):
         seed: int | None = 0,
         download: bool = True,
     ) -> None:
-        super().__init__()
-        if batch_size <= 0 or (eval_batch_size is not None and eval_batch_size <= 0):
-            raise ValueError(
-                f"data.batch_size and data.eval_batch_size must be positive, "
-                f"got {batch_size} and {eval_batch_size}"
-            )
-        if val_size <= 0:
-            raise ValueError(
-                f"data.val_size must be positive (a count or a fraction), got {val_size}"
-            )
+        super().__init__(batch_size, eval_batch_size, seed)
+        val_count(val_size, 1 << 30)  # reject bad values now, before any file is read
         self.root = Path(root).expanduser()
-        self.batch_size = batch_size
-        self.eval_batch_size = eval_batch_size or batch_size
         self.val_size, self.split_seed = val_size, split_seed
-        # seed=null leaves the global RNGs unseeded; the shard order needs a seed all ranks share
-        self.seed = 0 if seed is None else seed
         self.download = download
-        self.splits: dict[str, tuple[Tensor, Tensor]] = {}
 
     @property
     def raw_dir(self) -> Path:
@@ -92,42 +76,9 @@ class MNISTDataModule(L.LightningDataModule):
         train = MNIST(str(self.root), train=True, download=False)
         test = MNIST(str(self.root), train=False, download=False)
         n = len(train.data)
-        n_val = round(self.val_size * n) if isinstance(self.val_size, float) else self.val_size
-        if not 0 < n_val < n:
-            raise ValueError(
-                f"data.val_size={self.val_size} leaves no training data: the training file has {n} "
-                f"samples. Use a smaller count or a fraction such as 0.1."
-            )
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(self.split_seed))
-        val_idx, train_idx = order[:n_val], order[n_val:]
+        train_idx, val_idx = seeded_split(n, val_count(self.val_size, n), self.split_seed)
         self.splits = {
             "train": (train.data[train_idx], train.targets[train_idx]),
             "val": (train.data[val_idx], train.targets[val_idx]),
             "test": (test.data, test.targets),
         }
-
-    def _loader(self, split: str, train: bool) -> InMemoryLoader:
-        images, labels = self.splits[split]
-        trainer = self.trainer
-        rank, world = (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
-        sampler = ShardSampler(
-            len(images), shuffle=train, seed=self.seed, rank=rank, world_size=world, even=train
-        )
-        batch_size = self.batch_size if train else self.eval_batch_size
-        return InMemoryLoader((images, labels), batch_size, sampler)
-
-    def train_dataloader(self) -> InMemoryLoader:
-        return self._loader("train", train=True)
-
-    def val_dataloader(self) -> InMemoryLoader:
-        return self._loader("val", train=False)
-
-    def test_dataloader(self) -> InMemoryLoader:
-        return self._loader("test", train=False)
-
-    def predict_dataloader(self) -> InMemoryLoader:
-        return self._loader("test", train=False)
-
-    def on_after_batch_transfer(self, batch, dataloader_idx: int):
-        images, labels = batch
-        return normalize_images(images, self.mean, self.std), labels

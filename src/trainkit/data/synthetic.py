@@ -4,6 +4,7 @@ For offline smoke runs, the benchmark and the tests: MNIST and CIFAR-10 cannot a
 """
 
 import gzip
+import pickle
 import struct
 from pathlib import Path
 
@@ -49,6 +50,56 @@ def write_mnist(
     return root
 
 
+CIFAR10_CLASSES = (
+    "airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck",
+)  # fmt: skip
+
+
+def write_cifar10(root: Path, n_per_batch: int, n_test: int, seed: int = 0) -> Path:
+    """``<root>/cifar-10-batches-py``: five training batches, the test batch and batches.meta, as
+    the python-pickle dicts of the official archive (protocol 2, as Python 2's cPickle wrote)."""
+    out = root / "cifar-10-batches-py"
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+    for name in names:
+        n = n_test if name == "test_batch" else n_per_batch
+        labels = rng.integers(0, 10, size=n)
+        gray = learnable_images(labels, rng, size=32)
+        tint = rng.integers(0, 40, size=(n, 3, 1, 1), dtype=np.uint8)
+        images = np.clip(gray[:, None].astype(np.int16) + tint, 0, 255).astype(np.uint8)
+        entry = {
+            "batch_label": name,
+            "labels": labels.tolist(),
+            "data": images.reshape(n, 3 * 32 * 32),
+            "filenames": [f"{name}_{i}.png" for i in range(n)],
+        }
+        (out / name).write_bytes(pickle.dumps(entry, protocol=2))
+    meta = {
+        "label_names": list(CIFAR10_CLASSES),
+        "num_cases_per_batch": n_per_batch,
+        "num_vis": 3072,
+    }
+    (out / "batches.meta").write_bytes(pickle.dumps(meta, protocol=2))
+    return root
+
+
+def write_imagefolder(
+    root: Path, classes: int, per_class: int, size: tuple[int, int] = (64, 48), seed: int = 0
+) -> Path:
+    """``<root>/<class>/<i>.jpg``: random RGB JPEGs, for loading-speed measurements."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    for c in range(classes):
+        folder = root / f"class_{c}"
+        folder.mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            pixels = rng.integers(0, 256, size=(size[1], size[0], 3), dtype=np.uint8)
+            Image.fromarray(pixels, "RGB").save(folder / f"{i}.jpg", quality=90)
+    return root
+
+
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
@@ -56,13 +107,17 @@ def main(argv: list[str] | None = None) -> None:
         description="Write a small learnable MNIST (real idx files) for offline runs: "
         "python train.py data.root=<out>"
     )
+    parser.add_argument("dataset", nargs="?", choices=("mnist", "cifar10"), default="mnist")
     parser.add_argument("--out", type=Path, default=Path("data/synthetic"))
     parser.add_argument("--train", type=int, default=6000, help="training images (val included)")
     parser.add_argument("--test", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    write_mnist(args.out, args.train, args.test, seed=args.seed)
-    print(f"wrote {args.train} + {args.test} images to {args.out / 'MNIST' / 'raw'}")
+    if args.dataset == "mnist":
+        write_mnist(args.out, args.train, args.test, seed=args.seed)
+    else:
+        write_cifar10(args.out, -(-args.train // 5), args.test, seed=args.seed)
+    print(f"wrote {args.dataset}: {args.train} + {args.test} images under {args.out}")
 
 
 if __name__ == "__main__":

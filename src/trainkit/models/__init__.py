@@ -2,5 +2,6 @@
 at block boundaries without knowing what the model is."""
 
 from trainkit.models.mlp import MLP
+from trainkit.models.resnet import ResNet50
 
-__all__ = ["MLP"]
+__all__ = ["MLP", "ResNet50"]

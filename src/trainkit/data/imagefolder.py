@@ -1,0 +1,276 @@
+import copy
+import logging
+import os
+from pathlib import Path
+
+import lightning as L
+import torch
+from PIL import Image, UnidentifiedImageError
+from torch.utils.data import DataLoader, Dataset, Subset
+from torchvision.datasets import ImageFolder
+from torchvision.datasets.folder import IMG_EXTENSIONS
+from torchvision.transforms import v2
+
+from trainkit.data.in_memory import seeded_split, val_count
+
+log = logging.getLogger(__name__)
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+BAD_FILES = ("error", "skip")
+SKIP_HINT = "or set data.bad_files=skip to leave such files out (they are listed in the log)"
+
+
+class BadImageError(OSError):
+    """An image file that cannot be decoded; the message names it."""
+
+
+def load_rgb(path: str) -> Image.Image:
+    """Open and fully decode an image as RGB (grayscale is expanded, alpha dropped)."""
+    try:
+        with Image.open(path) as img:
+            return img.convert("RGB")
+    except (OSError, UnidentifiedImageError, ValueError) as err:
+        raise BadImageError(
+            f"{path}: cannot decode image ({err}). Replace or remove it, {SKIP_HINT}."
+        ) from err
+
+
+def describe(paths: list[str], limit: int = 10) -> str:
+    more = f" (+{len(paths) - limit} more)" if len(paths) > limit else ""
+    return ", ".join(paths[:limit]) + more
+
+
+class _ClassFolder(ImageFolder):
+    """ImageFolder with the class list fixed by the training folder, and its problems recorded
+    instead of silently skipped: non-image files and class folders without images."""
+
+    def __init__(self, root: Path, classes: list[str], transform) -> None:
+        self.fixed_classes = classes
+        self.non_images: list[str] = []
+        super().__init__(
+            str(root),
+            transform=transform,
+            loader=load_rgb,
+            is_valid_file=self._is_image,
+            allow_empty=True,
+        )
+        counts = torch.bincount(
+            torch.tensor(self.targets, dtype=torch.long), minlength=len(classes)
+        )
+        self.empty_classes = [
+            str(root / c) for c, n in zip(classes, counts.tolist(), strict=True) if n == 0
+        ]
+
+    def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
+        found = class_dirs(Path(directory))
+        unknown = sorted(set(found) - set(self.fixed_classes))
+        if unknown:
+            raise ValueError(
+                f"{directory} has class folders the training data does not: {unknown}. Every "
+                f"split must use the training classes ({len(self.fixed_classes)} of them)."
+            )
+        return self.fixed_classes, {c: i for i, c in enumerate(self.fixed_classes)}
+
+    def _is_image(self, path: str) -> bool:
+        if Path(path).name.startswith("."):  # .DS_Store and other hidden files
+            return False
+        if path.lower().endswith(IMG_EXTENSIONS):
+            return True
+        self.non_images.append(path)
+        return False
+
+    def drop(self, bad: set[str]) -> None:
+        self.samples = [s for s in self.samples if s[0] not in bad]
+        self.imgs, self.targets = self.samples, [t for _, t in self.samples]
+
+
+def class_dirs(directory: Path) -> list[str]:
+    return sorted(
+        e.name for e in os.scandir(directory) if e.is_dir() and not e.name.startswith(".")
+    )
+
+
+def undecodable(paths: list[str]) -> list[str]:
+    """The files among ``paths`` that do not decode fully (truncated, corrupt, not an image)."""
+    bad = []
+    for path in paths:
+        try:
+            load_rgb(path)
+        except BadImageError:
+            bad.append(path)
+    return bad
+
+
+class ImageFolderDataModule(L.LightningDataModule):
+    """Images in class folders, read by ``torchvision.datasets.ImageFolder`` through DataLoader
+    workers: the large-data path.
+
+    ``root`` holds ``train/`` and ``val/`` (and optionally ``test/``; else val is the test set), or
+    only ``train/``, or the class folders themselves; without ``val/`` a seeded ``val_size`` of the
+    training images is held out. Bad data gets an error naming the path before training starts,
+    or with ``bad_files=skip`` is left out and listed. ``check_images`` decodes every image at
+    setup to find truncated files up front (``bad_files=skip`` implies it).
+    """
+
+    def __init__(
+        self,
+        root: str,
+        image_size: int = 224,
+        batch_size: int = 64,
+        eval_batch_size: int | None = None,
+        val_size: int | float = 0.1,
+        split_seed: int = 0,
+        num_workers: int = 4,
+        pin_memory: bool = True,
+        persistent_workers: bool = True,
+        bad_files: str = "error",
+        check_images: bool = False,
+        resize_ratio: float = 0.875,
+        mean: tuple[float, ...] = IMAGENET_MEAN,
+        std: tuple[float, ...] = IMAGENET_STD,
+    ) -> None:
+        super().__init__()
+        if bad_files not in BAD_FILES:
+            raise ValueError(f"data.bad_files must be one of {BAD_FILES}, got {bad_files!r}")
+        for name, value in (("image_size", image_size), ("batch_size", batch_size)):
+            if value <= 0:
+                raise ValueError(f"data.{name} must be positive, got {value}")
+        if num_workers < 0:
+            raise ValueError(f"data.num_workers must be >= 0, got {num_workers}")
+        val_count(val_size, 1 << 30)
+        self.root = Path(root).expanduser()
+        self.image_size, self.resize_ratio = image_size, resize_ratio
+        self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size or batch_size
+        self.val_size, self.split_seed = val_size, split_seed
+        self.num_workers, self.pin_memory = num_workers, pin_memory
+        self.persistent_workers = persistent_workers and num_workers > 0
+        self.bad_files, self.check_images = bad_files, check_images or bad_files == "skip"
+        self.mean, self.std = tuple(mean), tuple(std)
+        self._classes: list[str] | None = None
+        self.datasets: dict[str, Dataset] = {}
+
+    # --- layout and classes -----------------------------------------------------------------
+
+    def split_dirs(self) -> dict[str, Path]:
+        if not self.root.is_dir():
+            raise FileNotFoundError(
+                f"data.root={self.root} is not a directory. It should hold train/ and val/ "
+                f"(optionally test/) with one folder of images per class, or the class folders."
+            )
+        train = self.root / "train"
+        if not train.is_dir():
+            return {"train": self.root}
+        return {s: self.root / s for s in ("train", "val", "test") if (self.root / s).is_dir()}
+
+    @property
+    def classes(self) -> list[str]:
+        """Class names, from the training folder's subfolders (sorted, as ImageFolder does)."""
+        if self._classes is None:
+            train_dir = self.split_dirs()["train"]
+            classes = class_dirs(train_dir)
+            if not classes:
+                raise FileNotFoundError(
+                    f"{train_dir} has no class folders: put each class's images in "
+                    f"{train_dir}/<class name>/."
+                )
+            self._classes = classes
+        return self._classes
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    # --- datasets -----------------------------------------------------------------------------
+
+    def transforms(self, train: bool) -> v2.Compose:
+        size = self.image_size
+        if train:
+            geometry = [v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip()]
+        else:
+            resize = round(size / self.resize_ratio)
+            geometry = [v2.Resize(resize, antialias=True), v2.CenterCrop(size)]
+        return v2.Compose(
+            [
+                *geometry,
+                v2.ToImage(),
+                v2.ToDtype(torch.float32, scale=True),
+                v2.Normalize(self.mean, self.std),
+            ]
+        )
+
+    def _folder(self, directory: Path, train: bool) -> _ClassFolder:
+        folder = _ClassFolder(directory, self.classes, self.transforms(train))
+        if folder.non_images:
+            self._report("files that are not images", folder.non_images)
+        if train and folder.empty_classes:
+            raise FileNotFoundError(
+                f"class folders without images: {describe(folder.empty_classes)}. Add images "
+                f"({', '.join(IMG_EXTENSIONS)}) or remove the folders."
+            )
+        if self.check_images:
+            bad = undecodable([p for p, _ in folder.samples])
+            if bad:
+                self._report("images that do not decode", bad)
+                folder.drop(set(bad))
+        return folder
+
+    def _report(self, what: str, paths: list[str]) -> None:
+        if self.bad_files == "error":
+            raise ValueError(f"{len(paths)} {what}: {describe(paths)}. Remove them, {SKIP_HINT}.")
+        log.warning("skipping %d %s: %s", len(paths), what, describe(paths, limit=len(paths)))
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.datasets:
+            return
+        dirs = self.split_dirs()
+        train = self._folder(dirs["train"], train=True)
+        if "val" in dirs:
+            val: Dataset = self._folder(dirs["val"], train=False)
+        else:
+            n = len(train)
+            train_idx, val_idx = seeded_split(n, val_count(self.val_size, n), self.split_seed)
+            eval_view = copy.copy(train)
+            eval_view.transform = self.transforms(train=False)
+            train, val = Subset(train, train_idx.tolist()), Subset(eval_view, val_idx.tolist())
+        test = self._folder(dirs["test"], train=False) if "test" in dirs else val
+        self.datasets = {"train": train, "val": val, "test": test}
+
+    # --- loaders ------------------------------------------------------------------------------
+
+    def _loader(self, split: str, train: bool) -> DataLoader:
+        return DataLoader(
+            self.datasets[split],
+            batch_size=self.batch_size if train else self.eval_batch_size,
+            shuffle=train,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory and torch.cuda.is_available(),
+            persistent_workers=self.persistent_workers,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train", train=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val", train=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test", train=False)
+
+    def predict_dataloader(self) -> DataLoader:
+        return self._loader("test", train=False)
+
+    # --- class names travel with the checkpoint -------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {"classes": self.classes}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        trained_on = list(state_dict["classes"])
+        if trained_on != self.classes:
+            raise ValueError(
+                f"the checkpoint was trained on classes {trained_on}, but {self.root} has "
+                f"{self.classes}: class indices would not match. Evaluate on data with the same "
+                f"class folders."
+            )

@@ -1,0 +1,74 @@
+import logging
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+from torchvision.models import resnet50
+
+log = logging.getLogger(__name__)
+
+
+class ToChannelsLast(nn.Module):
+    """Puts the input in channels_last memory format, which convolutions run faster in."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.contiguous(memory_format=torch.channels_last)
+
+
+class ResNet50(nn.Sequential):
+    """torchvision's ResNet-50 as an ordered sequence of blocks: stem, layer1..layer4, head.
+
+    ``cifar_stem`` swaps the 7x7/2 convolution and max-pool for one 3x3/1 convolution, the usual
+    change for 32x32 inputs. ``weights`` is a local torchvision ``resnet50`` state dict (no
+    download); tensors whose shape the chosen head or stem changes are left at their init.
+    """
+
+    def __init__(
+        self,
+        num_classes: int,
+        cifar_stem: bool = False,
+        weights: str | None = None,
+        channels_last: bool = False,
+    ) -> None:
+        net = resnet50(weights=None, num_classes=num_classes)
+        if cifar_stem:
+            net.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+            net.maxpool = nn.Identity()
+        if weights is not None:
+            load_matching(net, weights)
+        stem = [net.conv1, net.bn1, net.relu, net.maxpool]
+        if channels_last:
+            stem.insert(0, ToChannelsLast())
+        super().__init__(
+            OrderedDict(
+                stem=nn.Sequential(*stem),
+                layer1=net.layer1,
+                layer2=net.layer2,
+                layer3=net.layer3,
+                layer4=net.layer4,
+                head=nn.Sequential(net.avgpool, nn.Flatten(), net.fc),
+            )
+        )
+        if channels_last:
+            self.to(memory_format=torch.channels_last)
+
+
+def load_matching(net: nn.Module, path: str) -> None:
+    """Loads the tensors of a state dict file whose names and shapes match ``net``'s."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"model.net.weights={path} does not exist: give a local torchvision resnet50 "
+            f"state dict (.pth), or null for random init."
+        )
+    state = torch.load(file, map_location="cpu", weights_only=True)
+    own = net.state_dict()
+    matching = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
+    if not matching:
+        raise ValueError(
+            f"{file} has no tensor that fits a ResNet-50: is it a resnet50 state dict?"
+        )
+    skipped = sorted(set(own) - set(matching))
+    net.load_state_dict(matching, strict=False)
+    log.info("loaded %d tensors from %s; left at init: %s", len(matching), file, skipped or "none")
