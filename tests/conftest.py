@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from trainkit.data.synthetic import write_mnist
 
@@ -116,3 +117,15 @@ def trained_run(
 ) -> Path:
     """One epoch of ``python train.py ... seed=0``: the run directory, shared read-only by tests."""
     return run_script("train.py", *trained_run_overrides, log_dir=train_log_dir)
+
+
+@pytest.fixture
+def restore_seed_state(monkeypatch: pytest.MonkeyPatch):
+    """In-process runs seed the global RNGs, export PL_GLOBAL_SEED and set the thread count (env
+    and torch): undo all of it afterwards, so later subprocesses start clean."""
+    for name in (*_SEED_ENV, "OMP_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    state, threads = torch.get_rng_state(), torch.get_num_threads()
+    yield
+    torch.set_rng_state(state)
+    torch.set_num_threads(threads)

@@ -49,16 +49,6 @@ def built(compose: Callable[..., DictConfig]) -> Callable[..., Built]:
     return built
 
 
-@pytest.fixture
-def restore_seed_state(monkeypatch: pytest.MonkeyPatch):
-    """In-process runs seed the global RNGs and export PL_GLOBAL_SEED: undo both afterwards."""
-    for name in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):
-        monkeypatch.delenv(name, raising=False)
-    state = torch.get_rng_state()
-    yield
-    torch.set_rng_state(state)
-
-
 def callbacks_of(trainer: L.Trainer, kind: type) -> list:
     return [c for c in trainer.callbacks if isinstance(c, kind)]
 

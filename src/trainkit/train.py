@@ -7,10 +7,12 @@ from typing import Any
 
 import lightning as L
 from hydra.utils import instantiate
+from lightning.pytorch.plugins import TorchSyncBatchNorm
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from trainkit.callbacks import RunConfig
+from trainkit.preflight import preflight, resolve_accelerator
 from trainkit.runtime import tune_malloc
 
 log = logging.getLogger(__name__)
@@ -27,6 +29,17 @@ def build_loggers(cfg: DictConfig) -> list[L.pytorch.loggers.Logger]:
 
 def build_callbacks(cfg: DictConfig) -> list[L.Callback]:
     return [instantiate(c) for c in (cfg or {}).values() if c is not None]
+
+
+def build_plugins(cfg: DictConfig) -> list[Any]:
+    """``sync_batchnorm``: torch's SyncBatchNorm needs CUDA, so on CPU (gloo) our own layer sync."""
+    if not cfg.sync_batchnorm:
+        return []
+    if resolve_accelerator(cfg.accelerator) == "cpu":
+        from trainkit.strategies.sync_batchnorm import GlooSyncBatchNorm
+
+        return [GlooSyncBatchNorm()]
+    return [TorchSyncBatchNorm()]
 
 
 @rank_zero_only
@@ -60,12 +73,14 @@ def build(
         strategy=build_strategy(cfg.strategy),
         logger=build_loggers(cfg.logger) or False,
         callbacks=[*build_callbacks(cfg.callbacks), RunConfig(resolved), *extra_callbacks],
+        plugins=build_plugins(cfg),
     )
     return datamodule, model, trainer
 
 
 def run(cfg: DictConfig) -> float | None:
     """Train and test; returns the best value of ``cfg.monitor`` (the number sweeps optimise)."""
+    preflight(cfg)
     if cfg.tune_malloc:
         tune_malloc()
     if cfg.seed is not None:

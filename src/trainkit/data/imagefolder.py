@@ -11,7 +11,7 @@ from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS
 from torchvision.transforms import v2
 
-from trainkit.data.in_memory import seeded_split, val_count
+from trainkit.data.in_memory import ShardSampler, seeded_split, val_count
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +127,7 @@ class ImageFolderDataModule(L.LightningDataModule):
         bad_files: str = "error",
         check_images: bool = False,
         resize_ratio: float = 0.875,
+        seed: int | None = 0,
         mean: tuple[float, ...] = IMAGENET_MEAN,
         std: tuple[float, ...] = IMAGENET_STD,
     ) -> None:
@@ -148,6 +149,7 @@ class ImageFolderDataModule(L.LightningDataModule):
         self.persistent_workers = persistent_workers and num_workers > 0
         self.bad_files, self.check_images = bad_files, check_images or bad_files == "skip"
         self.mean, self.std = tuple(mean), tuple(std)
+        self.seed = 0 if seed is None else seed  # the shuffle order all ranks share
         self._classes: list[str] | None = None
         self.datasets: dict[str, Dataset] = {}
 
@@ -240,10 +242,18 @@ class ImageFolderDataModule(L.LightningDataModule):
     # --- loaders ------------------------------------------------------------------------------
 
     def _loader(self, split: str, train: bool) -> DataLoader:
+        """Each rank reads its own shard: equal shards for training, and for evaluation every
+        image exactly once (Lightning's DistributedSampler pads with duplicates)."""
+        dataset = self.datasets[split]
+        trainer = self.trainer
+        rank, world = (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
+        sampler = ShardSampler(
+            len(dataset), shuffle=train, seed=self.seed, rank=rank, world_size=world, even=train
+        )
         return DataLoader(
-            self.datasets[split],
+            dataset,
             batch_size=self.batch_size if train else self.eval_batch_size,
-            shuffle=train,
+            sampler=sampler,
             num_workers=self.num_workers,
             pin_memory=self.pin_memory and torch.cuda.is_available(),
             persistent_workers=self.persistent_workers,

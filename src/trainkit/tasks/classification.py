@@ -49,18 +49,24 @@ class ImageClassifier(L.LightningModule):
     def forward(self, x: Tensor) -> Tensor:
         return self.net(x)
 
-    def _shared_step(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    def _shared_step(self, batch: tuple[Tensor, Tensor]) -> dict[str, Tensor]:
         x, y = batch
-        logits = self(x)
-        return self.loss_fn(logits, y), logits, y
+        # Lightning casts inputs to the weights' dtype (bf16-true, 64-true) in training_step only
+        logits = self(x.to(self.dtype) if x.is_floating_point() else x)
+        return {"loss": self.loss_fn(logits, y), "logits": logits.detach(), "target": y}
 
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        loss, logits, y = self._shared_step(batch)
-        self.train_loss.update(loss.detach(), len(y))
-        self.train_acc.update(logits.detach(), y)
+    # Steps compute; the *_batch_end hooks update metrics and log. The hooks run once per batch in
+    # the main thread with the step's output, gathered when a strategy (dp) splits the batch.
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> dict[str, Tensor]:
+        return self._shared_step(batch)
+
+    def on_train_batch_end(self, outputs: dict[str, Tensor], batch, batch_idx: int) -> None:
+        loss, n = outputs["loss"].detach(), len(outputs["target"])
+        self.train_loss.update(loss, n)
+        self.train_acc.update(outputs["logits"], outputs["target"])
         if self.global_step % self.trainer.log_every_n_steps == 0:
             self.log("train/loss_step", loss, on_step=True, on_epoch=False, prog_bar=True)
-        return loss
 
     def on_train_epoch_end(self) -> None:
         self.log("train/loss", self.train_loss.compute())
@@ -68,17 +74,21 @@ class ImageClassifier(L.LightningModule):
         self.train_loss.reset()
         self.train_acc.reset()
 
-    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        loss, logits, y = self._shared_step(batch)
-        self.val_loss.update(loss, len(y))
-        self.val_acc.update(logits, y)
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> dict[str, Tensor]:
+        return self._shared_step(batch)
+
+    def on_validation_batch_end(self, outputs, batch, batch_idx: int, dataloader_idx: int = 0):
+        self.val_loss.update(outputs["loss"], len(outputs["target"]))
+        self.val_acc.update(outputs["logits"], outputs["target"])
         self.log("val/loss", self.val_loss)
         self.log("val/acc", self.val_acc, prog_bar=True)
 
-    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        loss, logits, y = self._shared_step(batch)
-        self.test_loss.update(loss, len(y))
-        self.test_acc.update(logits, y)
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> dict[str, Tensor]:
+        return self._shared_step(batch)
+
+    def on_test_batch_end(self, outputs, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.test_loss.update(outputs["loss"], len(outputs["target"]))
+        self.test_acc.update(outputs["logits"], outputs["target"])
         self.log("test/loss", self.test_loss)
         self.log("test/acc", self.test_acc)
 

@@ -1,0 +1,189 @@
+"""Strategies as config on CPU: auto, ddp (2 and 3 processes), ddp_spawn, precision, devices.
+
+Distributed runs are real ``python train.py`` processes (gloo). The test set has an odd size, so
+exact distributed evaluation is checked where padding would show: 251 images on 2 and 3 ranks.
+"""
+
+import json
+import os
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+from hydra.utils import instantiate
+
+from trainkit.config import compose_config
+from trainkit.data.synthetic import write_mnist
+from trainkit.preflight import ConfigError, preflight
+from trainkit.train import build
+
+N_TRAIN_FILE, VAL, N_TEST = 1001, 201, 251  # 800 training images: 12.5 batches of 64
+WEIGHT_ATOL = 1e-5  # float sums in another order, amplified a little by Adam over 13 steps
+
+
+@pytest.fixture(scope="module")
+def odd_mnist(tmp_path_factory) -> Path:
+    return write_mnist(tmp_path_factory.mktemp("odd-mnist"), N_TRAIN_FILE, N_TEST, seed=3)
+
+
+@pytest.fixture(scope="module")
+def base(odd_mnist: Path) -> tuple[str, ...]:
+    return (
+        f"data.root={odd_mnist}",
+        f"data.val_size={VAL}",
+        "data.download=false",
+        "accelerator=cpu",
+        "seed=0",
+        "trainer.max_epochs=1",
+    )
+
+
+@pytest.fixture(scope="module")
+def runs(run_script: Callable[..., Path], base: tuple[str, ...], tmp_path_factory) -> dict:
+    """One epoch under each strategy, global batch 64 everywhere it divides."""
+    log_dir = tmp_path_factory.mktemp("strategy-logs")
+    commands = {
+        "single": ("data.batch_size=64",),
+        "ddp2": ("strategy=ddp", "devices=2", "data.batch_size=32"),
+        "ddp3": ("strategy=ddp", "devices=3", "data.batch_size=32"),
+        "spawn2": ("strategy=ddp_spawn", "devices=2", "data.batch_size=32"),
+        "auto2": ("strategy=auto", "devices=2", "data.batch_size=32"),
+    }
+    return {k: run_script("train.py", *base, *v, log_dir=log_dir) for k, v in commands.items()}
+
+
+def metrics(run_dir: Path) -> dict:
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    path = run_dir / "checkpoints" / "last.ckpt"
+    return torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
+
+
+@pytest.mark.parametrize("name", ["ddp2", "ddp3", "spawn2", "auto2"])
+def test_distributed_test_metrics_equal_single_device_eval(
+    runs: dict, name: str, run_script: Callable[..., Path], tmp_path: Path
+) -> None:
+    """The run's test metrics (computed on 2 or 3 ranks) equal eval.py on one device, on the
+    same checkpoint: no sample padded in twice, none left out."""
+    run_dir = runs[name]
+    best = run_dir / "checkpoints" / "best.ckpt"
+    evaluated = metrics(run_script("eval.py", f"ckpt_path={best}", "accelerator=cpu"))["test"]
+    distributed = metrics(run_dir)["test"]
+    assert distributed["test/acc"] == evaluated["test/acc"]
+    assert distributed["test/loss"] == pytest.approx(evaluated["test/loss"], rel=1e-6)
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+def test_eval_on_several_ranks_equals_one(
+    runs: dict, devices: int, run_script: Callable[..., Path]
+) -> None:
+    best = runs["single"] / "checkpoints" / "best.ckpt"
+    one = metrics(run_script("eval.py", f"ckpt_path={best}", "accelerator=cpu"))["test"]
+    many = metrics(
+        run_script("eval.py", f"ckpt_path={best}", "accelerator=cpu", f"devices={devices}")
+    )["test"]
+    assert many["test/acc"] == one["test/acc"]
+    assert many["test/loss"] == pytest.approx(one["test/loss"], rel=1e-6)
+
+
+@pytest.mark.parametrize("name", ["ddp2", "spawn2", "auto2"])
+def test_data_parallel_weights_equal_single_device(runs: dict, name: str) -> None:
+    """Same seed, same data order, same global batch: the same weights after an epoch."""
+    single, distributed = weights(runs["single"]), weights(runs[name])
+    assert single.keys() == distributed.keys()
+    for key in single:
+        diff = (single[key] - distributed[key]).abs().max().item()
+        assert diff < WEIGHT_ATOL, f"{key}: {diff}"
+    # and training really moved them: not trivially equal initial weights
+    assert metrics(runs[name])["fit"]["train/loss"] < 2.2
+
+
+def test_only_rank_zero_writes_outputs(runs: dict) -> None:
+    run_dir = runs["ddp2"]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["best.ckpt", "last.ckpt"]
+    assert not list(run_dir.rglob("version_*"))
+    event_files = list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert len({f.name.split(".")[4] for f in event_files}) == 1  # one process wrote them (pid)
+    logs = sorted(p.name for p in run_dir.glob("*.log"))
+    assert logs == ["train.log", "train_ddp_process_1.log"]  # per-rank text logs, no collision
+    assert "Error" not in (run_dir / "train_ddp_process_1.log").read_text()
+
+
+def test_threads_are_divided_among_ranks_and_logged(runs: dict) -> None:
+    cores = os.cpu_count() or 1
+    for name, processes in (("ddp2", 2), ("ddp3", 3)):
+        expected = f"{max(1, cores // processes)} thread(s) per process ({cores} cores, "
+        expected += f"{processes} process(es) per node)"
+        assert expected in (runs[name] / "train.log").read_text()
+        assert expected in (runs[name] / "train_ddp_process_1.log").read_text()
+
+
+def test_ddp_timeout_is_minutes_and_configurable(tmp_path: Path) -> None:
+    cfg = compose_config("train", tmp_path, ["strategy=ddp"])
+    assert instantiate(cfg.strategy)._timeout == timedelta(seconds=180)
+    cfg = compose_config("train", tmp_path, ["strategy=ddp_spawn", "strategy.timeout.seconds=30"])
+    strategy = instantiate(cfg.strategy)
+    assert strategy._timeout == timedelta(seconds=30)
+    assert strategy._start_method == "spawn"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_gpu_request_on_a_cpu_machine_fails_before_any_process(
+    run_process, base: tuple[str, ...], tmp_path: Path
+) -> None:
+    proc = run_process("train.py", *base, "accelerator=gpu", "devices=2", log_dir=tmp_path)
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "no CUDA GPU is visible" in out and "accelerator=cpu" in out
+    assert not list(tmp_path.rglob("*.ckpt"))
+    assert "train_ddp_process" not in " ".join(p.name for p in tmp_path.rglob("*"))
+
+
+@pytest.mark.parametrize("devices", [0, -2])
+def test_bad_device_count_is_refused(base: tuple[str, ...], tmp_path: Path, devices: int) -> None:
+    cfg = compose_config("train", tmp_path, [*base, f"devices={devices}"])
+    with pytest.raises(ConfigError, match=f"devices={devices}"):
+        preflight(cfg)
+
+
+PRECISION_STEPS = ("++trainer.max_steps=2", "++trainer.limit_val_batches=1", "logger=none")
+
+
+@pytest.mark.parametrize(
+    ("precision", "runs_as", "dtype"),
+    [
+        ("32-true", "32-true", torch.float32),
+        ("16-mixed", "bf16-mixed", torch.float32),
+        ("bf16-mixed", "bf16-mixed", torch.float32),
+        ("bf16-true", "bf16-true", torch.bfloat16),
+        ("64-true", "64-true", torch.float64),
+    ],
+)
+@pytest.mark.usefixtures("restore_seed_state")
+def test_precision_trains_two_steps_on_cpu(
+    base: tuple[str, ...], tmp_path: Path, caplog, precision: str, runs_as: str, dtype
+) -> None:
+    cfg = compose_config("train", tmp_path, [*base, f"precision={precision}", *PRECISION_STEPS])
+    preflight(cfg)
+    datamodule, model, trainer = build(cfg)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer.fit(model, datamodule=datamodule)
+
+    assert trainer.precision == runs_as
+    assert trainer.global_step == 2
+    assert next(model.parameters()).dtype == dtype
+    after = model.state_dict()
+    assert all(torch.isfinite(v).all() for v in after.values())
+    assert any(not torch.equal(before[k].to(after[k].dtype), after[k]) for k in after)
+    if precision != runs_as:
+        assert f"precision={precision} runs as {runs_as} on CPU" in caplog.text
+
+
+def test_precision_16_true_is_refused_on_cpu(base: tuple[str, ...], tmp_path: Path) -> None:
+    cfg = compose_config("train", tmp_path, [*base, "precision=16-true"])
+    with pytest.raises(ConfigError, match=r"precision=16-true is refused on CPU.*bf16"):
+        preflight(cfg)
