@@ -3,6 +3,7 @@
     python -m trainkit.bench mlp          # MNIST MLP, batch 256 (the default)
     python -m trainkit.bench resnet       # ResNet-50 on 32x32 CIFAR-10 batches
     python -m trainkit.bench imagefolder  # decode + augment images/s with 0, 1, 2 workers
+    python -m trainkit.bench ddp          # strategy=ddp devices=2 vs plain torch DDP (MLP)
     python -m trainkit.bench all
 
 Template and plain loop run in this one process, alternating (template epoch, plain epoch, ...),
@@ -40,10 +41,12 @@ from trainkit.train import build
 
 
 class StepTimer(L.Callback):
-    """Times training steps ``warmup`` .. end of epoch: the template's steady state."""
+    """Times training steps ``warmup`` .. end of epoch: the template's steady state.
 
-    def __init__(self, warmup: int) -> None:
-        self.warmup = warmup
+    With ``out``, rank 0 writes the global samples/s there (for runs in another process)."""
+
+    def __init__(self, warmup: int, out: str | None = None) -> None:
+        self.warmup, self.out = warmup, out
         self.start: float | None = None
         self.end: float | None = None
         self.samples = 0
@@ -60,6 +63,10 @@ class StepTimer(L.Callback):
     @property
     def samples_per_s(self) -> float:
         return self.samples / (self.end - self.start)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.out and trainer.is_global_zero:
+            Path(self.out).write_text(json.dumps(self.samples_per_s * trainer.world_size))
 
 
 def template_epoch(overrides: list[str], out: Path, warmup: int) -> float:
@@ -205,6 +212,108 @@ def bench_imagefolder(tmp: Path, args: argparse.Namespace) -> dict[str, object]:
     }
 
 
+def _plain_ddp_worker(rank: int, world: int, port: int, job: dict) -> None:
+    """One rank of a hand-written torch DDP loop over its shard of the preloaded tensors."""
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+    from torch.nn.parallel import DistributedDataParallel
+
+    from trainkit.data import MNISTDataModule
+    from trainkit.data.in_memory import ShardSampler
+
+    torch.set_num_threads(job["threads"])
+    tune_malloc()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dm = MNISTDataModule(job["root"], batch_size=job["batch"], download=False)
+    dm.setup("fit")
+    images, labels = dm.splits["train"]
+    order = ShardSampler(len(images), shuffle=True, rank=rank, world_size=world).indices()
+    torch.manual_seed(0)
+    model = DistributedDataParallel(instantiate(OmegaConf.create(job["net"])))
+    optimizer = instantiate(OmegaConf.create(job["optimizer"]))(params=model.parameters())
+    start, samples = None, 0
+    for step, idx in enumerate(order.split(job["batch"])):
+        if step == job["warmup"]:
+            start = time.perf_counter()
+        x = normalize_images(images[idx], dm.mean, dm.std)
+        loss = F.cross_entropy(model(x), labels[idx])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if step >= job["warmup"]:
+            samples += len(idx)
+    rate = samples / (time.perf_counter() - start) * world
+    dist.barrier()
+    if rank == 0:
+        Path(job["out"]).write_text(json.dumps(rate))
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def bench_ddp(tmp: Path, args: argparse.Namespace) -> dict[str, object]:
+    """Template ``strategy=ddp devices=2`` vs hand-written torch DDP, 2 gloo processes each."""
+    import subprocess
+    import sys
+
+    import torch.multiprocessing as mp
+    from omegaconf import OmegaConf
+
+    from trainkit.config import ROOT_DIR
+
+    root = write_mnist(tmp / "mnist-ddp", args.samples + 5000, 1000)
+    world, batch = 2, 128  # global batch 256, as the single-process MLP row
+    cfg = compose_config("train", tmp / "cfg-ddp", [f"data.root={root}"])
+    cfg.model.num_classes = 10
+    job = {
+        "root": str(root),
+        "batch": batch,
+        "warmup": args.warmup,
+        "threads": max(1, (os.cpu_count() or 1) // world),
+        "net": OmegaConf.to_container(cfg.model.net, resolve=True),
+        "optimizer": OmegaConf.to_container(cfg.model.optimizer, resolve=True),
+    }
+    template, plain = [], []
+    for r in range(args.repeats):
+        out = tmp / f"ddp-template-{r}.json"
+        timer = "+callbacks.step_timer"
+        command = [
+            *(sys.executable, "train.py", "strategy=ddp", f"devices={world}", "accelerator=cpu"),
+            *(f"data.root={root}", f"data.batch_size={batch}", "trainer.max_epochs=1"),
+            *("++trainer.limit_val_batches=1", "++trainer.limit_test_batches=1"),
+            f"paths.log_dir={tmp / 'ddp-logs'}",
+            *(f"{timer}._target_=trainkit.bench.StepTimer", f"{timer}.warmup={args.warmup}"),
+            f"{timer}.out={out}",
+        ]
+        subprocess.run(command, cwd=ROOT_DIR, check=True, capture_output=True)
+        template.append(json.loads(out.read_text()))
+        job["out"] = str(tmp / f"ddp-plain-{r}.json")
+        mp.spawn(_plain_ddp_worker, args=(world, free_port(), job), nprocs=world, join=True)
+        plain.append(json.loads(Path(job["out"]).read_text()))
+        print(f"ddp repeat {r}: template {template[-1]:,.0f} samples/s, plain {plain[-1]:,.0f}")
+    ratio = statistics.median(template) / statistics.median(plain)
+    print(
+        f"ddp x{world}: template {statistics.median(template):,.0f} samples/s, plain torch DDP "
+        f"{statistics.median(plain):,.0f}: ratio {ratio:.3f}x"
+    )
+    return {
+        "workload": f"mlp_ddp_{world}_processes",
+        "global_batch_size": batch * world,
+        "threads_per_process": job["threads"],
+        "template_samples_per_s": template,
+        "plain_samples_per_s": plain,
+        "ratio_of_medians": ratio,
+        "paired_ratios": [t / p for t, p in zip(template, plain, strict=True)],
+    }
+
+
 def machine() -> dict[str, object]:
     cpu = platform.processor()
     with contextlib.suppress(OSError, StopIteration):
@@ -227,6 +336,7 @@ WORKLOADS: dict[str, Callable[[Path, argparse.Namespace], dict[str, object]]] = 
     "mlp": bench_mlp,
     "resnet": bench_resnet,
     "imagefolder": bench_imagefolder,
+    "ddp": bench_ddp,
 }
 
 
