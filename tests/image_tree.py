@@ -1,6 +1,6 @@
 """Real image-folder trees for the ImageFolder tests: PNG and JPEG files written with PIL.
 
-Every image of a class is noise around the class's grey level, so a label can be read back from
+Every image of a class is grey noise around the class's level, so a label can be read back from
 the pixels after any resize or crop; RGBA images carry a random alpha, which must be dropped.
 """
 
@@ -26,8 +26,8 @@ KINDS = (
 def image_array(mode: str, size: tuple[int, int], level: int, rng: np.random.Generator):
     width, height = size
     channels = {"L": 1, "RGB": 3, "RGBA": 4}[mode]
-    noise = rng.integers(-NOISE, NOISE + 1, size=(height, width, channels))
-    array = np.clip(level + noise, 0, 255).astype(np.uint8)
+    noise = rng.integers(-NOISE, NOISE + 1, size=(height, width, 1))  # grey: same in R, G, B
+    array = np.clip(level + noise, 0, 255).astype(np.uint8).repeat(channels, axis=2)
     if mode == "RGBA":
         array[..., 3] = rng.integers(0, 256, size=(height, width))
     return array[..., 0] if mode == "L" else array

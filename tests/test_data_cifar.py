@@ -68,11 +68,12 @@ def test_reads_the_batches_into_uint8_splits(cifar_root: Path) -> None:
         assert images.shape == (sizes[split], 3, 32, 32)
         assert labels.dtype == torch.int64
         assert labels.shape == (sizes[split],)
-        assert 0 <= labels.min() and labels.max() < dm.num_classes == 10
+        assert labels.min() >= 0 and labels.max() < dm.num_classes == 10
     assert dm.classes == CIFAR10_NAMES
-    assert dm.classes == read_pickle(cifar_root / "cifar-10-batches-py" / "batches.meta")[
-        "label_names"
-    ]
+    assert (
+        dm.classes
+        == read_pickle(cifar_root / "cifar-10-batches-py" / "batches.meta")["label_names"]
+    )
 
 
 def test_images_are_the_pickled_arrays(cifar_root: Path) -> None:

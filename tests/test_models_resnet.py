@@ -89,7 +89,11 @@ def test_cifar_stem_is_one_3x3_convolution_without_max_pool() -> None:
     cifar, imagenet = ResNet50(num_classes=10, cifar_stem=True), ResNet50(num_classes=10)
 
     cifar_conv, imagenet_conv = cifar.stem[0], imagenet.stem[0]
-    assert (cifar_conv.kernel_size, cifar_conv.stride, cifar_conv.padding) == ((3, 3), (1, 1), (1, 1))
+    assert (cifar_conv.kernel_size, cifar_conv.stride, cifar_conv.padding) == (
+        (3, 3),
+        (1, 1),
+        (1, 1),
+    )
     assert (imagenet_conv.kernel_size, imagenet_conv.stride) == ((7, 7), (2, 2))
     assert any(isinstance(m, nn.MaxPool2d) for m in imagenet.stem)
     assert not any(isinstance(m, nn.MaxPool2d) for m in cifar.modules())
@@ -176,7 +180,7 @@ def test_cifar_stem_keeps_its_conv_at_init(torchvision_weights: tuple[Path, dict
 
 def test_missing_weights_file_names_the_option(tmp_path: Path) -> None:
     missing = tmp_path / "no-such.pth"
-    with pytest.raises(FileNotFoundError, match="model.net.weights") as err:
+    with pytest.raises(FileNotFoundError, match=r"model\.net\.weights") as err:
         ResNet50(num_classes=10, weights=str(missing))
     assert str(missing) in str(err.value)
 

@@ -58,8 +58,12 @@ def test_offline_quickstart_trains(quickstart_run: Path) -> None:
 def test_readme_commands_run(quickstart_run: Path, tmp_path: Path) -> None:
     data_root = quickstart_run.parents[3] / "synthetic"
     write_cifar10(data_root, n_per_batch=80, n_test=50)  # beside the MNIST files: one data.root
-    commands = bash_block_after("## Running things") + bash_block_after("### Sweeps")
-    assert len(commands) >= 8
+    commands = [
+        *bash_block_after("## Running things"),
+        *bash_block_after("### Strategies, devices and precision"),
+        *bash_block_after("### Sweeps"),
+    ]
+    assert len(commands) >= 12
     env = {**os.environ, "TRAINKIT_LOG_DIR": str(tmp_path / "logs")}
     for command in commands:
         command = command.replace("logs/train/runs/<run>", str(quickstart_run))

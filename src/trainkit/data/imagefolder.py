@@ -55,11 +55,17 @@ class _ClassFolder(ImageFolder):
             is_valid_file=self._is_image,
             allow_empty=True,
         )
+
+    @property
+    def empty_classes(self) -> list[str]:
+        """Class folders with no (remaining) image."""
         counts = torch.bincount(
-            torch.tensor(self.targets, dtype=torch.long), minlength=len(classes)
+            torch.tensor(self.targets, dtype=torch.long), minlength=len(self.fixed_classes)
         )
-        self.empty_classes = [
-            str(root / c) for c, n in zip(classes, counts.tolist(), strict=True) if n == 0
+        return [
+            str(Path(self.root) / c)
+            for c, n in zip(self.fixed_classes, counts.tolist(), strict=True)
+            if n == 0
         ]
 
     def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
@@ -206,16 +212,16 @@ class ImageFolderDataModule(L.LightningDataModule):
         folder = _ClassFolder(directory, self.classes, self.transforms(train))
         if folder.non_images:
             self._report("files that are not images", folder.non_images)
-        if train and folder.empty_classes:
-            raise FileNotFoundError(
-                f"class folders without images: {describe(folder.empty_classes)}. Add images "
-                f"({', '.join(IMG_EXTENSIONS)}) or remove the folders."
-            )
         if self.check_images:
             bad = undecodable([p for p, _ in folder.samples])
             if bad:
                 self._report("images that do not decode", bad)
                 folder.drop(set(bad))
+        if train and folder.empty_classes:
+            raise FileNotFoundError(
+                f"class folders without images: {describe(folder.empty_classes)}. Add images "
+                f"({', '.join(IMG_EXTENSIONS)}) or remove the folders."
+            )
         return folder
 
     def _report(self, what: str, paths: list[str]) -> None:

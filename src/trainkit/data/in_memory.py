@@ -159,7 +159,12 @@ class InMemoryDataModule(L.LightningDataModule):
 
 def seeded_split(n: int, n_val: int, seed: int) -> tuple[Tensor, Tensor]:
     """(train indices, val indices): a fixed random split of ``range(n)``."""
-    if not 0 < n_val < n:
+    if n_val <= 0:
+        raise ValueError(
+            f"data.val_size gives {n_val} validation samples of {n}: use a larger count or "
+            f"fraction."
+        )
+    if n_val >= n:
         raise ValueError(
             f"data.val_size={n_val} leaves no training data: the training set has {n} samples. "
             f"Use a smaller count or a fraction such as 0.1."

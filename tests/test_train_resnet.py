@@ -1,0 +1,183 @@
+"""End to end with ResNet-50: ``python train.py experiment=cifar10_resnet50`` and
+``experiment=imagefolder_resnet50`` as real subprocesses on real files, then ``python eval.py``.
+
+ResNet-50 is slow on a CPU: every run is two training steps of four 32x32 images, one validation
+batch, and a test set of one or two batches. The test sets are not limited, so that eval.py, which
+tests every batch, sees the same data as train.py's own test.
+"""
+
+import json
+import math
+import pickle
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from image_tree import write_tree
+from trainkit.data.synthetic import write_cifar10
+
+SHORT_RUN = (
+    "accelerator=cpu",
+    "seed=0",
+    "trainer.max_epochs=1",
+    "++trainer.limit_train_batches=2",
+    "++trainer.limit_val_batches=1",
+    "model.optimizer.lr=0.001",
+)
+IMAGEFOLDER_CLASSES = ["apple", "banana", "cherry"]
+
+
+def read_metrics(run_dir: Path) -> dict:
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+def load_checkpoint(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def best_checkpoint(run_dir: Path) -> Path:
+    return run_dir / "checkpoints" / "best.ckpt"
+
+
+@pytest.fixture(scope="module")
+def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("resnet-logs")
+
+
+@pytest.fixture(scope="module")
+def cifar_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # 5 x 4 training images (4 held out for validation), 4 test images: one test batch
+    return write_cifar10(tmp_path_factory.mktemp("cifar"), n_per_batch=4, n_test=4, seed=5)
+
+
+@pytest.fixture(scope="module")
+def imagefolder_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("imagefolder")
+    write_tree(root, {"train": 3, "val": 1, "test": 2})  # 9, 3 and 6 images
+    return root
+
+
+@pytest.fixture(scope="module")
+def cifar_run(run_script: Callable[..., Path], cifar_root: Path, log_dir: Path) -> Path:
+    return run_script(
+        "train.py",
+        "experiment=cifar10_resnet50",
+        f"data.root={cifar_root}",
+        "data.val_size=4",
+        "data.batch_size=4",
+        "data.download=false",
+        *SHORT_RUN,
+        log_dir=log_dir,
+    )
+
+
+@pytest.fixture(scope="module")
+def imagefolder_run(run_script: Callable[..., Path], imagefolder_root: Path, log_dir: Path) -> Path:
+    return run_script(
+        "train.py",
+        "experiment=imagefolder_resnet50",
+        f"data.root={imagefolder_root}",
+        "data.image_size=32",
+        "data.batch_size=4",
+        "data.num_workers=1",  # through real worker processes, in training and in eval.py
+        *SHORT_RUN,
+        log_dir=log_dir,
+    )
+
+
+RUNS = ["cifar", "imagefolder"]
+
+
+def run_dir_of(request: pytest.FixtureRequest, name: str) -> Path:
+    return request.getfixturevalue(f"{name}_run")
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_short_run_leaves_checkpoints_and_metrics(
+    request: pytest.FixtureRequest, name: str
+) -> None:
+    run_dir = run_dir_of(request, name)
+    for checkpoint in ("best.ckpt", "last.ckpt"):
+        assert (run_dir / "checkpoints" / checkpoint).is_file()
+    metrics = read_metrics(run_dir)
+    assert Path(metrics["best_checkpoint"]) == best_checkpoint(run_dir)
+    assert set(metrics["test"]) == {"test/acc", "test/loss"}
+    assert 0.0 <= metrics["test"]["test/acc"] <= 1.0
+    assert math.isfinite(metrics["test"]["test/loss"])
+
+    cfg = OmegaConf.load(run_dir / "config.yaml")
+    assert cfg.model.net._target_ == "trainkit.models.ResNet50"
+    assert cfg.data.batch_size == 4 and cfg.trainer.max_epochs == 1
+    if name == "cifar":
+        assert cfg.data._target_ == "trainkit.data.CIFAR10DataModule"
+        assert cfg.model.net.cifar_stem is True and cfg.model.num_classes == 10
+    else:
+        assert cfg.data._target_ == "trainkit.data.ImageFolderDataModule"
+        assert cfg.model.net.channels_last is True and cfg.model.num_classes == 3
+        assert cfg.data.image_size == 32
+
+
+def expected_classes(name: str, cifar_root: Path) -> list[str]:
+    if name == "imagefolder":
+        return IMAGEFOLDER_CLASSES
+    with open(cifar_root / "cifar-10-batches-py" / "batches.meta", "rb") as f:
+        return pickle.load(f, encoding="latin1")["label_names"]
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_checkpoint_holds_the_class_names_and_rebuilds_the_model(
+    request: pytest.FixtureRequest, name: str, cifar_root: Path
+) -> None:
+    run_dir = run_dir_of(request, name)
+    checkpoint = load_checkpoint(best_checkpoint(run_dir))
+
+    key = "CIFAR10DataModule" if name == "cifar" else "ImageFolderDataModule"
+    classes = expected_classes(name, cifar_root)
+    assert checkpoint[key] == {"classes": classes}
+
+    model = instantiate(OmegaConf.create(checkpoint["trainkit_config"]).model)
+    model.load_state_dict(checkpoint["state_dict"], strict=True)
+    with torch.no_grad():
+        logits = model.eval().net(torch.zeros(2, 3, 32, 32))
+    assert logits.shape == (2, len(classes))
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_eval_reproduces_the_test_metrics(
+    request: pytest.FixtureRequest, name: str, run_script: Callable[..., Path], log_dir: Path
+) -> None:
+    run_dir = run_dir_of(request, name)
+    best = best_checkpoint(run_dir)
+    eval_run = run_script("eval.py", f"ckpt_path={best}", "accelerator=cpu", log_dir=log_dir)
+
+    metrics = read_metrics(eval_run)
+    assert metrics["checkpoint"] == str(best.resolve())
+    assert metrics["test"] == read_metrics(run_dir)["test"]  # exactly, not approximately
+
+
+def test_eval_on_other_class_folders_fails_clearly(
+    imagefolder_run: Path, tmp_path: Path, run_process
+) -> None:
+    other = tmp_path / "other-images"
+    write_tree(other, {"train": 1, "val": 1}, classes=("apple", "banana", "durian"))
+    best = best_checkpoint(imagefolder_run)
+
+    proc = run_process(
+        "eval.py",
+        f"ckpt_path={best}",
+        f"data.root={other}",
+        "accelerator=cpu",
+        log_dir=tmp_path / "logs",
+    )
+
+    assert proc.returncode != 0
+    output = proc.stdout + proc.stderr
+    assert (
+        f"the checkpoint was trained on classes {IMAGEFOLDER_CLASSES}, but {other} has "
+        f"['apple', 'banana', 'durian']" in output
+    )
+    assert not list((tmp_path / "logs").rglob("metrics.json"))
