@@ -7,6 +7,7 @@ ARGS   ?=
 PYTEST_ARGS ?=
 LOGDIR ?= logs
 PORT   ?= 6006
+BENCH  ?= all
 
 .DEFAULT_GOAL := help
 .PHONY: help install train eval test lint format tensorboard bench clean
@@ -43,8 +44,8 @@ format: $(STAMP)  ## ruff fix and format
 tensorboard: $(STAMP)  ## serve the logs: make tensorboard LOGDIR=logs PORT=6006
 	$(BIN)/tensorboard --logdir $(LOGDIR) --port $(PORT)
 
-bench: $(STAMP)  ## template vs plain PyTorch throughput
-	$(BIN)/python -m trainkit.bench $(ARGS)
+bench: $(STAMP)  ## template vs plain PyTorch: make bench [BENCH=mlp|resnet|imagefolder|ddp]
+	$(BIN)/python -m trainkit.bench $(BENCH) $(ARGS)
 
 clean:  ## remove the virtualenv, caches and logs
 	rm -rf $(VENV) .pytest_cache .ruff_cache src/*.egg-info logs outputs multirun

@@ -12,7 +12,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from trainkit.callbacks import RunConfig
-from trainkit.preflight import preflight, resolve_accelerator
+from trainkit.preflight import device_count, preflight, resolve_accelerator
 from trainkit.runtime import tune_malloc
 
 log = logging.getLogger(__name__)
@@ -66,11 +66,17 @@ def build(
     cfg.model.num_classes = datamodule.num_classes
     model: L.LightningModule = instantiate(cfg.model)
 
+    strategy = build_strategy(cfg.strategy)
+    if hasattr(strategy, "check_run"):  # shapes a strategy cannot run, before processes start
+        accelerator = resolve_accelerator(cfg.accelerator)
+        devices = device_count(cfg.devices, accelerator)
+        strategy.check_run(model, devices, cfg.data.batch_size, cfg.num_nodes)
+
     resolved = OmegaConf.to_container(cfg, resolve=True)
     write_config(Path(cfg.paths.output_dir) / "config.yaml", cfg)
     trainer: L.Trainer = instantiate(
         cfg.trainer,
-        strategy=build_strategy(cfg.strategy),
+        strategy=strategy,
         logger=build_loggers(cfg.logger) or False,
         callbacks=[*build_callbacks(cfg.callbacks), RunConfig(resolved), *extra_callbacks],
         plugins=build_plugins(cfg),

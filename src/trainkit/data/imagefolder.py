@@ -11,7 +11,13 @@ from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS
 from torchvision.transforms import v2
 
-from trainkit.data.in_memory import ShardSampler, seeded_split, val_count
+from trainkit.data.in_memory import (
+    ShardSampler,
+    full_batches_only,
+    seeded_split,
+    shard_of,
+    val_count,
+)
 
 log = logging.getLogger(__name__)
 
@@ -251,8 +257,7 @@ class ImageFolderDataModule(L.LightningDataModule):
         """Each rank reads its own shard: equal shards for training, and for evaluation every
         image exactly once (Lightning's DistributedSampler pads with duplicates)."""
         dataset = self.datasets[split]
-        trainer = self.trainer
-        rank, world = (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
+        rank, world = shard_of(self.trainer)
         sampler = ShardSampler(
             len(dataset), shuffle=train, seed=self.seed, rank=rank, world_size=world, even=train
         )
@@ -263,6 +268,7 @@ class ImageFolderDataModule(L.LightningDataModule):
             num_workers=self.num_workers,
             pin_memory=self.pin_memory and torch.cuda.is_available(),
             persistent_workers=self.persistent_workers,
+            drop_last=train and full_batches_only(self.trainer),
         )
 
     def train_dataloader(self) -> DataLoader:

@@ -102,6 +102,18 @@ def normalize_images(images: Tensor, mean: Sequence[float], std: Sequence[float]
     return x.sub_(m).div_(s)
 
 
+def shard_of(trainer) -> tuple[int, int]:
+    """(rank, replicas) of this process's data shard, as the strategy defines them: every rank
+    for ddp, one replica per pipeline, one for dp and a single device."""
+    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) if trainer else None
+    return (kwargs["rank"], kwargs["num_replicas"]) if kwargs else (0, 1)
+
+
+def full_batches_only(trainer) -> bool:
+    """Strategies with shapes fixed after the first step (pipeline) get no incomplete batch."""
+    return bool(trainer and getattr(trainer.strategy, "needs_full_batches", False))
+
+
 class InMemoryDataModule(L.LightningDataModule):
     """Base for datasets decoded once into uint8 tensors: subclasses fill ``self.splits`` in
     ``setup`` and set ``mean``/``std``; batches are augmented (``augment``) and normalised on the
@@ -126,13 +138,13 @@ class InMemoryDataModule(L.LightningDataModule):
 
     def _loader(self, split: str, train: bool) -> InMemoryLoader:
         images, labels = self.splits[split]
-        trainer = self.trainer
-        rank, world = (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
+        rank, world = shard_of(self.trainer)
         sampler = ShardSampler(
             len(images), shuffle=train, seed=self.seed, rank=rank, world_size=world, even=train
         )
         batch_size = self.batch_size if train else self.eval_batch_size
-        return InMemoryLoader((images, labels), batch_size, sampler)
+        drop_last = train and full_batches_only(self.trainer)
+        return InMemoryLoader((images, labels), batch_size, sampler, drop_last=drop_last)
 
     def train_dataloader(self) -> InMemoryLoader:
         return self._loader("train", train=True)

@@ -1,0 +1,266 @@
+"""``strategy=pipeline``: pipelined model parallelism on ``torch.distributed.pipelining``.
+
+One process per stage. The model's block sequence (``nn.Sequential``; ``module`` names the
+attribute, ``net`` by default) is cut at block boundaries into ``stages`` contiguous stages,
+balanced by parameter count or cut at explicit ``split_points``. Every rank keeps the whole
+model but trains only its own stage: a batch is split into ``microbatches`` that flow through the
+stages under a GPipe or 1F1B schedule, which runs forward and backward inside the training step.
+
+Traps this handles (see DESIGN.md):
+
+- Lightning's automatic optimisation runs training_step -> zero_grad -> backward. The schedule's
+  gradients would be zeroed and the weights never change, silently. The step sets its gradients
+  aside and ``backward`` puts them back (scaled for gradient accumulation).
+- Only the last stage has the loss and the logits: they are broadcast, so every rank logs and
+  monitors the same values and updates the same metrics.
+- A checkpoint holds the full model: before it is written (and before evaluation, which runs the
+  whole model on every rank), each block is broadcast from the rank that trains it; optimizer
+  state is merged from all stages, so resuming is exact and any strategy can load the weights.
+- Shapes are fixed after the first step: the batch must split into equal micro-batches and
+  training drops an incomplete last batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor, nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+log = logging.getLogger(__name__)
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+class PipelineConfigError(ValueError):
+    """A pipeline shape that cannot run; raised before any process starts."""
+
+
+def balanced_split(sizes: list[int], stages: int) -> list[int]:
+    """Start index of each stage: contiguous groups minimising the largest group's total."""
+    n = len(sizes)
+    prefix = [0]
+    for s in sizes:
+        prefix.append(prefix[-1] + s)
+    # best[k][i]: minimal max-stage size for the first i blocks in k stages; cut[k][i]: last start
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for k in range(1, stages + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                if cost < best[k][i]:
+                    best[k][i], cut[k][i] = cost, j
+    starts, i = [], n
+    for k in range(stages, 0, -1):
+        i = cut[k][i]
+        starts.append(i)
+    return starts[::-1]
+
+
+class PipelineStrategy(DDPStrategy):
+    """GPipe / 1F1B pipeline over ``stages`` processes (one per device), through Lightning."""
+
+    strategy_name = "pipeline"
+    needs_full_batches = True  # read by our datamodules: drop an incomplete last training batch
+
+    def __init__(
+        self,
+        stages: int = 2,
+        schedule: str = "gpipe",
+        microbatches: int = 4,
+        split_points: list[int] | None = None,
+        module: str = "net",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if schedule not in SCHEDULES:
+            raise PipelineConfigError(
+                f"strategy.schedule={schedule!r}: use one of {', '.join(SCHEDULES)}"
+            )
+        if stages < 2:
+            raise PipelineConfigError(f"strategy.stages={stages}: a pipeline needs 2 or more")
+        if microbatches < 1:
+            raise PipelineConfigError(f"strategy.microbatches={microbatches}: must be 1 or more")
+        self.stages, self.schedule_name, self.microbatches = stages, schedule, microbatches
+        self.split_points, self.module_name = split_points, module
+        self._starts: list[int] = []
+        self._schedule: Any = None
+        self._pending_grads: list[Tensor | None] | None = None
+
+    # --- shape, checked before any process starts ---------------------------------------------
+
+    def blocks(self, lightning_module: nn.Module) -> list[nn.Module]:
+        seq = getattr(lightning_module, self.module_name, None)
+        if not isinstance(seq, nn.Sequential):
+            raise PipelineConfigError(
+                f"strategy=pipeline splits the model's `{self.module_name}` at block boundaries, "
+                f"so it must be an nn.Sequential of blocks; got {type(seq).__name__}"
+            )
+        return list(seq.children())
+
+    def stage_starts(self, lightning_module: nn.Module) -> list[int]:
+        blocks = self.blocks(lightning_module)
+        if self.stages > len(blocks):
+            raise PipelineConfigError(
+                f"strategy.stages={self.stages} but the model has {len(blocks)} blocks: use "
+                f"stages<={len(blocks)}"
+            )
+        if self.split_points is not None:
+            starts = [0, *self.split_points]
+            if (
+                len(starts) != self.stages
+                or starts != sorted(set(starts))
+                or starts[-1] >= len(blocks)
+            ):
+                raise PipelineConfigError(
+                    f"strategy.split_points={list(self.split_points)}: give {self.stages - 1} "
+                    f"increasing block indices between 1 and {len(blocks) - 1}"
+                )
+            return starts
+        sizes = [sum(p.numel() for p in b.parameters()) or 1 for b in blocks]
+        return balanced_split(sizes, self.stages)
+
+    def check_run(
+        self, lightning_module: nn.Module, devices: int, batch_size: int, num_nodes: int = 1
+    ) -> None:
+        """Everything that would fail after the processes start, said before they do."""
+        self.stage_starts(lightning_module)
+        if devices * num_nodes != self.stages:
+            raise PipelineConfigError(
+                f"strategy=pipeline with stages={self.stages} needs devices={self.stages} (one "
+                f"process per stage), got devices={devices} x num_nodes={num_nodes}; "
+                f"stages x data-parallel replicas is not supported yet"
+            )
+        if batch_size % self.microbatches:
+            raise PipelineConfigError(
+                f"data.batch_size={batch_size} does not split into strategy.microbatches="
+                f"{self.microbatches} equal micro-batches: make the batch size a multiple"
+            )
+        if self.schedule_name == "1f1b" and self.microbatches < self.stages:
+            raise PipelineConfigError(
+                f"strategy.schedule=1f1b needs microbatches >= stages ({self.stages}), got "
+                f"{self.microbatches}"
+            )
+
+    # --- data: one pipeline is one data-parallel replica ----------------------------------------
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": 1, "rank": 0}
+
+    # --- set-up ---------------------------------------------------------------------------------
+
+    def configure_ddp(self) -> None:
+        """Instead of wrapping in DDP: cut this rank's stage and build the schedule."""
+        lm = self.lightning_module
+        blocks = self.blocks(lm)
+        self._starts = self.stage_starts(lm)
+        stage = self.global_rank
+        end = self._starts[stage + 1] if stage + 1 < self.stages else len(blocks)
+        submodule = nn.Sequential(*blocks[self._starts[stage] : end])
+        pipe_stage = PipelineStage(submodule, stage, self.stages, self.root_device)
+        # every rank passes the loss: without one a schedule runs no backward on that stage
+        self._schedule = SCHEDULES[self.schedule_name](
+            pipe_stage, n_microbatches=self.microbatches, loss_fn=lm.loss_fn
+        )
+        rank_zero_info(
+            f"pipeline: {self.stages} stages starting at blocks {self._starts} of {len(blocks)}, "
+            f"{self.schedule_name}, {self.microbatches} micro-batches"
+        )
+
+    def _owner(self, block_index: int) -> int:
+        return max(s for s, start in enumerate(self._starts) if start <= block_index)
+
+    def sync_blocks(self) -> None:
+        """Every rank gets every block's current weights from the rank that trains it."""
+        if self._schedule is None:
+            return
+        for i, block in enumerate(self.blocks(self.lightning_module)):
+            for tensor in (*block.parameters(), *block.buffers()):
+                dist.broadcast(tensor.data, src=self._owner(i))
+
+    # --- the training step ----------------------------------------------------------------------
+
+    def training_step(self, *args: Any, **kwargs: Any) -> dict[str, Tensor]:
+        x, y = args[0]
+        lm = self.lightning_module
+        params = list(lm.parameters())
+        held = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        first, last = self.global_rank == 0, self.global_rank == self.stages - 1
+        losses: list[Tensor] = []
+        with self.precision_plugin.train_step_context():
+            if first:
+                x = x.to(lm.dtype) if x.is_floating_point() else x
+                out = self._schedule.step(x, target=y if last else None)
+            elif last:
+                out = self._schedule.step(target=y, losses=losses)
+            else:
+                out = self._schedule.step()
+        self._pending_grads = [p.grad for p in params]
+        for p, h in zip(params, held, strict=True):
+            p.grad = h
+        last_rank = self.stages - 1
+        loss = torch.stack(losses).mean().detach().float() if last else torch.zeros(())
+        loss = loss.to(self.root_device)
+        dist.broadcast(loss, src=last_rank)
+        logits = out.detach().float() if last else None
+        shape = torch.tensor(logits.shape if last else (0, 0), device=self.root_device)
+        dist.broadcast(shape, src=last_rank)
+        if not last:
+            logits = torch.empty(tuple(shape.tolist()), device=self.root_device)
+        dist.broadcast(logits, src=last_rank)
+        return {"loss": loss, "logits": logits, "target": y}
+
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """The schedule already ran backward: put its gradients back after Lightning's zero_grad."""
+        if self._pending_grads is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
+        for p, g in zip(self.lightning_module.parameters(), self._pending_grads, strict=True):
+            if g is not None:
+                g = g * scale
+                p.grad = g if p.grad is None else p.grad + g
+        self._pending_grads = None
+        return closure_loss
+
+    # --- evaluation and checkpoints see the whole model -----------------------------------------
+
+    def on_validation_start(self) -> None:
+        self.sync_blocks()
+        super().on_validation_start()
+
+    def on_test_start(self) -> None:
+        self.sync_blocks()
+        super().on_test_start()
+
+    def on_predict_start(self) -> None:
+        self.sync_blocks()
+        super().on_predict_start()
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self.sync_blocks()
+        return super().lightning_module_state_dict()
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """Each stage holds the optimizer state of its own parameters: merge them all."""
+        state = super().optimizer_state(optimizer)
+        if self._schedule is None:
+            return state
+        local = {i: {k: v.cpu() if isinstance(v, Tensor) else v for k, v in s.items()}
+                 for i, s in state["state"].items()}  # fmt: skip
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, local)
+        merged: dict[int, Any] = {}
+        for part in gathered:
+            merged.update(part)
+        return {"state": merged, "param_groups": state["param_groups"]}
