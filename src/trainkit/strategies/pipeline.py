@@ -176,6 +176,26 @@ class PipelineStrategy(DDPStrategy):
             f"{self.schedule_name}, {self.microbatches} micro-batches"
         )
 
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        # gradient_clip_val clips by the norm of ALL stages' gradients, as on one device, not by
+        # this stage's own; Precision.clip_gradients calls this attribute
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm
+
+    def _clip_grad_by_global_norm(self, optimizer: Any, clip_val: float) -> None:
+        grads = [
+            p.grad
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if p.grad is not None
+        ]
+        local = sum((g.detach().float().pow(2).sum() for g in grads), torch.zeros(()))
+        local = local.to(self.root_device)
+        dist.all_reduce(local)  # each parameter has a gradient on exactly one stage
+        coef = (clip_val / (local.sqrt() + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.device, g.dtype))
+
     def _owner(self, block_index: int) -> int:
         return max(s for s, start in enumerate(self._starts) if start <= block_index)
 
