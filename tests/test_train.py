@@ -136,6 +136,11 @@ def test_learns_the_learnable_data(
     run_dir = run_script("train.py", *train_overrides, "trainer.max_epochs=3")
 
     assert read_metrics(run_dir)["test"]["test/acc"] > 0.9  # chance is 0.1
+    # last.ckpt is the last epoch even when the best (val/acc saturates here) is an earlier one
+    last = load_checkpoint(run_dir / "checkpoints" / "last.ckpt")
+    assert last["epoch"] == 2
+    best = load_checkpoint(run_dir / "checkpoints" / "best.ckpt")
+    assert last["global_step"] >= best["global_step"]
     val_loss = [e.value for e in scalars(run_dir).Scalars("val/loss")]
     assert len(val_loss) == 3
     assert val_loss[-1] < val_loss[0]

@@ -4,6 +4,7 @@
     python -m trainkit.bench resnet       # ResNet-50 on 32x32 CIFAR-10 batches
     python -m trainkit.bench imagefolder  # decode + augment images/s with 0, 1, 2 workers
     python -m trainkit.bench ddp          # strategy=ddp devices=2 vs plain torch DDP (MLP)
+    python -m trainkit.bench pipeline     # 2 stages at 1, 2, 4, 8 micro-batches vs one process
     python -m trainkit.bench all
 
 Template and plain loop run in this one process, alternating (template epoch, plain epoch, ...),
@@ -258,15 +259,72 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def bench_ddp(tmp: Path, args: argparse.Namespace) -> dict[str, object]:
-    """Template ``strategy=ddp devices=2`` vs hand-written torch DDP, 2 gloo processes each."""
+def template_subprocess(overrides: list[str], out: Path, warmup: int) -> float:
+    """``python train.py <overrides>`` in its own processes; its global steady-state samples/s."""
     import subprocess
     import sys
 
+    from trainkit.config import ROOT_DIR
+
+    timer = "+callbacks.step_timer"
+    command = [
+        *(sys.executable, "train.py", "accelerator=cpu", *overrides),
+        *("++trainer.limit_val_batches=1", "++trainer.limit_test_batches=1"),
+        f"paths.log_dir={out.parent / 'logs'}",
+        *(f"{timer}._target_=trainkit.bench.StepTimer", f"{timer}.warmup={warmup}"),
+        f"{timer}.out={out}",
+    ]
+    proc = subprocess.run(command, cwd=ROOT_DIR, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def bench_pipeline(tmp: Path, args: argparse.Namespace) -> dict[str, object]:
+    """Pipeline (2 stages, 1 thread each) at 1, 2, 4, 8 micro-batches vs one process."""
+    results: dict[str, object] = {}
+    mnist = write_mnist(tmp / "mnist-pipe", 256 * 24 + 500, 300)
+    cifar = write_cifar10(tmp / "cifar-pipe", 256 * 6 // 5 + 100, 100)
+    workloads = {
+        "mlp": ([f"data.root={mnist}", "data.val_size=500"], 16, args.warmup),
+        "resnet50_32px": (
+            [
+                *("model=resnet50", "data=cifar10", f"data.root={cifar}", "data.val_size=100"),
+                "++trainer.num_sanity_val_steps=0",
+            ],
+            6,
+            2,
+        ),
+    }
+    for name, (overrides, steps, warmup) in workloads.items():
+        common = [*overrides, "data.batch_size=256", f"++trainer.limit_train_batches={steps}"]
+        rates: dict[str, list[float]] = {}
+        for r in range(args.pipeline_repeats):
+            runs = {"single_process": ["threads=2"]}
+            for m in (1, 2, 4, 8):
+                runs[f"microbatches_{m}"] = [
+                    *("strategy=pipeline", "devices=2", f"strategy.microbatches={m}"),
+                ]
+            for label, extra in runs.items():
+                out = tmp / f"pipe-{name}-{label}-{r}.json"
+                rates.setdefault(label, []).append(
+                    template_subprocess([*common, *extra], out, warmup)
+                )
+        medians = {k: statistics.median(v) for k, v in rates.items()}
+        base = medians["microbatches_1"]
+        print(
+            f"pipeline {name}: "
+            + ", ".join(f"{k} {v:,.1f} samples/s ({v / base:.2f}x)" for k, v in medians.items())
+        )
+        results[name] = {"samples_per_s": rates, "vs_microbatches_1": {
+            k: v / base for k, v in medians.items()}}  # fmt: skip
+    return {"workload": "pipeline_2_stages_1_thread_each", "batch_size": 256, **results}
+
+
+def bench_ddp(tmp: Path, args: argparse.Namespace) -> dict[str, object]:
+    """Template ``strategy=ddp devices=2`` vs hand-written torch DDP, 2 gloo processes each."""
     import torch.multiprocessing as mp
     from omegaconf import OmegaConf
-
-    from trainkit.config import ROOT_DIR
 
     root = write_mnist(tmp / "mnist-ddp", args.samples + 5000, 1000)
     world, batch = 2, 128  # global batch 256, as the single-process MLP row
@@ -282,18 +340,16 @@ def bench_ddp(tmp: Path, args: argparse.Namespace) -> dict[str, object]:
     }
     template, plain = [], []
     for r in range(args.repeats):
-        out = tmp / f"ddp-template-{r}.json"
-        timer = "+callbacks.step_timer"
-        command = [
-            *(sys.executable, "train.py", "strategy=ddp", f"devices={world}", "accelerator=cpu"),
-            *(f"data.root={root}", f"data.batch_size={batch}", "trainer.max_epochs=1"),
-            *("++trainer.limit_val_batches=1", "++trainer.limit_test_batches=1"),
-            f"paths.log_dir={tmp / 'ddp-logs'}",
-            *(f"{timer}._target_=trainkit.bench.StepTimer", f"{timer}.warmup={args.warmup}"),
-            f"{timer}.out={out}",
-        ]
-        subprocess.run(command, cwd=ROOT_DIR, check=True, capture_output=True)
-        template.append(json.loads(out.read_text()))
+        template.append(
+            template_subprocess(
+                [
+                    *("strategy=ddp", f"devices={world}", f"data.root={root}"),
+                    *(f"data.batch_size={batch}", "trainer.max_epochs=1"),
+                ],
+                tmp / f"ddp-template-{r}.json",
+                args.warmup,
+            )
+        )
         job["out"] = str(tmp / f"ddp-plain-{r}.json")
         mp.spawn(_plain_ddp_worker, args=(world, free_port(), job), nprocs=world, join=True)
         plain.append(json.loads(Path(job["out"]).read_text()))
@@ -337,6 +393,7 @@ WORKLOADS: dict[str, Callable[[Path, argparse.Namespace], dict[str, object]]] = 
     "resnet": bench_resnet,
     "imagefolder": bench_imagefolder,
     "ddp": bench_ddp,
+    "pipeline": bench_pipeline,
 }
 
 
@@ -350,6 +407,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser.add_argument("--images", type=int, default=256, help="ImageFolder images")
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--repeats", type=int, default=5, help="epochs of each, alternating")
+    parser.add_argument("--pipeline-repeats", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=10, help="MLP steps per epoch untimed")
     parser.add_argument("--tutorial", action="store_true", help="MLP: also the tutorial loop")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())

@@ -28,7 +28,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -101,7 +100,8 @@ class PipelineStrategy(DDPStrategy):
         seq = getattr(lightning_module, self.module_name, None)
         if not isinstance(seq, nn.Sequential):
             raise PipelineConfigError(
-                f"strategy=pipeline splits the model's `{self.module_name}` at block boundaries, "
+                f"strategy.module={self.module_name}: strategy=pipeline splits the model's "
+                f"`{self.module_name}` at block boundaries, "
                 f"so it must be an nn.Sequential of blocks; got {type(seq).__name__}"
             )
         return list(seq.children())
@@ -171,10 +171,11 @@ class PipelineStrategy(DDPStrategy):
         self._schedule = SCHEDULES[self.schedule_name](
             pipe_stage, n_microbatches=self.microbatches, loss_fn=lm.loss_fn
         )
-        rank_zero_info(
-            f"pipeline: {self.stages} stages starting at blocks {self._starts} of {len(blocks)}, "
-            f"{self.schedule_name}, {self.microbatches} micro-batches"
-        )
+        if self.global_rank == 0:
+            log.info(
+                "pipeline: %d stages starting at blocks %s of %d, %s, %d micro-batches",
+                *(self.stages, self._starts, len(blocks), self.schedule_name, self.microbatches),
+            )
 
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)

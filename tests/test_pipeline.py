@@ -1,0 +1,379 @@
+"""strategy=pipeline on CPU: stage splitting, checks before any process starts, and real runs.
+
+Pipeline runs are real ``python train.py strategy=pipeline`` processes (gloo), one per stage,
+compared with one device on the same seed and data: 768 training images are 12 full batches of
+64, so the pipeline (which drops an incomplete last batch) and one device take the same steps.
+"""
+
+import itertools
+import json
+import math
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch import nn
+
+from trainkit.config import compose_config
+from trainkit.data.synthetic import write_mnist
+from trainkit.models import MLP
+from trainkit.preflight import preflight
+from trainkit.strategies.pipeline import PipelineConfigError, PipelineStrategy, balanced_split
+from trainkit.train import build
+
+N_TRAIN_FILE, VAL, N_TEST = 1000, 232, 251  # 768 training images: 12 full batches of 64
+# Each pipeline rank runs one thread, so the one-device reference runs with threads=1 too (with
+# 2 threads its float sums run in another order: ~2e-5 apart). Micro-batching still reorders the
+# gradient sums (measured <= 3e-6 after an epoch of Adam); 1e-5 leaves room for that, no more.
+WEIGHT_ATOL = 1e-5
+HIDDEN3 = "model.net.hidden=[64,48,32]"  # 4 blocks: 3 stages at split points 1 and 2
+
+
+# --- stage splitting, in-process --------------------------------------------------------------
+
+
+def max_group(sizes: list[int], starts: list[int]) -> int:
+    bounds = [*starts, len(sizes)]
+    return max(sum(sizes[a:b]) for a, b in itertools.pairwise(bounds))
+
+
+def brute_force_best(sizes: list[int], stages: int) -> int:
+    cuts = itertools.combinations(range(1, len(sizes)), stages - 1)
+    return min(max_group(sizes, [0, *c]) for c in cuts)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "stages", "expected"),
+    [
+        ([10, 1, 1, 10], 2, [0, 2]),
+        ([5, 5, 5, 5], 2, [0, 2]),
+        ([1, 1, 1, 1, 1, 1], 3, [0, 2, 4]),
+        ([3, 1, 1, 1, 3], 3, [0, 1, 4]),
+        ([1, 2, 3], 3, [0, 1, 2]),  # as many stages as blocks: one block each
+        ([7], 1, [0]),
+    ],
+)
+def test_balanced_split(sizes: list[int], stages: int, expected: list[int]) -> None:
+    assert balanced_split(sizes, stages) == expected
+
+
+def test_balanced_split_minimises_the_largest_stage() -> None:
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(1, 8)
+        sizes = [rng.randint(1, 20) for _ in range(n)]
+        stages = rng.randint(1, n)
+        starts = balanced_split(sizes, stages)
+        assert len(starts) == stages and starts[0] == 0
+        assert starts == sorted(set(starts)) and starts[-1] < n  # no empty stage
+        assert max_group(sizes, starts) == brute_force_best(sizes, stages), (sizes, stages)
+
+
+class Classifier(nn.Module):
+    """What the strategy reads of a LightningModule: ``net`` (or another attribute)."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+
+def mlp(hidden: tuple[int, ...] = (512, 256)) -> Classifier:
+    return Classifier(MLP(784, hidden, 10))
+
+
+def test_stage_starts_balanced_by_parameter_count() -> None:
+    # blocks of 784*64+64, 64*48+48, 48*32+32, 32*10+10 parameters: the first block is a stage
+    assert PipelineStrategy(stages=2).stage_starts(mlp((64, 48, 32))) == [0, 1]
+    assert PipelineStrategy(stages=4).stage_starts(mlp((64, 48, 32))) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(("points", "starts"), [([1], [0, 1]), ([2], [0, 2])])
+def test_stage_starts_at_split_points(points: list[int], starts: list[int]) -> None:
+    assert PipelineStrategy(stages=2, split_points=points).stage_starts(mlp()) == starts
+
+
+def test_stage_starts_at_split_points_three_stages() -> None:
+    strategy = PipelineStrategy(stages=3, split_points=[1, 3])
+    assert strategy.stage_starts(mlp((64, 48, 32))) == [0, 1, 3]
+
+
+@pytest.mark.parametrize(
+    ("stages", "points"),
+    [
+        (2, [0]),  # stage 1 would be empty
+        (2, [3]),  # past the last block (3 blocks: 0, 1, 2)
+        (2, [-1]),
+        (2, [1, 2]),  # too many for 2 stages
+        (3, [1]),  # too few for 3 stages
+        (3, [2, 1]),  # not increasing
+        (3, [1, 1]),  # an empty stage
+    ],
+)
+def test_bad_split_points_are_refused(stages: int, points: list[int]) -> None:
+    strategy = PipelineStrategy(stages=stages, split_points=points)
+    with pytest.raises(PipelineConfigError, match=r"strategy\.split_points="):
+        strategy.stage_starts(mlp())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"schedule": "foo"}, r"strategy\.schedule='foo': use one of gpipe, 1f1b"),
+        ({"stages": 1}, r"strategy\.stages=1"),
+        ({"microbatches": 0}, r"strategy\.microbatches=0"),
+    ],
+)
+def test_bad_options_are_refused_when_built(kwargs: dict, message: str) -> None:
+    with pytest.raises(PipelineConfigError, match=message):
+        PipelineStrategy(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "model", "devices", "batch_size", "num_nodes", "message"),
+    [
+        ({}, mlp(), 2, 30, 1, r"data\.batch_size=30 .*strategy\.microbatches=4"),
+        ({"microbatches": 3}, mlp(), 2, 64, 1, r"data\.batch_size=64 .*strategy\.microbatches=3"),
+        ({"stages": 4}, mlp(), 4, 64, 1, r"strategy\.stages=4 but the model has 3 blocks"),
+        ({}, mlp(), 3, 64, 1, r"needs devices=2 .*got devices=3 x num_nodes=1"),
+        ({}, mlp(), 1, 64, 1, r"needs devices=2 .*got devices=1"),
+        ({}, mlp(), 2, 64, 2, r"needs devices=2 .*got devices=2 x num_nodes=2"),
+        (
+            {"stages": 3, "schedule": "1f1b", "microbatches": 2},
+            mlp(),
+            3,
+            64,
+            1,
+            r"strategy\.schedule=1f1b needs microbatches >= stages \(3\), got 2",
+        ),
+        ({}, Classifier(nn.Linear(784, 10)), 2, 64, 1, r"`net` .*nn\.Sequential.*got Linear"),
+        ({"module": "body"}, mlp(), 2, 64, 1, r"`body` .*nn\.Sequential.*got NoneType"),
+    ],
+)
+def test_check_run_refuses_what_cannot_run(
+    kwargs: dict, model: nn.Module, devices: int, batch_size: int, num_nodes: int, message: str
+) -> None:
+    with pytest.raises(PipelineConfigError, match=message):
+        PipelineStrategy(**kwargs).check_run(model, devices, batch_size, num_nodes)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "devices"),
+    [
+        ({}, 2),
+        ({"schedule": "1f1b"}, 2),
+        ({"microbatches": 1}, 2),
+        ({"stages": 3, "split_points": [1, 2], "schedule": "1f1b", "microbatches": 4}, 3),
+    ],
+)
+def test_check_run_accepts_what_runs(kwargs: dict, devices: int) -> None:
+    PipelineStrategy(**kwargs).check_run(mlp(), devices, 64, 1)
+
+
+# --- real runs ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pipe_mnist(tmp_path_factory) -> Path:
+    return write_mnist(tmp_path_factory.mktemp("pipe-mnist"), N_TRAIN_FILE, N_TEST)
+
+
+@pytest.fixture(scope="module")
+def base(pipe_mnist: Path) -> tuple[str, ...]:
+    return (
+        f"data.root={pipe_mnist}",
+        f"data.val_size={VAL}",
+        "data.download=false",
+        "accelerator=cpu",
+        "seed=0",
+        "data.batch_size=64",
+    )
+
+
+PIPE2 = ("strategy=pipeline", "devices=2")
+PIPE3 = ("strategy=pipeline", "devices=3", "strategy.stages=3", "strategy.split_points=[1,2]")
+
+
+@pytest.fixture(scope="module")
+def runs(run_script: Callable[..., Path], base: tuple[str, ...], tmp_path_factory) -> dict:
+    """One epoch on one device and under each pipeline shape; two epochs, straight and resumed."""
+    log_dir = tmp_path_factory.mktemp("pipeline-logs")
+    one_epoch = (*base, "trainer.max_epochs=1")
+    commands = {
+        "single": ("threads=1",),
+        "gpipe": (*PIPE2, "strategy.schedule=gpipe", "strategy.microbatches=4"),
+        "1f1b": (*PIPE2, "strategy.schedule=1f1b", "strategy.microbatches=4"),
+        "mb1": (*PIPE2, "strategy.microbatches=1"),
+        "single3": ("threads=1", HIDDEN3),
+        "pipe3": (*PIPE3, "strategy.schedule=1f1b", "strategy.microbatches=4", HIDDEN3),
+    }
+    out = {k: run_script("train.py", *one_epoch, *v, log_dir=log_dir) for k, v in commands.items()}
+    # Lightning 2.6 rewrites last.ckpt only when the monitored metric improves, and val/acc is
+    # already 1.0 after one epoch here: monitor val/loss, which keeps falling, so last.ckpt is
+    # the end of epoch two (test_resume_is_exact checks its global_step)
+    two_epochs = (*base, *PIPE2, "trainer.max_epochs=2", "monitor=val/loss", "monitor_mode=min")
+    out["gpipe_2ep"] = run_script("train.py", *two_epochs, log_dir=log_dir)
+    resume_from = out["gpipe"] / "checkpoints" / "last.ckpt"
+    out["resumed"] = run_script(
+        "train.py", *two_epochs, f"ckpt_path={resume_from}", log_dir=log_dir
+    )
+    return out
+
+
+def metrics(run_dir: Path) -> dict:
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+def checkpoint(run_dir: Path, name: str = "last") -> dict:
+    path = run_dir / "checkpoints" / f"{name}.ckpt"
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return checkpoint(run_dir)["state_dict"]
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float]:
+    assert a.keys() == b.keys()
+    return {k: (a[k].float() - b[k].float()).abs().max().item() for k in a}
+
+
+@pytest.mark.parametrize(
+    ("name", "reference"), [("gpipe", "single"), ("1f1b", "single"), ("pipe3", "single3")]
+)
+def test_pipeline_weights_equal_single_device(runs: dict, name: str, reference: str) -> None:
+    """Same seed, data order and batches: after an epoch, the weights of one device."""
+    diffs = max_diff(weights(runs[reference]), weights(runs[name]))
+    assert max(diffs.values()) < WEIGHT_ATOL, diffs
+
+
+def test_one_microbatch_is_exactly_single_device(runs: dict) -> None:
+    """One micro-batch is plain model parallelism: the same sums in the same order."""
+    single, piped = weights(runs["single"]), weights(runs["mb1"])
+    assert single.keys() == piped.keys()
+    for key in single:
+        assert torch.equal(single[key], piped[key]), key
+
+
+def test_three_stages_run_on_three_processes(runs: dict) -> None:
+    run_dir = runs["pipe3"]
+    logs = sorted(p.name for p in run_dir.glob("*.log"))
+    assert logs == ["train.log", "train_ddp_process_1.log", "train_ddp_process_2.log"]
+    assert "3 process(es) per node" in (run_dir / "train_ddp_process_2.log").read_text()
+
+
+@pytest.mark.usefixtures("restore_seed_state")
+def test_training_moved_the_weights(runs: dict, base: tuple[str, ...], tmp_path: Path) -> None:
+    """The zero_grad trap: were the schedule's gradients zeroed, the weights would stay at init.
+
+    The initial weights are rebuilt in-process as train.py builds them (seed, then build)."""
+    cfg = compose_config("train", tmp_path, [*base, *PIPE2, "trainer.max_epochs=1"])
+    preflight(cfg)
+    L.seed_everything(cfg.seed, workers=True)
+    _, model, _ = build(cfg)
+    init = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for name in ("single", "gpipe", "1f1b", "mb1"):
+        diffs = max_diff(init, weights(runs[name]))
+        # every tensor of every stage moved, by far more than the equivalence tolerance
+        assert min(diffs.values()) > 100 * WEIGHT_ATOL, (name, diffs)
+    for name in ("single", "gpipe"):
+        assert metrics(runs[name])["fit"]["train/loss"] < 2.2  # below chance, ln 10 = 2.30
+
+
+def test_pipeline_logs_the_single_device_loss(runs: dict) -> None:
+    """The loss and logits come from the last stage: broadcast, every rank logs the same."""
+    single = metrics(runs["single"])["fit"]
+    for name in ("gpipe", "1f1b", "mb1"):
+        fit = metrics(runs[name])["fit"]
+        assert math.isfinite(fit["train/loss"])
+        assert fit["train/loss"] == pytest.approx(single["train/loss"], rel=1e-5)
+        assert fit["train/acc"] == pytest.approx(single["train/acc"], abs=1e-6)
+        assert fit["val/acc"] == pytest.approx(single["val/acc"], abs=1e-6)
+
+
+def test_every_rank_logs_and_rank_zero_writes_tensorboard(runs: dict) -> None:
+    run_dir = runs["gpipe"]
+    logs = sorted(p.name for p in run_dir.glob("*.log"))
+    assert logs == ["train.log", "train_ddp_process_1.log"]
+    assert "Error" not in (run_dir / "train_ddp_process_1.log").read_text()
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    assert {"train/loss", "val/acc"} <= set(tags)
+    assert all(math.isfinite(e.value) for e in events.Scalars("train/loss"))
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["best.ckpt", "last.ckpt"]
+
+
+def test_checkpoint_holds_the_full_model(runs: dict) -> None:
+    single = checkpoint(runs["single"], "best")
+    for name in ("gpipe", "1f1b"):
+        ckpt = checkpoint(runs[name], "best")  # weights_only=True: plain values only
+        assert ckpt["state_dict"].keys() == single["state_dict"].keys()
+        for key, tensor in ckpt["state_dict"].items():
+            assert tensor.shape == single["state_dict"][key].shape, key
+        # Adam state merged from both stages: one entry per parameter, none left out
+        n_params = sum(1 for k in ckpt["state_dict"] if k.startswith("net."))
+        state = ckpt["optimizer_states"][0]["state"]
+        assert sorted(state) == list(range(n_params)), name
+        assert all(s["exp_avg"].abs().sum() > 0 for s in state.values()), name
+
+
+def test_pipeline_test_metrics_equal_single_device_eval(
+    runs: dict, run_script: Callable[..., Path]
+) -> None:
+    """Every rank tests the whole (synced) model on the whole test set: eval.py on one device,
+    from the pipeline's best checkpoint, gets the same numbers."""
+    run_dir = runs["gpipe"]
+    best = run_dir / "checkpoints" / "best.ckpt"
+    assert metrics(run_dir)["best_checkpoint"] == str(best)
+    evaluated = metrics(run_script("eval.py", f"ckpt_path={best}", "accelerator=cpu"))["test"]
+    piped = metrics(run_dir)["test"]
+    assert piped["test/acc"] == evaluated["test/acc"]
+    assert piped["test/loss"] == pytest.approx(evaluated["test/loss"], rel=1e-6)
+
+
+def test_resume_is_exact(runs: dict) -> None:
+    """One epoch, then resumed to two, ends where two straight epochs end: the optimizer state of
+    both stages was in the checkpoint."""
+    straight, resumed = weights(runs["gpipe_2ep"]), weights(runs["resumed"])
+    diffs = max_diff(straight, resumed)
+    assert max(diffs.values()) < 1e-6, diffs
+    steps = 2 * (N_TRAIN_FILE - VAL) // 64
+    assert checkpoint(runs["resumed"])["global_step"] == steps
+    assert checkpoint(runs["gpipe_2ep"])["global_step"] == steps
+    assert max(max_diff(weights(runs["gpipe"]), straight).values()) > 100 * WEIGHT_ATOL
+
+
+# --- refused before any process starts --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ("data.batch_size=30",),
+            "data.batch_size=30 does not split into strategy.microbatches=4",
+        ),
+        (("strategy.schedule=foo",), "strategy.schedule='foo': use one of gpipe, 1f1b"),
+    ],
+)
+def test_bad_pipeline_run_fails_before_any_process(
+    run_process, pipe_mnist: Path, tmp_path: Path, overrides: tuple[str, ...], message: str
+) -> None:
+    proc = run_process(
+        "train.py",
+        f"data.root={pipe_mnist}",
+        "data.download=false",
+        "accelerator=cpu",
+        *PIPE2,
+        *overrides,
+        log_dir=tmp_path,
+    )
+    assert proc.returncode != 0
+    assert message in proc.stdout + proc.stderr
+    names = [p.name for p in tmp_path.rglob("*")]
+    assert "train.log" in names  # the run started, in one process
+    assert not [n for n in names if n.startswith("train_ddp_process") or n.endswith(".ckpt")]
