@@ -61,9 +61,10 @@ def test_readme_commands_run(quickstart_run: Path, tmp_path: Path) -> None:
     commands = [
         *bash_block_after("## Running things"),
         *bash_block_after("### Strategies, devices and precision"),
+        *bash_block_after("### Pipeline (model parallel)"),
         *bash_block_after("### Sweeps"),
     ]
-    assert len(commands) >= 12
+    assert len(commands) >= 15
     env = {**os.environ, "TRAINKIT_LOG_DIR": str(tmp_path / "logs")}
     for command in commands:
         command = command.replace("logs/train/runs/<run>", str(quickstart_run))

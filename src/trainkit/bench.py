@@ -44,13 +44,17 @@ from trainkit.train import build
 class StepTimer(L.Callback):
     """Times training steps ``warmup`` .. end of epoch: the template's steady state.
 
-    With ``out``, rank 0 writes the global samples/s there (for runs in another process)."""
+    With ``out``, rank 0 writes the samples/s of all data-parallel replicas there (for runs in
+    other processes)."""
 
     def __init__(self, warmup: int, out: str | None = None) -> None:
         self.warmup, self.out = warmup, out
         self.start: float | None = None
         self.end: float | None = None
         self.samples = 0
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self.start, self.end, self.samples = None, None, 0  # each epoch is timed on its own
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         if batch_idx == self.warmup:
@@ -67,7 +71,10 @@ class StepTimer(L.Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self.out and trainer.is_global_zero:
-            Path(self.out).write_text(json.dumps(self.samples_per_s * trainer.world_size))
+            replicas = getattr(trainer.strategy, "distributed_sampler_kwargs", None)
+            replicas = replicas or {"num_replicas": 1}
+            rate = self.samples_per_s * replicas["num_replicas"]
+            Path(self.out).write_text(json.dumps(rate))
 
 
 def template_epoch(overrides: list[str], out: Path, warmup: int) -> float:
@@ -268,7 +275,7 @@ def template_subprocess(overrides: list[str], out: Path, warmup: int) -> float:
 
     timer = "+callbacks.step_timer"
     command = [
-        *(sys.executable, "train.py", "accelerator=cpu", *overrides),
+        *(sys.executable, "train.py", "accelerator=cpu", "trainer.max_epochs=1", *overrides),
         *("++trainer.limit_val_batches=1", "++trainer.limit_test_batches=1"),
         f"paths.log_dir={out.parent / 'logs'}",
         *(f"{timer}._target_=trainkit.bench.StepTimer", f"{timer}.warmup={warmup}"),

@@ -30,10 +30,12 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.utils.flop_counter import FlopCounterMode
 
 log = logging.getLogger(__name__)
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+BALANCE = ("flops", "params")
 
 
 class PipelineConfigError(ValueError):
@@ -64,6 +66,23 @@ def balanced_split(sizes: list[int], stages: int) -> list[int]:
     return starts[::-1]
 
 
+def block_flops(blocks: list[nn.Module], example: Tensor) -> list[int]:
+    """Forward FLOPs of each block on ``example``, in eval mode (no batch-norm statistics move).
+
+    Deterministic, so every rank computes the same split without communicating."""
+    costs = []
+    modes = [b.training for b in blocks]
+    with torch.no_grad():
+        for block in blocks:
+            block.eval()
+            with FlopCounterMode(display=False) as counter:
+                example = block(example)
+            costs.append(max(1, counter.get_total_flops()))
+    for block, mode in zip(blocks, modes, strict=True):
+        block.train(mode)
+    return costs
+
+
 class PipelineStrategy(DDPStrategy):
     """GPipe / 1F1B pipeline over ``stages`` processes (one per device), through Lightning."""
 
@@ -76,6 +95,7 @@ class PipelineStrategy(DDPStrategy):
         schedule: str = "gpipe",
         microbatches: int = 4,
         split_points: list[int] | None = None,
+        balance: str = "flops",
         module: str = "net",
         **kwargs: Any,
     ) -> None:
@@ -86,10 +106,14 @@ class PipelineStrategy(DDPStrategy):
             )
         if stages < 2:
             raise PipelineConfigError(f"strategy.stages={stages}: a pipeline needs 2 or more")
+        if balance not in BALANCE:
+            raise PipelineConfigError(
+                f"strategy.balance={balance!r}: use one of {', '.join(BALANCE)}"
+            )
         if microbatches < 1:
             raise PipelineConfigError(f"strategy.microbatches={microbatches}: must be 1 or more")
         self.stages, self.schedule_name, self.microbatches = stages, schedule, microbatches
-        self.split_points, self.module_name = split_points, module
+        self.split_points, self.balance, self.module_name = split_points, balance, module
         self._starts: list[int] = []
         self._schedule: Any = None
         self._pending_grads: list[Tensor | None] | None = None
@@ -159,10 +183,17 @@ class PipelineStrategy(DDPStrategy):
     # --- set-up ---------------------------------------------------------------------------------
 
     def configure_ddp(self) -> None:
-        """Instead of wrapping in DDP: cut this rank's stage and build the schedule."""
+        """Instead of wrapping in DDP: nothing yet. The stages are cut at the first training step,
+        where a real micro-batch shows what each block costs."""
+
+    def _build_pipeline(self, example: Tensor) -> None:
         lm = self.lightning_module
         blocks = self.blocks(lm)
-        self._starts = self.stage_starts(lm)
+        if self.split_points is None and self.balance == "flops":
+            micro = example[: max(1, len(example) // self.microbatches)]
+            self._starts = balanced_split(block_flops(blocks, micro), self.stages)
+        else:
+            self._starts = self.stage_starts(lm)
         stage = self.global_rank
         end = self._starts[stage + 1] if stage + 1 < self.stages else len(blocks)
         submodule = nn.Sequential(*blocks[self._starts[stage] : end])
@@ -172,9 +203,11 @@ class PipelineStrategy(DDPStrategy):
             pipe_stage, n_microbatches=self.microbatches, loss_fn=lm.loss_fn
         )
         if self.global_rank == 0:
+            how = "split_points" if self.split_points else f"balanced by {self.balance}"
             log.info(
-                "pipeline: %d stages starting at blocks %s of %d, %s, %d micro-batches",
-                *(self.stages, self._starts, len(blocks), self.schedule_name, self.microbatches),
+                "pipeline: %d stages starting at blocks %s of %d (%s), %s, %d micro-batches",
+                *(self.stages, self._starts, len(blocks), how),
+                *(self.schedule_name, self.microbatches),
             )
 
     def setup(self, trainer: Any) -> None:
@@ -213,6 +246,9 @@ class PipelineStrategy(DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> dict[str, Tensor]:
         x, y = args[0]
         lm = self.lightning_module
+        x = x.to(lm.dtype) if x.is_floating_point() else x
+        if self._schedule is None:
+            self._build_pipeline(x)
         params = list(lm.parameters())
         held = [p.grad for p in params]
         for p in params:
@@ -221,7 +257,6 @@ class PipelineStrategy(DDPStrategy):
         losses: list[Tensor] = []
         with self.precision_plugin.train_step_context():
             if first:
-                x = x.to(lm.dtype) if x.is_floating_point() else x
                 out = self._schedule.step(x, target=y if last else None)
             elif last:
                 out = self._schedule.step(target=y, losses=losses)
