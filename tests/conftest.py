@@ -129,3 +129,13 @@ def restore_seed_state(monkeypatch: pytest.MonkeyPatch):
     yield
     torch.set_rng_state(state)
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def free_port() -> int:
+    """A TCP port nothing listens on now, for a test's own process group."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -187,3 +187,38 @@ def test_precision_16_true_is_refused_on_cpu(base: tuple[str, ...], tmp_path: Pa
     cfg = compose_config("train", tmp_path, [*base, "precision=16-true"])
     with pytest.raises(ConfigError, match=r"precision=16-true is refused on CPU.*bf16"):
         preflight(cfg)
+
+
+def test_two_nodes_with_torchrun_on_loopback(
+    base: tuple[str, ...], tmp_path: Path, repo_root: Path, free_port: int
+) -> None:
+    """num_nodes=2: two torchrun "nodes" on this machine, one process each, one run directory
+    (shared, as on a cluster filesystem), one text log per rank."""
+    import subprocess
+    import sys
+
+    port, run_dir = free_port, tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")}
+    nodes = [
+        subprocess.Popen(
+            [
+                *(sys.executable, "-m", "torch.distributed.run", "--nnodes=2"),
+                *("--nproc-per-node=1", f"--node-rank={rank}", "--master-addr=127.0.0.1"),
+                *(f"--master-port={port}", "train.py", *base, "strategy=ddp", "devices=1"),
+                *("num_nodes=2", "data.batch_size=32"),
+                *(f"paths.log_dir={tmp_path / 'logs'}", f"hydra.run.dir={run_dir}"),
+            ],
+            cwd=repo_root,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    assert sorted(p.name for p in run_dir.glob("*.log")) == ["train.log", "train_rank1.log"]
+    test_metrics = metrics(run_dir)["test"]
+    assert set(test_metrics) == {"test/acc", "test/loss"}
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["best.ckpt", "last.ckpt"]

@@ -9,3 +9,10 @@ __version__ = "0.1.0"
 # ${cwd:} is the launch directory. Unlike ${hydra:runtime.cwd} it also resolves where Hydra computes
 # a sweep's directory, before any job runs.
 OmegaConf.register_new_resolver("cwd", os.getcwd, replace=True)
+
+# ${rank_suffix:} is "" on rank 0 and "_rank<N>" on the others when a launcher such as torchrun
+# sets RANK: the processes of a multi-node run share one run directory but not one log file.
+OmegaConf.register_new_resolver(
+    "rank_suffix",
+    lambda: f"_rank{os.environ['RANK']}" if os.environ.get("RANK", "0") != "0" else "",
+)
