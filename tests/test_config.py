@@ -92,9 +92,10 @@ def test_default_builds_data_model_and_trainer(
     [logger] = trainer.loggers
     assert isinstance(logger, TensorBoardLogger)
     assert Path(logger.log_dir) == output_dir / "tensorboard"
-    [checkpoint] = run_checkpoints(trainer, output_dir)
-    assert (checkpoint.monitor, checkpoint.mode) == ("val/acc", "max")
-    assert checkpoint.save_last
+    best, last = run_checkpoints(trainer, output_dir)
+    assert trainer.checkpoint_callback is best  # the one the recipe tests and sweeps read
+    assert (best.monitor, best.mode, best.filename) == ("val/acc", "max", "best")
+    assert (last.monitor, last.filename) == (None, "last")  # written at every validation
     assert len(callbacks_of(trainer, StartupTime)) == 1
 
 
@@ -134,7 +135,7 @@ def check_no_logger(cfg, dm, model, trainer, out):
 
 
 def check_default_callbacks(cfg, dm, model, trainer, out):
-    assert len(run_checkpoints(trainer, out)) == 1
+    assert len(run_checkpoints(trainer, out)) == 2  # best and last
     assert len(callbacks_of(trainer, StartupTime)) == 1
 
 
