@@ -1,6 +1,8 @@
 """``strategy=pipeline``: pipelined model parallelism on ``torch.distributed.pipelining``.
 
-One process per stage. The model's block sequence (``nn.Sequential``; ``module`` names the
+One process per stage (and per data-parallel replica when devices is a multiple of stages: rank =
+replica * stages + stage; each stage's gradients are averaged over the replicas). The model's
+block sequence (``nn.Sequential``; ``module`` names the
 attribute, ``net`` by default) is cut at block boundaries into ``stages`` contiguous stages,
 balanced by parameter count or cut at explicit ``split_points``. Every rank keeps the whole
 model but trains only its own stage: a batch is split into ``microbatches`` that flow through the
@@ -117,6 +119,8 @@ class PipelineStrategy(DDPStrategy):
         self._starts: list[int] = []
         self._schedule: Any = None
         self._pending_grads: list[Tensor | None] | None = None
+        self._pipe_group: Any = None  # this pipeline's ranks
+        self._replica_group: Any = None  # this stage's rank in every replica
 
     # --- shape, checked before any process starts ---------------------------------------------
 
@@ -157,11 +161,11 @@ class PipelineStrategy(DDPStrategy):
     ) -> None:
         """Everything that would fail after the processes start, said before they do."""
         self.stage_starts(lightning_module)
-        if devices * num_nodes != self.stages:
+        if (devices * num_nodes) % self.stages:
             raise PipelineConfigError(
-                f"strategy=pipeline with stages={self.stages} needs devices={self.stages} (one "
-                f"process per stage), got devices={devices} x num_nodes={num_nodes}; "
-                f"stages x data-parallel replicas is not supported yet"
+                f"strategy=pipeline with stages={self.stages} runs one process per stage and "
+                f"replica: devices x num_nodes ({devices} x {num_nodes}) must be a multiple of "
+                f"{self.stages}"
             )
         if batch_size % self.microbatches:
             raise PipelineConfigError(
@@ -177,8 +181,34 @@ class PipelineStrategy(DDPStrategy):
     # --- data: one pipeline is one data-parallel replica ----------------------------------------
 
     @property
+    def replicas(self) -> int:
+        return self.world_size // self.stages
+
+    @property
+    def stage(self) -> int:
+        """Ranks are laid out replica by replica: rank = replica * stages + stage."""
+        return self.global_rank % self.stages
+
+    def _rank_of(self, stage: int) -> int:
+        """The global rank of ``stage`` in this process's pipeline."""
+        return self.global_rank - self.stage + stage
+
+    @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": 1, "rank": 0}
+        return {"num_replicas": self.replicas, "rank": self.global_rank // self.stages}
+
+    def _make_groups(self) -> None:
+        """One process group per pipeline, one per stage across replicas (every rank creates
+        every group, in the same order, as torch.distributed requires)."""
+        self._pipe_group = self._replica_group = None
+        for r in range(self.replicas):
+            group = dist.new_group([r * self.stages + s for s in range(self.stages)])
+            if r == self.global_rank // self.stages:
+                self._pipe_group = group
+        for s in range(self.stages):
+            group = dist.new_group([r * self.stages + s for r in range(self.replicas)])
+            if s == self.stage:
+                self._replica_group = group
 
     # --- set-up ---------------------------------------------------------------------------------
 
@@ -194,10 +224,13 @@ class PipelineStrategy(DDPStrategy):
             self._starts = balanced_split(block_flops(blocks, micro), self.stages)
         else:
             self._starts = self.stage_starts(lm)
-        stage = self.global_rank
+        stage = self.stage
         end = self._starts[stage + 1] if stage + 1 < self.stages else len(blocks)
         submodule = nn.Sequential(*blocks[self._starts[stage] : end])
-        pipe_stage = PipelineStage(submodule, stage, self.stages, self.root_device)
+        self._make_groups()
+        pipe_stage = PipelineStage(
+            submodule, stage, self.stages, self.root_device, group=self._pipe_group
+        )
         # every rank passes the loss: without one a schedule runs no backward on that stage
         self._schedule = SCHEDULES[self.schedule_name](
             pipe_stage, n_microbatches=self.microbatches, loss_fn=lm.loss_fn
@@ -205,9 +238,10 @@ class PipelineStrategy(DDPStrategy):
         if self.global_rank == 0:
             how = "split_points" if self.split_points else f"balanced by {self.balance}"
             log.info(
-                "pipeline: %d stages starting at blocks %s of %d (%s), %s, %d micro-batches",
+                "pipeline: %d stages starting at blocks %s of %d (%s), %s, %d micro-batches, "
+                "%d replica(s)",
                 *(self.stages, self._starts, len(blocks), how),
-                *(self.schedule_name, self.microbatches),
+                *(self.schedule_name, self.microbatches, self.replicas),
             )
 
     def setup(self, trainer: Any) -> None:
@@ -225,7 +259,8 @@ class PipelineStrategy(DDPStrategy):
         ]
         local = sum((g.detach().float().pow(2).sum() for g in grads), torch.zeros(()))
         local = local.to(self.root_device)
-        dist.all_reduce(local)  # each parameter has a gradient on exactly one stage
+        # each parameter has its gradient on one stage; replicas hold the same (averaged) ones
+        dist.all_reduce(local, group=self._pipe_group)
         coef = (clip_val / (local.sqrt() + 1e-6)).clamp(max=1.0)
         for g in grads:
             g.mul_(coef.to(g.device, g.dtype))
@@ -239,7 +274,9 @@ class PipelineStrategy(DDPStrategy):
             return
         for i, block in enumerate(self.blocks(self.lightning_module)):
             for tensor in (*block.parameters(), *block.buffers()):
-                dist.broadcast(tensor.data, src=self._owner(i))
+                dist.broadcast(
+                    tensor.data, src=self._rank_of(self._owner(i)), group=self._pipe_group
+                )
 
     # --- the training step ----------------------------------------------------------------------
 
@@ -253,7 +290,7 @@ class PipelineStrategy(DDPStrategy):
         held = [p.grad for p in params]
         for p in params:
             p.grad = None
-        first, last = self.global_rank == 0, self.global_rank == self.stages - 1
+        first, last = self.stage == 0, self.stage == self.stages - 1
         losses: list[Tensor] = []
         with self.precision_plugin.train_step_context():
             if first:
@@ -262,19 +299,24 @@ class PipelineStrategy(DDPStrategy):
                 out = self._schedule.step(target=y, losses=losses)
             else:
                 out = self._schedule.step()
+        if self.replicas > 1:  # data parallel across pipelines: average each stage's gradients
+            for p in params:
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, group=self._replica_group)
+                    p.grad.div_(self.replicas)
         self._pending_grads = [p.grad for p in params]
         for p, h in zip(params, held, strict=True):
             p.grad = h
-        last_rank = self.stages - 1
+        last_rank, group = self._rank_of(self.stages - 1), self._pipe_group
         loss = torch.stack(losses).mean().detach().float() if last else torch.zeros(())
         loss = loss.to(self.root_device)
-        dist.broadcast(loss, src=last_rank)
+        dist.broadcast(loss, src=last_rank, group=group)
         logits = out.detach().float() if last else None
         shape = torch.tensor(logits.shape if last else (0, 0), device=self.root_device)
-        dist.broadcast(shape, src=last_rank)
+        dist.broadcast(shape, src=last_rank, group=group)
         if not last:
             logits = torch.empty(tuple(shape.tolist()), device=self.root_device)
-        dist.broadcast(logits, src=last_rank)
+        dist.broadcast(logits, src=last_rank, group=group)
         return {"loss": loss, "logits": logits, "target": y}
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
@@ -314,8 +356,8 @@ class PipelineStrategy(DDPStrategy):
             return state
         local = {i: {k: v.cpu() if isinstance(v, Tensor) else v for k, v in s.items()}
                  for i, s in state["state"].items()}  # fmt: skip
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, local)
+        gathered: list[Any] = [None] * self.stages
+        dist.all_gather_object(gathered, local, group=self._pipe_group)
         merged: dict[int, Any] = {}
         for part in gathered:
             merged.update(part)
