@@ -20,7 +20,9 @@ class ResNet50(nn.Sequential):
     """torchvision's ResNet-50 as an ordered sequence of blocks: stem, layer1..layer4, head.
 
     ``cifar_stem`` swaps the 7x7/2 convolution and max-pool for one 3x3/1 convolution, the usual
-    change for 32x32 inputs. ``weights`` is a local torchvision ``resnet50`` state dict (no
+    change for 32x32 inputs. ``norm="group"`` uses GroupNorm(32) instead of BatchNorm: statistics
+    per sample, so results do not depend on how a batch is split (micro-batches, devices).
+    ``weights`` is a local torchvision ``resnet50`` state dict (no
     download); tensors whose shape the chosen head or stem changes are left at their init.
     """
 
@@ -30,8 +32,12 @@ class ResNet50(nn.Sequential):
         cifar_stem: bool = False,
         weights: str | None = None,
         channels_last: bool = False,
+        norm: str = "batch",
     ) -> None:
-        net = resnet50(weights=None, num_classes=num_classes)
+        if norm not in ("batch", "group"):
+            raise ValueError(f"model.net.norm={norm!r}: use batch or group")
+        norm_layer = (lambda channels: nn.GroupNorm(32, channels)) if norm == "group" else None
+        net = resnet50(weights=None, num_classes=num_classes, norm_layer=norm_layer)
         if cifar_stem:
             net.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
             net.maxpool = nn.Identity()
