@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from trainkit.data import MNISTDataModule
-from trainkit.data.in_memory import InMemoryLoader, ShardSampler, normalize_images
+from trainkit.data.in_memory import InMemoryLoader, normalize_images
 from trainkit.data.mnist import MNIST_FILES
+from trainkit.data.sharding import ShardSampler
 from trainkit.data.synthetic import write_mnist
 
 N_TRAIN, N_TEST = 120, 30

@@ -86,11 +86,18 @@ def template_epoch(overrides: list[str], out: Path, warmup: int) -> float:
     return timer.samples_per_s
 
 
-def timed_steps(batches: Iterable, cfg: DictConfig, warmup: int) -> float:
-    """A hand-written training loop over ``(x, y)`` batches; samples/s after ``warmup`` steps."""
+def timed_steps(
+    batches: Iterable,
+    net: DictConfig,
+    optimizer: DictConfig,
+    warmup: int,
+    wrap: Callable[[torch.nn.Module], torch.nn.Module] = lambda model: model,
+) -> float:
+    """A hand-written training loop over ``(x, y)`` batches with the template's model and
+    optimizer configs (``wrap``: e.g. DistributedDataParallel); samples/s after ``warmup``."""
     torch.manual_seed(0)
-    model = instantiate(cfg.model.net)
-    optimizer = instantiate(cfg.model.optimizer)(params=model.parameters())
+    model = wrap(instantiate(net))
+    optimizer = instantiate(optimizer)(params=model.parameters())
     start, samples = None, 0
     for step, (x, y) in enumerate(batches):
         if step == warmup:
@@ -111,7 +118,7 @@ def plain_epoch(dm: InMemoryDataModule, cfg: DictConfig, steps: int | None, warm
     batches = (
         (normalize_images(dm.augment(images[idx]), dm.mean, dm.std), labels[idx]) for idx in order
     )
-    return timed_steps(batches, cfg, warmup)
+    return timed_steps(batches, cfg.model.net, cfg.model.optimizer, warmup)
 
 
 def compare(
@@ -154,11 +161,13 @@ def tutorial_epoch(data_root: Path, cfg: DictConfig, warmup: int) -> float:
     from torchvision import transforms
     from torchvision.datasets import MNIST
 
-    mean, std = instantiate(cfg.data).mean, instantiate(cfg.data).std
-    to_tensor = transforms.Compose([transforms.ToTensor(), transforms.Normalize(mean, std)])
+    data = instantiate(cfg.data)
+    to_tensor = transforms.Compose(
+        [transforms.ToTensor(), transforms.Normalize(data.mean, data.std)]
+    )
     dataset = MNIST(str(data_root), train=True, transform=to_tensor)
     loader = torch.utils.data.DataLoader(dataset, batch_size=cfg.data.batch_size, shuffle=True)
-    return timed_steps(loader, cfg, warmup)
+    return timed_steps(loader, cfg.model.net, cfg.model.optimizer, warmup)
 
 
 def bench_mlp(tmp: Path, args: argparse.Namespace) -> dict[str, object]:
@@ -227,7 +236,7 @@ def _plain_ddp_worker(rank: int, world: int, port: int, job: dict) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     from trainkit.data import MNISTDataModule
-    from trainkit.data.in_memory import ShardSampler
+    from trainkit.data.sharding import ShardSampler
 
     torch.set_num_threads(job["threads"])
     tune_malloc()
@@ -237,21 +246,13 @@ def _plain_ddp_worker(rank: int, world: int, port: int, job: dict) -> None:
     dm.setup("fit")
     images, labels = dm.splits["train"]
     order = ShardSampler(len(images), shuffle=True, rank=rank, world_size=world).indices()
-    torch.manual_seed(0)
-    model = DistributedDataParallel(instantiate(OmegaConf.create(job["net"])))
-    optimizer = instantiate(OmegaConf.create(job["optimizer"]))(params=model.parameters())
-    start, samples = None, 0
-    for step, idx in enumerate(order.split(job["batch"])):
-        if step == job["warmup"]:
-            start = time.perf_counter()
-        x = normalize_images(images[idx], dm.mean, dm.std)
-        loss = F.cross_entropy(model(x), labels[idx])
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        if step >= job["warmup"]:
-            samples += len(idx)
-    rate = samples / (time.perf_counter() - start) * world
+    batches = (
+        (normalize_images(images[idx], dm.mean, dm.std), labels[idx])
+        for idx in order.split(job["batch"])
+    )
+    net, optimizer = OmegaConf.create(job["net"]), OmegaConf.create(job["optimizer"])
+    rate = timed_steps(batches, net, optimizer, job["warmup"], wrap=DistributedDataParallel)
+    rate *= world
     dist.barrier()
     if rank == 0:
         Path(job["out"]).write_text(json.dumps(rate))

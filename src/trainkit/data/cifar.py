@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torchvision.datasets import CIFAR10
 
-from trainkit.data.in_memory import InMemoryDataModule, seeded_split, val_count
+from trainkit.data.in_memory import InMemoryDataModule
 
 TRAIN_BATCHES = tuple(f"data_batch_{i}" for i in range(1, 6))
 TEST_BATCH = "test_batch"
@@ -88,13 +88,10 @@ class CIFAR10DataModule(InMemoryDataModule):
         crop_padding: int = 4,
         augment: bool = True,
     ) -> None:
-        super().__init__(batch_size, eval_batch_size, seed)
-        val_count(val_size, 1 << 30)  # reject bad values now, before any file is read
+        super().__init__(root, batch_size, eval_batch_size, val_size, split_seed, seed, download)
         if crop_padding < 0:
             raise ValueError(f"data.crop_padding must be >= 0, got {crop_padding}")
-        self.root = Path(root).expanduser()
-        self.val_size, self.split_seed = val_size, split_seed
-        self.download, self.crop_padding, self.use_augment = download, crop_padding, augment
+        self.crop_padding, self.use_augment = crop_padding, augment
         self.classes: list[str] = []
 
     @property
@@ -133,14 +130,8 @@ class CIFAR10DataModule(InMemoryDataModule):
         test_images, test_labels = read_batch(self.batch_dir / TEST_BATCH)
         with open(self.batch_dir / "batches.meta", "rb") as f:
             self.classes = list(_ArrayUnpickler(f, encoding="latin1").load()["label_names"])
-        train_idx, val_idx = seeded_split(
-            len(images), val_count(self.val_size, len(images)), self.split_seed
-        )
-        self.splits = {
-            "train": (images[train_idx], labels[train_idx]),
-            "val": (images[val_idx], labels[val_idx]),
-            "test": (torch.from_numpy(test_images), torch.from_numpy(test_labels)),
-        }
+        test = (torch.from_numpy(test_images), torch.from_numpy(test_labels))
+        self.set_splits(images, labels, test=test)
 
     def augment(self, images: Tensor) -> Tensor:
         if not self.use_augment:

@@ -3,7 +3,6 @@ import logging
 import os
 from pathlib import Path
 
-import lightning as L
 import torch
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import DataLoader, Dataset, Subset
@@ -11,13 +10,7 @@ from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS
 from torchvision.transforms import v2
 
-from trainkit.data.in_memory import (
-    ShardSampler,
-    full_batches_only,
-    seeded_split,
-    shard_of,
-    val_count,
-)
+from trainkit.data.sharding import ShardedDataModule
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +107,7 @@ def undecodable(paths: list[str]) -> list[str]:
     return bad
 
 
-class ImageFolderDataModule(L.LightningDataModule):
+class ImageFolderDataModule(ShardedDataModule):
     """Images in class folders, read by ``torchvision.datasets.ImageFolder`` through DataLoader
     workers: the large-data path.
 
@@ -143,25 +136,18 @@ class ImageFolderDataModule(L.LightningDataModule):
         mean: tuple[float, ...] = IMAGENET_MEAN,
         std: tuple[float, ...] = IMAGENET_STD,
     ) -> None:
-        super().__init__()
+        super().__init__(root, batch_size, eval_batch_size, val_size, split_seed, seed)
         if bad_files not in BAD_FILES:
             raise ValueError(f"data.bad_files must be one of {BAD_FILES}, got {bad_files!r}")
-        for name, value in (("image_size", image_size), ("batch_size", batch_size)):
-            if value <= 0:
-                raise ValueError(f"data.{name} must be positive, got {value}")
+        if image_size <= 0:
+            raise ValueError(f"data.image_size must be positive, got {image_size}")
         if num_workers < 0:
             raise ValueError(f"data.num_workers must be >= 0, got {num_workers}")
-        val_count(val_size, 1 << 30)
-        self.root = Path(root).expanduser()
         self.image_size, self.resize_ratio = image_size, resize_ratio
-        self.batch_size = batch_size
-        self.eval_batch_size = eval_batch_size or batch_size
-        self.val_size, self.split_seed = val_size, split_seed
         self.num_workers, self.pin_memory = num_workers, pin_memory
         self.persistent_workers = persistent_workers and num_workers > 0
         self.bad_files, self.check_images = bad_files, check_images or bad_files == "skip"
         self.mean, self.std = tuple(mean), tuple(std)
-        self.seed = 0 if seed is None else seed  # the shuffle order all ranks share
         self._classes: list[str] | None = None
         self.datasets: dict[str, Dataset] = {}
 
@@ -243,8 +229,7 @@ class ImageFolderDataModule(L.LightningDataModule):
         if "val" in dirs:
             val: Dataset = self._folder(dirs["val"], train=False)
         else:
-            n = len(train)
-            train_idx, val_idx = seeded_split(n, val_count(self.val_size, n), self.split_seed)
+            train_idx, val_idx = self.split_train(len(train))
             eval_view = copy.copy(train)
             eval_view.transform = self.transforms(train=False)
             train, val = Subset(train, train_idx.tolist()), Subset(eval_view, val_idx.tolist())
@@ -254,34 +239,16 @@ class ImageFolderDataModule(L.LightningDataModule):
     # --- loaders ------------------------------------------------------------------------------
 
     def _loader(self, split: str, train: bool) -> DataLoader:
-        """Each rank reads its own shard: equal shards for training, and for evaluation every
-        image exactly once (Lightning's DistributedSampler pads with duplicates)."""
         dataset = self.datasets[split]
-        rank, world = shard_of(self.trainer)
-        sampler = ShardSampler(
-            len(dataset), shuffle=train, seed=self.seed, rank=rank, world_size=world, even=train
-        )
         return DataLoader(
             dataset,
-            batch_size=self.batch_size if train else self.eval_batch_size,
-            sampler=sampler,
+            batch_size=self.loader_batch_size(train),
+            sampler=self.shard(len(dataset), train),
             num_workers=self.num_workers,
             pin_memory=self.pin_memory and torch.cuda.is_available(),
             persistent_workers=self.persistent_workers,
-            drop_last=train and full_batches_only(self.trainer),
+            drop_last=self.drop_last(train),
         )
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader("train", train=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader("val", train=False)
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader("test", train=False)
-
-    def predict_dataloader(self) -> DataLoader:
-        return self._loader("test", train=False)
 
     # --- class names travel with the checkpoint -------------------------------------------------
 

@@ -3,7 +3,7 @@ from pathlib import Path
 
 from torchvision.datasets import MNIST
 
-from trainkit.data.in_memory import InMemoryDataModule, seeded_split, val_count
+from trainkit.data.in_memory import InMemoryDataModule
 
 MNIST_FILES = (
     "train-images-idx3-ubyte",
@@ -33,11 +33,7 @@ class MNISTDataModule(InMemoryDataModule):
         seed: int | None = 0,
         download: bool = True,
     ) -> None:
-        super().__init__(batch_size, eval_batch_size, seed)
-        val_count(val_size, 1 << 30)  # reject bad values now, before any file is read
-        self.root = Path(root).expanduser()
-        self.val_size, self.split_seed = val_size, split_seed
-        self.download = download
+        super().__init__(root, batch_size, eval_batch_size, val_size, split_seed, seed, download)
 
     @property
     def raw_dir(self) -> Path:
@@ -75,10 +71,4 @@ class MNISTDataModule(InMemoryDataModule):
             return
         train = MNIST(str(self.root), train=True, download=False)
         test = MNIST(str(self.root), train=False, download=False)
-        n = len(train.data)
-        train_idx, val_idx = seeded_split(n, val_count(self.val_size, n), self.split_seed)
-        self.splits = {
-            "train": (train.data[train_idx], train.targets[train_idx]),
-            "val": (train.data[val_idx], train.targets[val_idx]),
-            "test": (test.data, test.targets),
-        }
+        self.set_splits(train.data, train.targets, test=(test.data, test.targets))
