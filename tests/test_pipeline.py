@@ -9,6 +9,8 @@ import itertools
 import json
 import math
 import random
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -122,9 +124,12 @@ def test_bad_split_points_are_refused(stages: int, points: list[int]) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"schedule": "foo"}, r"strategy\.schedule='foo': use one of gpipe, 1f1b"),
+        ({"schedule": "foo"}, r"strategy\.schedule='foo': use one of gpipe, 1f1b, interleaved"),
         ({"stages": 1}, r"strategy\.stages=1"),
         ({"microbatches": 0}, r"strategy\.microbatches=0"),
+        ({"microbatch_size": 0}, r"strategy\.microbatch_size=0"),
+        ({"virtual_stages": 2}, r"virtual_stages=2 with strategy\.schedule=gpipe.*interleaved"),
+        ({"schedule": "interleaved", "virtual_stages": 0}, r"strategy\.virtual_stages=0"),
     ],
 )
 def test_bad_options_are_refused_when_built(kwargs: dict, message: str) -> None:
@@ -149,6 +154,30 @@ def test_bad_options_are_refused_when_built(kwargs: dict, message: str) -> None:
             1,
             r"strategy\.schedule=1f1b needs microbatches >= stages \(3\), got 2",
         ),
+        (
+            {"microbatch_size": 24},
+            mlp(),
+            2,
+            64,
+            1,
+            r"data\.batch_size=64 .*strategy\.microbatch_size=24",
+        ),
+        (
+            {"schedule": "interleaved"},
+            mlp(),
+            2,
+            64,
+            1,
+            r"stages x virtual_stages = 4 but the model has 3 blocks",
+        ),
+        (
+            {"schedule": "interleaved", "microbatches": 7},
+            mlp((8, 8, 8)),
+            2,
+            63,
+            1,
+            r"interleaved .*7 micro-batches is not a multiple of 3 rounds",
+        ),
         ({}, Classifier(nn.Linear(784, 10)), 2, 64, 1, r"`net` .*nn\.Sequential.*got Linear"),
         ({"module": "body"}, mlp(), 2, 64, 1, r"`body` .*nn\.Sequential.*got NoneType"),
     ],
@@ -168,10 +197,36 @@ def test_check_run_refuses_what_cannot_run(
         ({"microbatches": 1}, 2),
         ({"stages": 3, "split_points": [1, 2], "schedule": "1f1b", "microbatches": 4}, 3),
         ({}, 4),  # 2 stages x 2 data-parallel replicas
+        ({"microbatch_size": 16}, 2),
+        ({"schedule": "interleaved", "microbatches": 8}, 2),
+        ({"schedule": "interleaved", "virtual_stages": 3, "microbatches": 2}, 2),
     ],
 )
 def test_check_run_accepts_what_runs(kwargs: dict, devices: int) -> None:
-    PipelineStrategy(**kwargs).check_run(mlp(), devices, 64, 1)
+    PipelineStrategy(**kwargs).check_run(mlp((64, 48, 32, 16, 8)), devices, 64, 1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "batch_size", "expected"),
+    [
+        ({"microbatches": 4}, 64, 4),
+        ({"microbatch_size": 16}, 64, 4),
+        ({"microbatch_size": 8}, 64, 8),
+    ],
+)
+def test_microbatch_size_sets_the_number_of_microbatches(
+    kwargs: dict, batch_size: int, expected: int
+) -> None:
+    assert PipelineStrategy(**kwargs).microbatches_for(batch_size) == expected
+
+
+def test_interleaved_chunks_cover_the_model_in_order() -> None:
+    """stages x virtual_stages chunks; chunk c is trained by process c % stages."""
+    strategy = PipelineStrategy(stages=2, schedule="interleaved", split_points=[1, 2, 3])
+    model = mlp((64, 48, 32))
+    strategy._starts = strategy.stage_starts(model)
+    assert strategy._starts == [0, 1, 2, 3]
+    assert [strategy._owner(b) for b in range(4)] == [0, 1, 0, 1]
 
 
 # --- real runs ---------------------------------------------------------------------------------
@@ -210,6 +265,9 @@ def runs(run_script: Callable[..., Path], base: tuple[str, ...], tmp_path_factor
         "mb1": (*PIPE2, "strategy.microbatches=1"),
         "single3": ("threads=1", HIDDEN3),
         "pipe3": (*PIPE3, "strategy.schedule=1f1b", "strategy.microbatches=4", HIDDEN3),
+        # 4 chunks on 2 processes: blocks 0 and 2 on rank 0, blocks 1 and 3 on rank 1
+        "interleaved": (*PIPE2, "strategy.schedule=interleaved", HIDDEN3),
+        "mb_size": (*PIPE2, "strategy.microbatch_size=16"),  # 64 / 16: the gpipe run's 4
         # 2 stages x 2 data-parallel replicas: 32 per replica, the same global batch of 64
         "replicas": ("strategy=pipeline", "devices=4", "data.batch_size=32"),
     }
@@ -245,7 +303,8 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str
 
 
 @pytest.mark.parametrize(
-    ("name", "reference"), [("gpipe", "single"), ("1f1b", "single"), ("pipe3", "single3")]
+    ("name", "reference"),
+    [("gpipe", "single"), ("1f1b", "single"), ("pipe3", "single3"), ("interleaved", "single3")],
 )
 def test_pipeline_weights_equal_single_device(runs: dict, name: str, reference: str) -> None:
     """Same seed, data order and batches: after an epoch, the weights of one device."""
@@ -272,6 +331,13 @@ def test_one_microbatch_is_exactly_single_device(runs: dict) -> None:
         assert torch.equal(single[key], piped[key]), key
 
 
+def test_microbatch_size_is_the_same_split(runs: dict) -> None:
+    """microbatch_size=16 of a batch of 64 is 4 micro-batches: the gpipe run, bit for bit."""
+    by_count, by_size = weights(runs["gpipe"]), weights(runs["mb_size"])
+    assert all(torch.equal(by_count[k], by_size[k]) for k in by_count)
+    assert "gpipe on 2 processes, 4 micro-batches" in (runs["mb_size"] / "train.log").read_text()
+
+
 def test_three_stages_run_on_three_processes(runs: dict) -> None:
     run_dir = runs["pipe3"]
     logs = sorted(p.name for p in run_dir.glob("*.log"))
@@ -289,7 +355,7 @@ def test_training_moved_the_weights(runs: dict, base: tuple[str, ...], tmp_path:
     L.seed_everything(cfg.seed, workers=True)
     _, model, _ = build(cfg)
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    for name in ("single", "gpipe", "1f1b", "mb1"):
+    for name in ("single", "gpipe", "1f1b", "mb1", "mb_size"):
         diffs = max_diff(init, weights(runs[name]))
         # every tensor of every stage moved, by far more than the equivalence tolerance
         assert min(diffs.values()) > 100 * WEIGHT_ATOL, (name, diffs)
@@ -372,6 +438,10 @@ def test_resume_is_exact(runs: dict) -> None:
             "data.batch_size=30 does not split into strategy.microbatches=4",
         ),
         (("strategy.schedule=foo",), "strategy.schedule='foo': use one of gpipe, 1f1b"),
+        (
+            ("strategy.microbatch_size=24",),
+            "does not split into micro-batches of strategy.microbatch_size=24",
+        ),
     ],
 )
 def test_bad_pipeline_run_fails_before_any_process(
@@ -391,3 +461,59 @@ def test_bad_pipeline_run_fails_before_any_process(
     names = [p.name for p in tmp_path.rglob("*")]
     assert "train.log" in names  # the run started, in one process
     assert not [n for n in names if n.startswith("train_ddp_process") or n.endswith(".ckpt")]
+
+
+# --- predict ------------------------------------------------------------------------------------
+
+PREDICT_SCRIPT = """
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+
+from trainkit.config import compose_config
+from trainkit.preflight import preflight
+from trainkit.train import build
+
+out = Path(sys.argv[1])
+cfg = compose_config("train", out, sys.argv[2:])
+preflight(cfg)
+L.seed_everything(cfg.seed, workers=True)
+datamodule, model, trainer = build(cfg)
+trainer.fit(model, datamodule=datamodule)
+predictions = torch.cat(trainer.predict(model, datamodule=datamodule))
+if trainer.global_rank == 0:
+    torch.save({"predictions": predictions, "state_dict": model.state_dict()}, out / "predict.pt")
+"""
+
+
+def test_predict_after_fit_uses_every_stage_trained_weights(
+    base: tuple[str, ...], tmp_path: Path, repo_root: Path
+) -> None:
+    """Lightning's ddp launcher re-runs the script for rank 1, so predict runs in real processes.
+
+    After fit, rank 0 has only trained its own stage: predict must first fetch the other's blocks
+    (the weights it then holds equal last.ckpt) and predict what one device predicts with them."""
+    script = tmp_path / "predict.py"
+    script.write_text(PREDICT_SCRIPT)
+    overrides = (*base, *PIPE2, "trainer.max_epochs=1", "++trainer.limit_train_batches=4")
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), *overrides],
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = torch.load(tmp_path / "predict.pt", weights_only=True)
+    saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    assert max(max_diff(saved, result["state_dict"]).values()) == 0
+
+    cfg = compose_config("train", tmp_path / "single", [*base, "accelerator=cpu"])
+    datamodule, model, _ = build(cfg)
+    model.load_state_dict(result["state_dict"])
+    one_device = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    expected = torch.cat(one_device.predict(model, datamodule=datamodule))
+    assert len(expected) == N_TEST
+    assert torch.equal(result["predictions"], expected)

@@ -289,7 +289,8 @@ def template_subprocess(overrides: list[str], out: Path, warmup: int) -> float:
 
 
 def bench_pipeline(tmp: Path, args: argparse.Namespace) -> dict[str, object]:
-    """Pipeline (2 stages, 1 thread each) at 1, 2, 4, 8 micro-batches vs one process."""
+    """Pipeline (2 stages, 1 thread each) at 1, 2, 4, 8 micro-batches (and interleaved 1F1B at 4
+    for ResNet-50) vs one process."""
     results: dict[str, object] = {}
     mnist = write_mnist(tmp / "mnist-pipe", 256 * 24 + 500, 300)
     cifar = write_cifar10(tmp / "cifar-pipe", 256 * 6 // 5 + 100, 100)
@@ -312,6 +313,11 @@ def bench_pipeline(tmp: Path, args: argparse.Namespace) -> dict[str, object]:
             for m in (1, 2, 4, 8):
                 runs[f"microbatches_{m}"] = [
                     *("strategy=pipeline", "devices=2", f"strategy.microbatches={m}"),
+                ]
+            if name != "mlp":  # 4 chunks need 4 blocks; the default MLP has 3
+                runs["interleaved_4"] = [
+                    *("strategy=pipeline", "devices=2", "strategy.microbatches=4"),
+                    "strategy.schedule=interleaved",
                 ]
             for label, extra in runs.items():
                 out = tmp / f"pipe-{name}-{label}-{r}.json"

@@ -4,9 +4,12 @@ One process per stage (and per data-parallel replica when devices is a multiple 
 replica * stages + stage; each stage's gradients are averaged over the replicas). The model's
 block sequence (``nn.Sequential``; ``module`` names the
 attribute, ``net`` by default) is cut at block boundaries into ``stages`` contiguous stages,
-balanced by parameter count or cut at explicit ``split_points``. Every rank keeps the whole
-model but trains only its own stage: a batch is split into ``microbatches`` that flow through the
-stages under a GPipe or 1F1B schedule, which runs forward and backward inside the training step.
+balanced by measured FLOPs or parameter count, or cut at explicit ``split_points``. Every rank
+keeps the whole model but trains only its own stage: a batch is split into ``microbatches`` (or
+micro-batches of ``microbatch_size``) that flow through the stages under a GPipe or 1F1B
+schedule, which runs forward and backward inside the training step. ``schedule=interleaved``
+(Megatron's interleaved 1F1B) cuts the model into ``stages x virtual_stages`` chunks and gives
+each process every ``stages``-th chunk, which shortens the pipeline's fill and drain.
 
 Traps this handles (see DESIGN.md):
 
@@ -29,14 +32,21 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor, nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
 from torch.utils.flop_counter import FlopCounterMode
+
+from trainkit.strategies.ddp import DDPStrategy
 
 log = logging.getLogger(__name__)
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
+MULTI_CHUNK = {"interleaved"}  # schedules that run several model chunks per process
 BALANCE = ("flops", "params")
 
 
@@ -96,6 +106,8 @@ class PipelineStrategy(DDPStrategy):
         stages: int = 2,
         schedule: str = "gpipe",
         microbatches: int = 4,
+        microbatch_size: int | None = None,
+        virtual_stages: int | None = None,
         split_points: list[int] | None = None,
         balance: str = "flops",
         module: str = "net",
@@ -114,7 +126,20 @@ class PipelineStrategy(DDPStrategy):
             )
         if microbatches < 1:
             raise PipelineConfigError(f"strategy.microbatches={microbatches}: must be 1 or more")
+        if microbatch_size is not None and microbatch_size < 1:
+            raise PipelineConfigError(
+                f"strategy.microbatch_size={microbatch_size}: must be 1 or more (or null)"
+            )
+        multi = schedule in MULTI_CHUNK
+        if virtual_stages is None:
+            virtual_stages = 2 if multi else 1
+        if virtual_stages < 1 or (virtual_stages > 1 and not multi):
+            raise PipelineConfigError(
+                f"strategy.virtual_stages={virtual_stages} with strategy.schedule={schedule}: "
+                f"several model chunks per process need schedule=interleaved; otherwise use 1"
+            )
         self.stages, self.schedule_name, self.microbatches = stages, schedule, microbatches
+        self.microbatch_size, self.virtual_stages = microbatch_size, virtual_stages
         self.split_points, self.balance, self.module_name = split_points, balance, module
         self._starts: list[int] = []
         self._schedule: Any = None
@@ -123,6 +148,28 @@ class PipelineStrategy(DDPStrategy):
         self._replica_group: Any = None  # this stage's rank in every replica
 
     # --- shape, checked before any process starts ---------------------------------------------
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks per pipeline: chunk c runs on stage (process) c % stages."""
+        return self.stages * self.virtual_stages
+
+    def microbatches_for(self, batch_size: int) -> int:
+        """``microbatch_size``, when set, fixes the micro-batch size and wins over
+        ``microbatches`` (as ``split_size`` does in the classic model-parallel tutorial)."""
+        if self.microbatch_size is None:
+            if batch_size % self.microbatches:
+                raise PipelineConfigError(
+                    f"data.batch_size={batch_size} does not split into strategy.microbatches="
+                    f"{self.microbatches} equal micro-batches: make the batch size a multiple"
+                )
+            return self.microbatches
+        if batch_size % self.microbatch_size:
+            raise PipelineConfigError(
+                f"data.batch_size={batch_size} does not split into micro-batches of "
+                f"strategy.microbatch_size={self.microbatch_size}: make the batch size a multiple"
+            )
+        return batch_size // self.microbatch_size
 
     def blocks(self, lightning_module: nn.Module) -> list[nn.Module]:
         seq = getattr(lightning_module, self.module_name, None)
@@ -135,26 +182,28 @@ class PipelineStrategy(DDPStrategy):
         return list(seq.children())
 
     def stage_starts(self, lightning_module: nn.Module) -> list[int]:
+        """The first block of each chunk (of each stage, when one chunk per stage)."""
         blocks = self.blocks(lightning_module)
-        if self.stages > len(blocks):
+        if self.chunks > len(blocks):
+            chunks = f"stages x virtual_stages = {self.chunks}"
             raise PipelineConfigError(
-                f"strategy.stages={self.stages} but the model has {len(blocks)} blocks: use "
-                f"stages<={len(blocks)}"
+                f"strategy.{'stages=' + str(self.stages) if self.virtual_stages == 1 else chunks}"
+                f" but the model has {len(blocks)} blocks: use at most {len(blocks)} chunks"
             )
         if self.split_points is not None:
             starts = [0, *self.split_points]
             if (
-                len(starts) != self.stages
+                len(starts) != self.chunks
                 or starts != sorted(set(starts))
                 or starts[-1] >= len(blocks)
             ):
                 raise PipelineConfigError(
-                    f"strategy.split_points={list(self.split_points)}: give {self.stages - 1} "
+                    f"strategy.split_points={list(self.split_points)}: give {self.chunks - 1} "
                     f"increasing block indices between 1 and {len(blocks) - 1}"
                 )
             return starts
         sizes = [sum(p.numel() for p in b.parameters()) or 1 for b in blocks]
-        return balanced_split(sizes, self.stages)
+        return balanced_split(sizes, self.chunks)
 
     def check_run(
         self, lightning_module: nn.Module, devices: int, batch_size: int, num_nodes: int = 1
@@ -167,15 +216,18 @@ class PipelineStrategy(DDPStrategy):
                 f"replica: devices x num_nodes ({devices} x {num_nodes}) must be a multiple of "
                 f"{self.stages}"
             )
-        if batch_size % self.microbatches:
-            raise PipelineConfigError(
-                f"data.batch_size={batch_size} does not split into strategy.microbatches="
-                f"{self.microbatches} equal micro-batches: make the batch size a multiple"
-            )
-        if self.schedule_name == "1f1b" and self.microbatches < self.stages:
+        microbatches = self.microbatches_for(batch_size)
+        if self.schedule_name == "1f1b" and microbatches < self.stages:
             raise PipelineConfigError(
                 f"strategy.schedule=1f1b needs microbatches >= stages ({self.stages}), got "
-                f"{self.microbatches}"
+                f"{microbatches}"
+            )
+        rounds = max(1, microbatches // self.stages)
+        if self.schedule_name == "interleaved" and microbatches % rounds:
+            raise PipelineConfigError(
+                f"strategy.schedule=interleaved runs micro-batches in rounds of stages "
+                f"({self.stages}): {microbatches} micro-batches is not a multiple of {rounds} "
+                f"rounds; use a multiple of {self.stages}"
             )
 
     # --- data: one pipeline is one data-parallel replica ----------------------------------------
@@ -219,29 +271,37 @@ class PipelineStrategy(DDPStrategy):
     def _build_pipeline(self, example: Tensor) -> None:
         lm = self.lightning_module
         blocks = self.blocks(lm)
+        microbatches = self.microbatches_for(len(example))
         if self.split_points is None and self.balance == "flops":
-            micro = example[: max(1, len(example) // self.microbatches)]
-            self._starts = balanced_split(block_flops(blocks, micro), self.stages)
+            micro = example[: len(example) // microbatches]
+            self._starts = balanced_split(block_flops(blocks, micro), self.chunks)
         else:
             self._starts = self.stage_starts(lm)
-        stage = self.stage
-        end = self._starts[stage + 1] if stage + 1 < self.stages else len(blocks)
-        submodule = nn.Sequential(*blocks[self._starts[stage] : end])
+        bounds = [*self._starts, len(blocks)]
         self._make_groups()
-        pipe_stage = PipelineStage(
-            submodule, stage, self.stages, self.root_device, group=self._pipe_group
-        )
+        pipe_stages = [
+            PipelineStage(
+                nn.Sequential(*blocks[bounds[c] : bounds[c + 1]]),
+                *(c, self.chunks, self.root_device),
+                group=self._pipe_group,
+            )
+            for c in range(self.stage, self.chunks, self.stages)
+        ]
         # every rank passes the loss: without one a schedule runs no backward on that stage
+        multi = self.schedule_name in MULTI_CHUNK
         self._schedule = SCHEDULES[self.schedule_name](
-            pipe_stage, n_microbatches=self.microbatches, loss_fn=lm.loss_fn
+            pipe_stages if multi else pipe_stages[0],
+            n_microbatches=microbatches,
+            loss_fn=lm.loss_fn,
         )
         if self.global_rank == 0:
             how = "split_points" if self.split_points else f"balanced by {self.balance}"
+            what = f"{self.stages} stages" if not multi else f"{self.chunks} chunks"
             log.info(
-                "pipeline: %d stages starting at blocks %s of %d (%s), %s, %d micro-batches, "
-                "%d replica(s)",
-                *(self.stages, self._starts, len(blocks), how),
-                *(self.schedule_name, self.microbatches, self.replicas),
+                "pipeline: %s starting at blocks %s of %d (%s), %s on %d processes, "
+                "%d micro-batches, %d replica(s)",
+                *(what, self._starts, len(blocks), how),
+                *(self.schedule_name, self.stages, microbatches, self.replicas),
             )
 
     def setup(self, trainer: Any) -> None:
@@ -266,7 +326,9 @@ class PipelineStrategy(DDPStrategy):
             g.mul_(coef.to(g.device, g.dtype))
 
     def _owner(self, block_index: int) -> int:
-        return max(s for s, start in enumerate(self._starts) if start <= block_index)
+        """The stage (process in the pipeline) that trains block ``block_index``."""
+        chunk = max(c for c, start in enumerate(self._starts) if start <= block_index)
+        return chunk % self.stages
 
     def sync_blocks(self) -> None:
         """Every rank gets every block's current weights from the rank that trains it."""
