@@ -19,6 +19,8 @@ N_TRAIN, N_TEST, VAL_SIZE = 1000, 250, 200
 
 # Lightning's seed_everything exports these; an in-process test must not seed the subprocesses.
 _SEED_ENV = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")
+# An in-process run or Lightning may export a thread count: subprocesses choose their own.
+_INHERITED_ENV = (*_SEED_ENV, "OMP_NUM_THREADS")
 
 
 class ScriptError(AssertionError):
@@ -27,7 +29,7 @@ class ScriptError(AssertionError):
 
 def _run_process(script: str, *overrides: str, log_dir: Path) -> subprocess.CompletedProcess:
     """``python <script> <overrides> paths.log_dir=<log_dir>`` from the repository root."""
-    env = {k: v for k, v in os.environ.items() if k not in _SEED_ENV}
+    env = {k: v for k, v in os.environ.items() if k not in _INHERITED_ENV}
     return subprocess.run(
         [sys.executable, script, *overrides, f"paths.log_dir={log_dir}"],
         cwd=REPO_ROOT,
@@ -139,3 +141,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# Files whose tests take minutes (real multi-process runs), started first: `make test` runs the
+# files on 2 xdist workers, and a long file picked up last would run alone at the end.
+LONGEST_FIRST = (
+    "test_readme.py",
+    "test_pipeline_resnet.py",
+    "test_pipeline.py",
+    "test_sweeps.py",
+    "test_strategies.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: the order within a file is kept

@@ -225,7 +225,7 @@ def test_seed_is_honoured_including_zero(compose, output_dir: Path, seed: int) -
     run(cfg)
 
     assert torch.initial_seed() == seed
-    assert os.environ["PL_GLOBAL_SEED"] == str(seed)
+    assert "PL_GLOBAL_SEED" not in os.environ  # a run's exports end with it: none reach the next
     assert (output_dir / "metrics.json").is_file()
 
 

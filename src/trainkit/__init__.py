@@ -1,5 +1,6 @@
 """trainkit: a Lightning + Hydra template where the parallelism strategy is a config choice."""
 
+import hashlib
 import os
 
 from omegaconf import OmegaConf
@@ -16,3 +17,15 @@ OmegaConf.register_new_resolver(
     "rank_suffix",
     lambda: f"_rank{os.environ['RANK']}" if os.environ.get("RANK", "0") != "0" else "",
 )
+
+
+def job_dirname(num: int, overrides: str, limit: int = 120) -> str:
+    """``3_devices=2,model.optimizer.lr=0.001``: a sweep job's directory, named by its overrides
+    (and so its TensorBoard run); '/' in values flattened, long names cut and made unique."""
+    name = f"{num}_{overrides}".replace("/", "_") if overrides else str(num)
+    if len(name) > limit:
+        name = name[: limit - 9] + "_" + hashlib.sha1(name.encode()).hexdigest()[:8]
+    return name
+
+
+OmegaConf.register_new_resolver("job_dirname", job_dirname, replace=True)

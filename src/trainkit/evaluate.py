@@ -9,6 +9,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from trainkit.callbacks.run_config import CONFIG_KEY
+from trainkit.preflight import device_count, resolve_accelerator, set_threads
+from trainkit.strategies.ddp import DDPStrategy, isolated_job
 from trainkit.train import as_floats, build_loggers, write_json
 
 log = logging.getLogger(__name__)
@@ -33,6 +35,11 @@ def read_checkpoint_config(ckpt_path: str | Path) -> DictConfig:
 
 def run(cfg: DictConfig) -> dict[str, float]:
     """Test a checkpoint on its own data and model config; ``cfg.data`` keys override the data's."""
+    with isolated_job():
+        return _test(cfg)
+
+
+def _test(cfg: DictConfig) -> dict[str, float]:
     train_cfg = read_checkpoint_config(cfg.ckpt_path)
     for key, value in (cfg.get("data") or {}).items():
         if value is not None:
@@ -41,7 +48,12 @@ def run(cfg: DictConfig) -> dict[str, float]:
     datamodule: L.LightningDataModule = instantiate(train_cfg.data)
     model: L.LightningModule = instantiate(train_cfg.model)
     precision = cfg.precision if cfg.precision is not None else train_cfg.precision
+    per_node = device_count(cfg.devices, resolve_accelerator(cfg.accelerator))
+    processes = cfg.num_nodes * per_node
+    # the thread count train.py tested with (cores / processes): float sums in the same order
+    set_threads(cfg, per_node)
     trainer = L.Trainer(
+        strategy=DDPStrategy() if processes > 1 else "auto",  # ranks that run this job only
         accelerator=cfg.accelerator,
         devices=cfg.devices,
         num_nodes=cfg.num_nodes,

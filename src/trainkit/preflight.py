@@ -91,9 +91,9 @@ def set_threads(cfg: DictConfig, processes_per_node: int) -> int:
     only divides the cores when OMP_NUM_THREADS is unset, and oversubscribed ranks run 2-4x slower.
     """
     cores = os.cpu_count() or 1
-    threads = cfg.threads or max(1, cores // processes_per_node)
+    threads = cfg.get("threads") or max(1, cores // processes_per_node)
     if threads < 1:
-        raise ConfigError(f"threads={cfg.threads}: must be 1 or more, or null for automatic")
+        raise ConfigError(f"threads={cfg.get('threads')}: must be 1 or more, or null for automatic")
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
     log.info(

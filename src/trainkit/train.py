@@ -7,13 +7,16 @@ from typing import Any
 
 import lightning as L
 from hydra.utils import instantiate
+from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins import TorchSyncBatchNorm
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
-from trainkit.callbacks import RunConfig
+from trainkit.callbacks import ProcessInfo, RunConfig
+from trainkit.loggers import flat_hparams, log_final
 from trainkit.preflight import device_count, preflight, resolve_accelerator
 from trainkit.runtime import tune_malloc
+from trainkit.strategies.ddp import isolated_job
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +61,13 @@ def as_floats(metrics: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items()}
 
 
+def job_overrides() -> list[str]:
+    """This run's command-line overrides (a sweep job's own), as Hydra recorded them."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
 def build(
     cfg: DictConfig, extra_callbacks: list[L.Callback] = ()
 ) -> tuple[L.LightningDataModule, L.LightningModule, L.Trainer]:
@@ -78,14 +88,26 @@ def build(
         cfg.trainer,
         strategy=strategy,
         logger=build_loggers(cfg.logger) or False,
-        callbacks=[*build_callbacks(cfg.callbacks), RunConfig(resolved), *extra_callbacks],
+        callbacks=[
+            *build_callbacks(cfg.callbacks),
+            RunConfig(resolved),
+            ProcessInfo(job_overrides(), cfg.paths.output_dir, cfg.task_name),
+            *extra_callbacks,
+        ],
         plugins=build_plugins(cfg),
     )
     return datamodule, model, trainer
 
 
 def run(cfg: DictConfig) -> float | None:
-    """Train and test; returns the best value of ``cfg.monitor`` (the number sweeps optimise)."""
+    """Train and test; returns the best value of ``cfg.monitor`` (the number sweeps optimise).
+
+    One job of a sweep leaves nothing behind for the next: see ``isolated_job``."""
+    with isolated_job():
+        return _train_and_test(cfg)
+
+
+def _train_and_test(cfg: DictConfig) -> float | None:
     preflight(cfg)
     if cfg.tune_malloc:
         tune_malloc()
@@ -105,4 +127,12 @@ def run(cfg: DictConfig) -> float | None:
         {"fit": fit_metrics, "test": test_metrics, "best_checkpoint": best},
     )
     score = trainer.checkpoint_callback.best_model_score if trainer.checkpoint_callback else None
-    return float(score) if score is not None else fit_metrics.get(cfg.monitor)
+    score = float(score) if score is not None else fit_metrics.get(cfg.monitor)
+    final = {f"final/{k}": v for k, v in {**fit_metrics, **test_metrics}.items()}
+    if score is not None:
+        final[f"best/{cfg.monitor}"] = score
+    hparams = flat_hparams(OmegaConf.to_container(cfg, resolve=True))
+    for logger in trainer.loggers:
+        if isinstance(logger, TensorBoardLogger):
+            log_final(logger, hparams, final, trainer.global_step)
+    return score

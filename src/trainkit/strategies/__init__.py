@@ -1,4 +1,5 @@
 """Our Lightning strategies and plugins: what Lightning 2.6 lacks or gets wrong.
 
-dp.py (torch.nn.DataParallel), sync_batchnorm.py (SyncBatchNorm on CPU/gloo).
+ddp.py (ddp that is right under Hydra multirun), dp.py (torch.nn.DataParallel), pipeline.py
+(pipelined model parallelism), sync_batchnorm.py (SyncBatchNorm on CPU/gloo).
 """

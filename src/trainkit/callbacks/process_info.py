@@ -1,0 +1,45 @@
+import json
+import logging
+import os
+import socket
+from pathlib import Path
+
+import lightning as L
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's file format
+
+
+class ProcessInfo(L.Callback):
+    """Each rank logs who it is and what it runs, once its process group exists.
+
+    One line per rank in its own log file; in a sweep, proof that every process of a job ran that
+    job's overrides (and a trial's parameters), in that job's directory. Ranks started with
+    torch.multiprocessing (ddp_spawn) never pass through Hydra's logging set-up: they get the
+    same files here (rank 0 ``<job>.log``, rank N ``<job>_ddp_process_<N>.log``).
+    """
+
+    def __init__(self, overrides: list[str], log_dir: str | None = None, job: str = "train"):
+        self.overrides, self.log_dir, self.job = list(overrides), log_dir, job
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # the real process group, not the configured size: they differ when a launcher goes wrong
+        grouped = dist.is_available() and dist.is_initialized()
+        rank = dist.get_rank() if grouped else 0
+        root = logging.getLogger()
+        if self.log_dir and not root.handlers:  # a spawned rank: nothing set logging up
+            name = f"{self.job}.log" if rank == 0 else f"{self.job}_ddp_process_{rank}.log"
+            handler = logging.FileHandler(Path(self.log_dir) / name)
+            handler.setFormatter(logging.Formatter(LOG_FORMAT))
+            root.addHandler(handler)
+            root.setLevel(logging.INFO)
+        info = {
+            "rank": rank,
+            "world_size": dist.get_world_size() if grouped else 1,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "stage": stage,
+            "overrides": self.overrides,
+        }
+        log.info("process %s", json.dumps(info))

@@ -1,0 +1,78 @@
+"""What a sweep needs beyond Hydra's own engines: the script its ddp children re-run, and jobs that
+report how they ended.
+
+``JobReporter`` is a Hydra callback (conf/hydra/default.yaml). In every sweep job it writes
+``job.json`` (overrides, status, the returned metric or the error) into the job's directory and
+logs a failure with that directory, so a failed job is found without reading every log; at the end
+of the sweep it writes ``sweep.json``, a summary of every job. Hydra's sweepers (basic, Optuna)
+still run the other jobs of the batch and then exit non-zero on a failed one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from trainkit.strategies.ddp import ENTRY_POINT_ENV
+
+log = logging.getLogger(__name__)
+
+JOB_FILE, SWEEP_FILE = "job.json", "sweep.json"
+
+
+def _record_entry_point() -> None:
+    """The script the user ran: a launcher may run jobs in processes whose argv is its own."""
+    os.environ.setdefault(ENTRY_POINT_ENV, os.path.abspath(sys.argv[0]))
+
+
+class JobReporter(Callback):
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _record_entry_point()
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _record_entry_point()
+
+    def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
+        hc = HydraConfig.get()
+        if hc.mode.name != "MULTIRUN":
+            return
+        job_dir = Path(hc.runtime.output_dir)
+        record: dict[str, Any] = {
+            "num": hc.job.num,
+            "overrides": list(hc.overrides.task),
+            "dir": str(job_dir),
+            "status": job_return.status.name.lower(),
+        }
+        if job_return.status == JobStatus.COMPLETED:
+            value = job_return.return_value
+            record["return_value"] = value if isinstance(value, (int, float)) else None
+        else:
+            error = job_return._return_value
+            record["error"] = f"{type(error).__name__}: {error}"
+            log.error(
+                "sweep job %s FAILED, directory %s, overrides %s: %s",
+                *(hc.job.num, job_dir, " ".join(record["overrides"]), record["error"]),
+            )
+        job_dir.mkdir(parents=True, exist_ok=True)
+        (job_dir / JOB_FILE).write_text(json.dumps(record, indent=2) + "\n")
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        jobs = [json.loads(p.read_text()) for p in sweep_dir.glob(f"*/{JOB_FILE}")]
+        jobs.sort(key=lambda job: job["num"])
+        failed = [job for job in jobs if job["status"] != "completed"]
+        summary = {"jobs": jobs, "completed": len(jobs) - len(failed), "failed": len(failed)}
+        (sweep_dir / SWEEP_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+        log.info(
+            "sweep: %d job(s) completed, %d failed; summary in %s",
+            *(summary["completed"], summary["failed"], sweep_dir / SWEEP_FILE),
+        )

@@ -1,0 +1,286 @@
+"""Hydra sweeps with every strategy, as real ``python train.py -m ...`` processes.
+
+Upstream, Lightning's ddp launcher re-runs the whole sweep in each child and leaks its variables
+into the next job (DESIGN.md). Each sweep here is checked job by job: the process group every rank
+really joined (world size, ranks, pids), the overrides every rank ran, the job's own directory,
+and its final weights against the same job run alone.
+"""
+
+import itertools
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.backend.event_processing.plugin_event_multiplexer import EventMultiplexer
+from tensorboard.plugins.hparams import plugin_data_pb2
+
+BATCH = (
+    "data.batch_size=100"  # 800 training images: 8 full batches, so every strategy sees them all
+)
+DDP_SWEEP = ("-m", "strategy=ddp", "devices=1,2", "model.optimizer.lr=1e-3,3e-3", BATCH)
+
+
+# --- reading a sweep back ----------------------------------------------------------------------
+
+
+def the_sweep(log_dir: Path) -> Path:
+    """The one sweep directory a command made; no stray run or sweep directories beside it."""
+    assert not (log_dir / "train" / "runs").exists()
+    (sweep,) = (log_dir / "train" / "multiruns").iterdir()
+    return sweep
+
+
+def jobs(sweep: Path) -> list[dict]:
+    """Every job's job.json (written by trainkit.sweep.JobReporter), in job order."""
+    records = [json.loads(p.read_text()) for p in sweep.glob("*/job.json")]
+    return sorted(records, key=lambda job: job["num"])
+
+
+def processes(job_dir: Path, stage: str = "fit") -> list[dict]:
+    """The ``process {...}`` line every rank logged (ProcessInfo), from all the job's logs."""
+    found = []
+    for log in job_dir.glob("*.log"):
+        for line in log.read_text().splitlines():
+            if " - process {" in line:
+                info = json.loads(line.split(" - process ", 1)[1])
+                if info["stage"] == stage:
+                    found.append(info)
+    return sorted(found, key=lambda info: info["rank"])
+
+
+def value(overrides: list[str], key: str) -> str:
+    (found,) = [o.split("=", 1)[1] for o in overrides if o.startswith(f"{key}=")]
+    return found
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    return ckpt["state_dict"]
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def own_overrides(job: dict) -> list[str]:
+    """A job's overrides without the log directory, which run_script/run_process add themselves."""
+    return [o for o in job["overrides"] if not o.startswith("paths.log_dir=")]
+
+
+def check_processes(job: dict, world_size: int) -> list[dict]:
+    """Every rank of the job joined one group of ``world_size`` and ran the job's overrides."""
+    procs = processes(Path(job["dir"]))
+    assert [p["rank"] for p in procs] == list(range(world_size)), procs
+    assert {p["world_size"] for p in procs} == {world_size}
+    assert len({p["pid"] for p in procs}) == world_size
+    assert all(p["overrides"] == job["overrides"] for p in procs)
+    return procs
+
+
+@pytest.fixture(scope="module")
+def sweep_runner(run_process, train_overrides: tuple[str, ...], tmp_path_factory):
+    """``sweep_runner(*overrides, ok=True) -> (sweep dir, process)``, in a fresh log directory."""
+
+    def run(*overrides: str, ok: bool = True):
+        log_dir = tmp_path_factory.mktemp("sweep-logs")
+        proc = run_process("train.py", *overrides, *train_overrides, log_dir=log_dir)
+        if ok:
+            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        return the_sweep(log_dir), proc
+
+    return run
+
+
+# --- strategy=ddp: the exact command of the issue ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ddp_sweep(sweep_runner) -> Path:
+    return sweep_runner(*DDP_SWEEP)[0]
+
+
+@pytest.fixture(scope="module")
+def alone(ddp_sweep: Path, run_script: Callable[..., Path]) -> dict[int, Path]:
+    """Each job of the ddp sweep, run again on its own (no -m): job number -> run directory."""
+    return {job["num"]: run_script("train.py", *own_overrides(job)) for job in jobs(ddp_sweep)}
+
+
+def test_ddp_sweep_runs_every_job_with_its_own_processes(ddp_sweep: Path) -> None:
+    records = jobs(ddp_sweep)
+    combos = {(value(j["overrides"], "devices"), value(j["overrides"], "model.optimizer.lr"))
+              for j in records}  # fmt: skip
+    assert combos == set(itertools.product(("1", "2"), ("0.001", "0.003")))  # as Hydra writes them
+    sweep_pid = None
+    children = set()
+    for job in records:
+        assert job["status"] == "completed"
+        devices = int(value(job["overrides"], "devices"))
+        procs = check_processes(job, devices)
+        sweep_pid = sweep_pid or procs[0]["pid"]
+        assert procs[0]["pid"] == sweep_pid  # rank 0 is the sweep's own process, job after job
+        children |= {p["pid"] for p in procs[1:]}
+        job_dir = Path(job["dir"])
+        expected_logs = ["train.log", *(f"train_ddp_process_{r}.log" for r in range(1, devices))]
+        assert sorted(p.name for p in job_dir.glob("*.log")) == expected_logs
+        assert (job_dir / "checkpoints" / "last.ckpt").is_file()
+        assert (job_dir / "metrics.json").is_file()
+    assert len(children) == 2  # a fresh rank 1 for each devices=2 job
+    summary = json.loads((ddp_sweep / "sweep.json").read_text())
+    assert (summary["completed"], summary["failed"]) == (4, 0)
+
+
+def test_each_ddp_job_equals_the_job_run_alone(ddp_sweep: Path, alone: dict[int, Path]) -> None:
+    """Same processes, data, seed and threads: bit for bit the weights of the job run alone.
+    (Upstream, the devices=2 jobs trained in one process on half the data.)"""
+    for job in jobs(ddp_sweep):
+        swept, single = weights(Path(job["dir"])), weights(alone[job["num"]])
+        assert all(torch.equal(swept[k], single[k]) for k in swept), job["overrides"]
+        assert processes(alone[job["num"]]) != []
+    # and the jobs really differ from one another: lr and devices reached the weights
+    by_num = {job["num"]: weights(Path(job["dir"])) for job in jobs(ddp_sweep)}
+    assert max_diff(by_num[0], by_num[1]) > 1e-3
+
+
+def test_sweep_runs_are_side_by_side_in_tensorboard(ddp_sweep: Path) -> None:
+    """One logdir, the sweep directory: runs named by their overrides, each with its config and
+    final metrics in the HParams tab."""
+    mux = EventMultiplexer()
+    mux.AddRunsFromDirectory(str(ddp_sweep))
+    mux.Reload()
+    by_job = {Path(job["dir"]).name: job for job in jobs(ddp_sweep)}
+    runs = {run.split("/")[0]: run for run in mux.Runs()}
+    assert set(runs) == set(by_job)
+    hparams = mux.PluginRunToTagToContent("hparams")
+    for name, job in by_job.items():
+        assert f"model.optimizer.lr={value(job['overrides'], 'model.optimizer.lr')}" in name
+        content = hparams[runs[name]]
+        start = plugin_data_pb2.HParamsPluginData.FromString(
+            content["_hparams_/session_start_info"]
+        ).session_start_info
+        assert start.hparams["model.optimizer.lr"].number_value == float(
+            value(job["overrides"], "model.optimizer.lr")
+        )
+        assert start.hparams["devices"].number_value == int(value(job["overrides"], "devices"))
+        experiment = plugin_data_pb2.HParamsPluginData.FromString(
+            content["_hparams_/experiment"]
+        ).experiment
+        metric_tags = {m.name.tag for m in experiment.metric_infos}
+        assert {"final/test/acc", "final/val/acc", "best/val/acc"} <= metric_tags
+        scalars = EventAccumulator(str(Path(job["dir"]) / "tensorboard"))
+        scalars.Reload()
+        metrics = json.loads((Path(job["dir"]) / "metrics.json").read_text())
+        test_acc = [e.value for e in scalars.Scalars("final/test/acc")]
+        assert test_acc == [pytest.approx(metrics["test"]["test/acc"])]
+        best = [e.value for e in scalars.Scalars("best/val/acc")]
+        assert best == [pytest.approx(job["return_value"])]
+
+
+# --- ddp_spawn, dp and pipeline in one sweep -----------------------------------------------------
+
+
+def test_spawn_dp_and_pipeline_jobs_in_one_sweep(sweep_runner, alone: dict[int, Path]) -> None:
+    """Strategies that start their processes differently, one after another in one sweep process.
+
+    ``data.batch_size`` is per device. ddp_spawn (2 x 100) trains what the ddp job with devices=2
+    trained; dp and the pipeline split one batch of 100, as the devices=1 job: equal to it up to
+    float summation order (1 thread per pipeline rank vs 2). The 3e-3 job is far from all three."""
+    sweep, _ = sweep_runner("-m", "strategy=ddp_spawn,dp,pipeline", "devices=2", BATCH)
+    world = {"ddp_spawn": 2, "dp": 1, "pipeline": 2}
+    reference = {
+        "ddp_spawn": (alone[2], 1e-6),
+        "dp": (alone[0], 1e-4),
+        "pipeline": (alone[0], 1e-4),
+    }
+    other_lr = weights(alone[1])
+    records = jobs(sweep)
+    assert [value(j["overrides"], "strategy") for j in records] == list(world)
+    for job in records:
+        strategy = value(job["overrides"], "strategy")
+        assert job["status"] == "completed"
+        check_processes(job, world[strategy])
+        trained = weights(Path(job["dir"]))
+        run_dir, tolerance = reference[strategy]
+        assert max_diff(weights(run_dir), trained) < tolerance, strategy
+        assert max_diff(other_lr, trained) > 1e-3
+    logs = sorted(p.name for p in Path(records[0]["dir"]).glob("*.log"))
+    assert logs == ["train.log", "train_ddp_process_1.log"]  # spawned ranks log too
+
+
+# --- failures ------------------------------------------------------------------------------------
+
+
+def test_failed_job_is_reported_and_the_next_job_runs(sweep_runner) -> None:
+    """lr=-1 fails in both ranks of job 0; job 1 still gets its own 2 clean processes, and the
+    sweep exits non-zero naming the failed job's directory and error."""
+    sweep, proc = sweep_runner(
+        "-m", "strategy=ddp", "devices=2", "model.optimizer.lr=-1,1e-3", ok=False
+    )
+    assert proc.returncode != 0
+    failed, completed = jobs(sweep)
+    assert failed["status"] == "failed"
+    assert "Invalid learning rate: -1" in failed["error"]
+    output = proc.stdout + proc.stderr
+    assert f"sweep job 0 FAILED, directory {failed['dir']}" in output
+    assert completed["status"] == "completed"
+    procs = check_processes(completed, 2)
+    assert (Path(completed["dir"]) / "checkpoints" / "last.ckpt").is_file()
+    for pid in {p["pid"] for p in processes(Path(failed["dir"]))} | {p["pid"] for p in procs}:
+        with pytest.raises(ProcessLookupError):  # every rank of both jobs has exited
+            os.kill(pid, 0)
+
+
+# --- sweepers and launchers ---------------------------------------------------------------------
+
+
+def test_optuna_trials_with_ddp(sweep_runner) -> None:
+    """hparams_search=mnist_optuna, 3 trials of 2 ranks: both ranks of a trial ran its parameters,
+    and Optuna got each trial's best val/acc."""
+    sweep, _ = sweep_runner(
+        "hparams_search=mnist_optuna", "hydra.sweeper.n_trials=3", "strategy=ddp", "devices=2"
+    )
+    records = jobs(sweep)
+    assert len(records) == 3
+    for job in records:
+        assert job["status"] == "completed"
+        procs = check_processes(job, 2)
+        for p in procs:  # the trial's parameters, identical on both ranks
+            assert value(p["overrides"], "model.optimizer.lr") == value(
+                job["overrides"], "model.optimizer.lr"
+            )
+            assert value(p["overrides"], "data.batch_size") in ("64", "128", "256")
+        assert 0.0 <= job["return_value"] <= 1.0
+    assert len({value(j["overrides"], "model.optimizer.lr") for j in records}) == 3
+    results = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    assert results["best_value"] == max(job["return_value"] for job in records)
+
+
+def test_joblib_runs_ddp_jobs_in_parallel(sweep_runner, alone: dict[int, Path]) -> None:
+    """Two ddp jobs at once in two joblib workers, each on its own free port; each gives the
+    weights of the same job run alone."""
+    sweep, _ = sweep_runner(
+        "-m", "launcher=joblib", "strategy=ddp", "devices=2", "model.optimizer.lr=1e-3,3e-3", BATCH
+    )
+    records = jobs(sweep)
+    rank0_pids = set()
+    for job in records:
+        assert job["status"] == "completed"
+        rank0_pids.add(check_processes(job, 2)[0]["pid"])
+    assert len(rank0_pids) == 2  # two worker processes, not one after the other in one
+    # jobs 2 and 3 of the ddp sweep are devices=2 at lr 1e-3 and 3e-3, run alone
+    for job, lone in zip(records, (alone[2], alone[3]), strict=True):
+        swept, single = weights(Path(job["dir"])), weights(lone)
+        assert all(torch.equal(swept[k], single[k]) for k in swept)
+
+
+def test_submitit_local_runs_a_ddp_job(sweep_runner) -> None:
+    sweep, _ = sweep_runner("-m", "launcher=submitit_local", "strategy=ddp", "devices=2", BATCH)
+    (job,) = jobs(sweep)
+    assert job["status"] == "completed"
+    check_processes(job, 2)
+    assert (sweep / ".submitit").is_dir()
