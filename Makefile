@@ -7,10 +7,11 @@ ARGS   ?=
 PYTEST_ARGS ?= -n 2 --dist loadfile   # 2 workers, each test file on one (its fixtures run once)
 LOGDIR ?= logs
 PORT   ?= 6006
+OUT    ?= docs/img
 BENCH  ?= all
 
 .DEFAULT_GOAL := help
-.PHONY: help install train eval test lint format tensorboard bench clean
+.PHONY: help install train eval test lint format tensorboard screenshots bench clean
 
 help:  ## list the targets
 	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -43,6 +44,9 @@ format: $(STAMP)  ## ruff fix and format
 
 tensorboard: $(STAMP)  ## serve the logs: make tensorboard LOGDIR=logs PORT=6006
 	$(BIN)/tensorboard --logdir $(LOGDIR) --port $(PORT)
+
+screenshots: $(STAMP)  ## TensorBoard pages as PNGs (headless Chromium): make screenshots LOGDIR=<run> [OUT=docs/img]
+	$(BIN)/python -m trainkit.screenshots --logdir $(LOGDIR) --out $(OUT)
 
 bench: $(STAMP)  ## template vs plain PyTorch: make bench [BENCH=mlp|resnet|imagefolder|ddp]
 	$(BIN)/python -m trainkit.bench $(BENCH) $(ARGS)

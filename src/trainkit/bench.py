@@ -174,6 +174,7 @@ def bench_mlp(tmp: Path, args: argparse.Namespace) -> dict[str, object]:
     root = write_mnist(tmp / "mnist", args.samples + 5000, 1000)
     overrides = [f"data.root={root}", "data.batch_size=256"]
     result = compare("mlp", overrides, tmp, args, steps=None, warmup=args.warmup)
+    result["logging"] = logging_cost(overrides, tmp, args)
     if args.tutorial:
         cfg = compose_config("train", tmp / "cfg", overrides)
         cfg.model.num_classes = 10
@@ -181,6 +182,29 @@ def bench_mlp(tmp: Path, args: argparse.Namespace) -> dict[str, object]:
         result["tutorial_samples_per_s"] = rates
         print(f"mlp: classic tutorial loop {statistics.median(rates):,.0f} samples/s")
     return result
+
+
+# Everything that writes to TensorBoard off: the logger and the callbacks that only log.
+LOGGING_OFF = [
+    "logger=none",
+    "~callbacks.training_monitor",
+    "~callbacks.learning_rate",
+    "~callbacks.validation_images",
+]
+
+
+def logging_cost(overrides: list[str], tmp: Path, args: argparse.Namespace) -> dict[str, object]:
+    """Template epochs with the default logging and with all logging off, alternating."""
+    on, off = [], []
+    for r in range(args.repeats):
+        on.append(template_epoch(overrides, tmp / f"log-on{r}", args.warmup))
+        off.append(template_epoch([*overrides, *LOGGING_OFF], tmp / f"log-off{r}", args.warmup))
+    ratio = statistics.median(on) / statistics.median(off)
+    print(
+        f"mlp logging: default {statistics.median(on):,.1f} samples/s, all logging off "
+        f"{statistics.median(off):,.1f}: the default logging costs {100 * (1 - ratio):.1f}%"
+    )
+    return {"default_samples_per_s": on, "off_samples_per_s": off, "ratio_of_medians": ratio}
 
 
 def bench_resnet(tmp: Path, args: argparse.Namespace) -> dict[str, object]:

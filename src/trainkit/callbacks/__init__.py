@@ -3,5 +3,7 @@
 from trainkit.callbacks.process_info import ProcessInfo
 from trainkit.callbacks.run_config import RunConfig
 from trainkit.callbacks.startup_time import StartupTime
+from trainkit.callbacks.training_monitor import TrainingMonitor
+from trainkit.callbacks.validation_images import ValidationImages
 
-__all__ = ["ProcessInfo", "RunConfig", "StartupTime"]
+__all__ = ["ProcessInfo", "RunConfig", "StartupTime", "TrainingMonitor", "ValidationImages"]

@@ -1,12 +1,14 @@
 from typing import Any
 
 import lightning as L
+import yaml
 
 CONFIG_KEY = "trainkit_config"
 
 
 class RunConfig(L.Callback):
-    """Stores the run's resolved config in every checkpoint, as plain containers.
+    """Stores the run's resolved config in every checkpoint, as plain containers, and shows it in
+    TensorBoard's Text tab (``config``).
 
     ``eval.py ckpt_path=...`` rebuilds model and data from it with no other input, and
     ``torch.load(weights_only=True)`` reads it.
@@ -14,6 +16,16 @@ class RunConfig(L.Callback):
 
     def __init__(self, config: dict[str, Any]) -> None:
         self.config = config
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.is_global_zero:
+            return
+        text = yaml.safe_dump(self.config, sort_keys=False)
+        markdown = "\n".join("    " + line for line in text.splitlines())  # a code block
+        for logger in trainer.loggers:
+            experiment = getattr(logger, "experiment", None)
+            if hasattr(experiment, "add_text"):
+                experiment.add_text("config", markdown, trainer.global_step)
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
         checkpoint[CONFIG_KEY] = self.config

@@ -1,0 +1,117 @@
+import logging
+import os
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def rss_mb() -> float:
+    """This process's resident memory now (Linux /proc), else its peak (getrusage)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class TrainingMonitor(L.Callback):
+    """The scalars that say how fast and how big a run is, at almost no cost.
+
+    Every ``log_every_n_steps`` steps (from rank 0, no collective): ``perf/samples_per_s`` (all
+    ranks), ``perf/step_s`` (the step itself) and ``perf/data_wait_s`` (from the end of one step to
+    the start of the next: loading and moving the batch). At each epoch end, gathered from every
+    rank: ``memory/rss_mb/rank<N>`` (CPU) or ``memory/cuda_peak_mb/rank<N>`` (GPU, peak since the
+    last epoch). After each validation: ``<monitor>_best``. With ``grad_norm``: ``grad/norm``, the
+    2-norm of this rank's gradients (under pipeline, of rank 0's stage only).
+    """
+
+    def __init__(self, monitor: str | None = None, mode: str = "max", grad_norm: bool = False):
+        self.monitor, self.mode, self.grad_norm = monitor, mode, grad_norm
+        self.best: float | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self._step_s = self._wait_s = 0.0
+        self._samples = self._steps = 0
+        self._batch_start: float | None = None
+        self._last_end: float | None = None
+
+    def _log(self, trainer: L.Trainer, metrics: dict[str, float]) -> None:
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+
+    # --- speed ---------------------------------------------------------------------------------
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._reset()
+        if torch.cuda.is_available() and pl_module.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(pl_module.device)
+
+    def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
+        now = time.perf_counter()
+        if self._last_end is not None:  # the first batch of an epoch waits for workers to start
+            self._wait_s += now - self._last_end
+        self._batch_start = now
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch: Any, batch_idx: int) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)  # the step's kernels, not just their launch
+        now = time.perf_counter()
+        if self._batch_start is not None and self._last_end is not None:
+            self._step_s += now - self._batch_start
+            self._samples += len(batch[0]) if isinstance(batch, (list, tuple)) else 0
+            self._steps += 1
+        self._last_end = now
+        if self._steps and trainer.global_step % trainer.log_every_n_steps == 0:
+            seconds = self._step_s + self._wait_s
+            # data-parallel replicas: ranks of one pipeline share their batch
+            sharding = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+            replicas = sharding.get("num_replicas", 1)
+            self._log(
+                trainer,
+                {
+                    "perf/samples_per_s": self._samples * replicas / seconds,
+                    "perf/step_s": self._step_s / self._steps,
+                    "perf/data_wait_s": self._wait_s / self._steps,
+                },
+            )
+            self._step_s = self._wait_s = 0.0
+            self._samples = self._steps = 0
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if not self.grad_norm or trainer.global_step % trainer.log_every_n_steps:
+            return
+        grads = [p.grad.detach().float() for p in pl_module.parameters() if p.grad is not None]
+        if grads:
+            norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item()
+            self._log(trainer, {"grad/norm": norm})
+
+    # --- memory, gathered from every rank ------------------------------------------------------
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        cuda = pl_module.device.type == "cuda"
+        mine = torch.cuda.max_memory_allocated(pl_module.device) / 2**20 if cuda else rss_mb()
+        every = trainer.strategy.all_gather(torch.tensor(mine, device=pl_module.device))
+        name = "cuda_peak_mb" if cuda else "rss_mb"
+        values = every.reshape(-1).tolist()
+        self._log(trainer, {f"memory/{name}/rank{r}": v for r, v in enumerate(values)})
+
+    # --- the best monitored value so far ---------------------------------------------------------
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.sanity_checking or not self.monitor:
+            return
+        value = trainer.callback_metrics.get(self.monitor)
+        if value is None:
+            return
+        value = float(value)
+        better = max if self.mode == "max" else min
+        self.best = value if self.best is None else better(self.best, value)
+        self._log(trainer, {f"{self.monitor}_best": self.best})
