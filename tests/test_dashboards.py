@@ -47,7 +47,7 @@ def values(events: EventAccumulator, tag: str) -> list[float]:
 
 SCALARS = [
     "train/loss_step", "train/loss", "train/acc", "val/loss", "val/acc", "val/acc_best",
-    "test/loss", "test/acc", "lr-Adam", "perf/samples_per_s", "perf/step_s", "perf/data_wait_s",
+    "test/loss", "test/acc", "lr/Adam", "perf/samples_per_s", "perf/step_s", "perf/data_wait_s",
     "memory/rss_mb/rank0", "memory/rss_mb/rank1", "grad/norm", "time/startup_s",
     "final/test/acc", "best/val/acc",
 ]  # fmt: skip
@@ -69,7 +69,7 @@ def test_scalars_are_sane(events: EventAccumulator) -> None:
     assert len(val_acc) == len(best) == EPOCHS  # after each validation, not the sanity check
     assert best == [max(val_acc[: i + 1]) for i in range(EPOCHS)]
     assert values(events, "best/val/acc") == [best[-1]]
-    assert values(events, "lr-Adam") == [pytest.approx(LR)] * EPOCHS
+    assert values(events, "lr/Adam") == [pytest.approx(LR)] * EPOCHS
     assert all(v > 100 for v in values(events, "perf/samples_per_s"))
     assert all(0 < v < 10 for v in values(events, "perf/step_s"))
     assert all(0 <= v < 10 for v in values(events, "perf/data_wait_s"))

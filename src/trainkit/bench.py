@@ -188,7 +188,6 @@ def bench_mlp(tmp: Path, args: argparse.Namespace) -> dict[str, object]:
 LOGGING_OFF = [
     "logger=none",
     "~callbacks.training_monitor",
-    "~callbacks.learning_rate",
     "~callbacks.validation_images",
 ]
 

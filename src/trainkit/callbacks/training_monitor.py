@@ -27,7 +27,9 @@ class TrainingMonitor(L.Callback):
     ranks), ``perf/step_s`` (the step itself) and ``perf/data_wait_s`` (from the end of one step to
     the start of the next: loading and moving the batch). At each epoch end, gathered from every
     rank: ``memory/rss_mb/rank<N>`` (CPU) or ``memory/cuda_peak_mb/rank<N>`` (GPU, peak since the
-    last epoch). After each validation: ``<monitor>_best``. With ``grad_norm``: ``grad/norm``, the
+    last epoch). At each epoch start: ``lr/<optimizer>`` (``/<group>`` when it has several; also
+    without a logger, unlike Lightning's LearningRateMonitor, which refuses to run then). After
+    each validation: ``<monitor>_best``. With ``grad_norm``: ``grad/norm``, the
     2-norm of this rank's gradients (under pipeline, of rank 0's stage only).
     """
 
@@ -51,6 +53,13 @@ class TrainingMonitor(L.Callback):
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._reset()
+        rates = {}
+        for optimizer in trainer.optimizers:
+            name = f"lr/{type(optimizer).__name__}"
+            groups = optimizer.param_groups
+            for i, group in enumerate(groups):
+                rates[name if len(groups) == 1 else f"{name}/{i}"] = group["lr"]
+        self._log(trainer, rates)
         if torch.cuda.is_available() and pl_module.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(pl_module.device)
 

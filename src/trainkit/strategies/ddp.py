@@ -139,7 +139,12 @@ class JobScriptLauncher(_SubprocessScriptLauncher):
 
 
 class DDPStrategy(LightningDDPStrategy):
-    """Lightning's DDP with ``JobScriptLauncher`` for ``start_method=popen`` (the default)."""
+    """Lightning's DDP with ``JobScriptLauncher`` for ``start_method=popen`` (the default).
+
+    With ``start_method=spawn`` each fit/test runs in fresh ranks that exit when it ends: they
+    meet at a barrier and close their process group first. Left to interpreter exit, one rank's
+    gloo threads could see the other's connections drop and abort it ("terminate called without
+    an active exception", seen under load)."""
 
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
@@ -147,6 +152,12 @@ class DDPStrategy(LightningDDPStrategy):
             self._launcher = JobScriptLauncher(
                 self.cluster_environment, self.num_processes, self.num_nodes
             )
+
+    def teardown(self) -> None:
+        super().teardown()
+        if self._start_method != "popen" and dist.is_available() and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
 
 
 class ChildProcessError(RuntimeError):
