@@ -1,9 +1,17 @@
 """Lightning callbacks: what the run records beside the model's own metrics."""
 
 from trainkit.callbacks.process_info import ProcessInfo
+from trainkit.callbacks.profile_steps import ProfileSteps
 from trainkit.callbacks.run_config import RunConfig
 from trainkit.callbacks.startup_time import StartupTime
 from trainkit.callbacks.training_monitor import TrainingMonitor
 from trainkit.callbacks.validation_images import ValidationImages
 
-__all__ = ["ProcessInfo", "RunConfig", "StartupTime", "TrainingMonitor", "ValidationImages"]
+__all__ = [
+    "ProcessInfo",
+    "ProfileSteps",
+    "RunConfig",
+    "StartupTime",
+    "TrainingMonitor",
+    "ValidationImages",
+]

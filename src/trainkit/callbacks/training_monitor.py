@@ -23,9 +23,10 @@ def rss_mb() -> float:
 class TrainingMonitor(L.Callback):
     """The scalars that say how fast and how big a run is, at almost no cost.
 
-    Every ``log_every_n_steps`` steps (from rank 0, no collective): ``perf/samples_per_s`` (all
-    ranks), ``perf/step_s`` (the step itself) and ``perf/data_wait_s`` (from the end of one step to
-    the start of the next: loading and moving the batch). At each epoch end, gathered from every
+    Every ``log_every_n_steps`` steps (from rank 0, no collective), over the steps since the last
+    time: ``perf/samples_per_s`` (all data-parallel ranks), ``perf/step_s`` (a step without its
+    wait) and ``perf/data_wait_s`` (from the end of one step to the start of the next: loading
+    and moving the batch). At each epoch end, gathered from every
     rank: ``memory/rss_mb/rank<N>`` (CPU) or ``memory/cuda_peak_mb/rank<N>`` (GPU, peak since the
     last epoch). At each epoch start: ``lr/<optimizer>`` (``/<group>`` when it has several; also
     without a logger, unlike Lightning's LearningRateMonitor, which refuses to run then). After
@@ -39,9 +40,9 @@ class TrainingMonitor(L.Callback):
         self._reset()
 
     def _reset(self) -> None:
-        self._step_s = self._wait_s = 0.0
+        self._wait_s = 0.0
         self._samples = self._steps = 0
-        self._batch_start: float | None = None
+        self._window_start: float | None = None  # end of the step that last logged
         self._last_end: float | None = None
 
     def _log(self, trainer: L.Trainer, metrics: dict[str, float]) -> None:
@@ -64,22 +65,24 @@ class TrainingMonitor(L.Callback):
             torch.cuda.reset_peak_memory_stats(pl_module.device)
 
     def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
-        now = time.perf_counter()
         if self._last_end is not None:  # the first batch of an epoch waits for workers to start
-            self._wait_s += now - self._last_end
-        self._batch_start = now
+            self._wait_s += time.perf_counter() - self._last_end
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch: Any, batch_idx: int) -> None:
-        if pl_module.device.type == "cuda":
-            torch.cuda.synchronize(pl_module.device)  # the step's kernels, not just their launch
-        now = time.perf_counter()
-        if self._batch_start is not None and self._last_end is not None:
-            self._step_s += now - self._batch_start
+        """Times whole windows of ``log_every_n_steps`` steps: on a GPU only their last step
+        waits for its kernels (a sync every step would stop the CPU from running ahead)."""
+        logs = trainer.global_step % trainer.log_every_n_steps == 0
+        if self._window_start is not None:
             self._samples += len(batch[0]) if isinstance(batch, (list, tuple)) else 0
             self._steps += 1
+        if logs and pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+        now = time.perf_counter()
         self._last_end = now
-        if self._steps and trainer.global_step % trainer.log_every_n_steps == 0:
-            seconds = self._step_s + self._wait_s
+        if not logs:
+            return
+        if self._steps:
+            seconds = now - self._window_start
             # data-parallel replicas: ranks of one pipeline share their batch
             sharding = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
             replicas = sharding.get("num_replicas", 1)
@@ -87,12 +90,12 @@ class TrainingMonitor(L.Callback):
                 trainer,
                 {
                     "perf/samples_per_s": self._samples * replicas / seconds,
-                    "perf/step_s": self._step_s / self._steps,
+                    "perf/step_s": (seconds - self._wait_s) / self._steps,
                     "perf/data_wait_s": self._wait_s / self._steps,
                 },
             )
-            self._step_s = self._wait_s = 0.0
-            self._samples = self._steps = 0
+        self._wait_s, self._samples, self._steps = 0.0, 0, 0
+        self._window_start = now  # the epoch's first steps, up to here, are its warm-up
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if not self.grad_norm or trainer.global_step % trainer.log_every_n_steps:
