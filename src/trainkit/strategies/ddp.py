@@ -160,7 +160,7 @@ class DDPStrategy(LightningDDPStrategy):
             dist.destroy_process_group()
 
 
-class ChildProcessError(RuntimeError):
+class RankFailedError(RuntimeError):
     """A rank this process started exited with an error although this rank finished."""
 
 
@@ -190,7 +190,7 @@ def isolated_job(child_timeout_s: float = 120) -> Iterator[None]:
         os.environ.update(environ)
     bad = {rank: code for rank, code in enumerate(codes, start=1) if code != 0}
     if bad:
-        raise ChildProcessError(
+        raise RankFailedError(
             f"rank(s) {sorted(bad)} of this job exited with {sorted(set(bad.values()))}: see "
             f"their logs (*_ddp_process_<rank>.log) in the job's directory"
         )
