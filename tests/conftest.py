@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from trainkit import runtime
 from trainkit.data.synthetic import write_mnist
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -136,11 +137,7 @@ def restore_seed_state(monkeypatch: pytest.MonkeyPatch):
 @pytest.fixture
 def free_port() -> int:
     """A TCP port nothing listens on now, for a test's own process group."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return runtime.free_port()
 
 
 # Files whose tests take minutes (real multi-process runs), started first: `make test` runs the

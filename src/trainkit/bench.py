@@ -37,7 +37,7 @@ from omegaconf import DictConfig
 from trainkit.config import compose_config
 from trainkit.data.in_memory import InMemoryDataModule, normalize_images
 from trainkit.data.synthetic import write_cifar10, write_imagefolder, write_mnist
-from trainkit.runtime import tune_malloc
+from trainkit.runtime import free_port, tune_malloc
 from trainkit.train import build
 
 
@@ -280,14 +280,6 @@ def _plain_ddp_worker(rank: int, world: int, port: int, job: dict) -> None:
     if rank == 0:
         Path(job["out"]).write_text(json.dumps(rate))
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def template_subprocess(overrides: list[str], out: Path, warmup: int) -> float:

@@ -1,8 +1,10 @@
-"""Process-level settings applied before any work: they change speed, never results."""
+"""Process-level helpers: settings applied before any work (they change speed, never results),
+and a free local port for the processes a run or a tool starts."""
 
 import ctypes
 import ctypes.util
 import logging
+import socket
 import sys
 
 log = logging.getLogger(__name__)
@@ -30,3 +32,10 @@ def tune_malloc(mmap_threshold: int = 32 << 20, trim_threshold: int = 64 << 20) 
         return False
     log.debug("glibc malloc: mmap threshold %d, trim threshold %d", mmap_threshold, trim_threshold)
     return bool(ok)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -7,12 +7,13 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+
+from trainkit.runtime import free_port
 
 PAGES = ("scalars", "images", "hparams")
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
@@ -21,12 +22,6 @@ BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stab
 def find_chromium() -> str | None:
     explicit = os.environ.get("CHROMIUM")
     return explicit or next((path for b in BROWSERS if (path := shutil.which(b))), None)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve(logdir: Path, port: int) -> subprocess.Popen:

@@ -22,7 +22,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from trainkit.strategies.ddp import ENTRY_POINT_ENV
+from trainkit.strategies.ddp import ENTRY_POINT_ENV, in_multirun
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +42,9 @@ class JobReporter(Callback):
         _record_entry_point()
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
-        hc = HydraConfig.get()
-        if hc.mode.name != "MULTIRUN":
+        if not in_multirun():  # ddp children run their job in RUN mode: rank 0 reports it
             return
+        hc = HydraConfig.get()
         job_dir = Path(hc.runtime.output_dir)
         record: dict[str, Any] = {
             "num": hc.job.num,
