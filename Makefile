@@ -8,7 +8,6 @@ PYTEST_ARGS ?= -n 2 --dist loadfile   # 2 workers, each test file on one (its fi
 LOGDIR ?= logs
 PORT   ?= 6006
 OUT    ?= docs/img
-BENCH  ?= all
 
 .DEFAULT_GOAL := help
 .PHONY: help install train eval test lint format tensorboard screenshots bench clean
@@ -48,8 +47,8 @@ tensorboard: $(STAMP)  ## serve the logs: make tensorboard LOGDIR=logs PORT=6006
 screenshots: $(STAMP)  ## TensorBoard pages as PNGs (headless Chromium): make screenshots LOGDIR=<run> [OUT=docs/img]
 	$(BIN)/python -m trainkit.screenshots --logdir $(LOGDIR) --out $(OUT)
 
-bench: $(STAMP)  ## template vs plain PyTorch: make bench [BENCH=mlp|resnet|imagefolder|ddp]
-	$(BIN)/python -m trainkit.bench $(BENCH) $(ARGS)
+bench: $(STAMP)  ## strategy benchmark matrix (< 10 min on 2 cores): make bench [ARGS="--workloads mlp"]
+	$(BIN)/python -m trainkit.bench $(ARGS)
 
 clean:  ## remove the virtualenv, caches and logs
 	rm -rf $(VENV) .pytest_cache .ruff_cache src/*.egg-info logs outputs multirun

@@ -4,29 +4,12 @@ import os
 import re
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from readme_blocks import README, ROOT, bash_block_after, run_train_command
 from trainkit.data.synthetic import write_cifar10
-
-ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
-FAST = [
-    "data.val_size=200",
-    "trainer.max_epochs=1",
-    "++trainer.limit_train_batches=2",
-    "++trainer.limit_val_batches=1",
-    "++trainer.limit_test_batches=1",
-]
-
-
-def bash_block_after(heading: str) -> list[str]:
-    """The command lines of the first ```bash block after ``heading``, comments stripped."""
-    section = README[README.index(heading) :]
-    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
-    return [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
 
 
 @pytest.fixture(scope="module")
@@ -56,23 +39,15 @@ def test_offline_quickstart_trains(quickstart_run: Path) -> None:
 
 
 def test_readme_commands_run(quickstart_run: Path, tmp_path: Path) -> None:
+    """The "Running things" block (its ckpt_path line resumes the quickstart's run); the
+    strategy, pipeline and sweep blocks are in test_readme_strategies.py."""
     data_root = quickstart_run.parents[3] / "synthetic"
     write_cifar10(data_root, n_per_batch=80, n_test=50)  # beside the MNIST files: one data.root
-    commands = [
-        *bash_block_after("## Running things"),
-        *bash_block_after("### Strategies, devices and precision"),
-        *bash_block_after("### Pipeline (model parallel)"),
-        *bash_block_after("### Sweeps"),
-    ]
-    assert len(commands) >= 15
-    env = {**os.environ, "TRAINKIT_LOG_DIR": str(tmp_path / "logs")}
+    commands = bash_block_after("## Running things")
+    assert len(commands) >= 8
     for command in commands:
         command = command.replace("logs/train/runs/<run>", str(quickstart_run))
-        argv = shlex.split(command)
-        assert argv[:2] == ["python", "train.py"], command
-        argv = [sys.executable, *argv[1:], f"data.root={data_root}", *FAST]
-        proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, f"`{command}` failed:\n{proc.stderr[-3000:]}"
+        run_train_command(command, data_root, tmp_path / "logs")
 
 
 def test_readme_eval_command(quickstart_run: Path, tmp_path: Path) -> None:

@@ -38,13 +38,15 @@ class ImageClassifier(L.LightningModule):
         self.loss_fn = nn.CrossEntropyLoss()
         # validate_args=False: the checks scan every target each step, which a classifier's own
         # labels never need
-        self.train_loss = MeanMetric()
+        # nan_strategy="disable": the default ("warn") drops NaNs after an `.any()` that waits for
+        # the GPU every step; a non-finite loss stops the run (NonFiniteLossStop) instead
+        self.train_loss = MeanMetric(nan_strategy="disable")
         self.train_acc = MulticlassAccuracy(num_classes, average="micro", validate_args=False)
         self.val_acc = MulticlassAccuracy(num_classes, average="micro", validate_args=False)
         self.test_acc = MulticlassAccuracy(num_classes, average="micro", validate_args=False)
         # sample-weighted means synced at compute: exact for any world size and uneven shards
-        self.val_loss = MeanMetric()
-        self.test_loss = MeanMetric()
+        self.val_loss = MeanMetric(nan_strategy="disable")
+        self.test_loss = MeanMetric(nan_strategy="disable")
 
     def forward(self, x: Tensor) -> Tensor:
         return self.net(x)

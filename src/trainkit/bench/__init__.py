@@ -1,0 +1,1 @@
+"""The strategy benchmark (``python -m trainkit.bench``): see ``__main__.py``."""

@@ -1,0 +1,146 @@
+"""The strategy benchmark: model x strategy x devices x precision (x micro-batches), each cell in
+fresh processes, beside plain-PyTorch references measured in the same run.
+
+    python -m trainkit.bench                      # the default matrix (make bench)
+    python -m trainkit.bench --workloads mlp      # one model's cells
+    python -m trainkit.bench --cells mlp-template-auto-1dev-32-true mlp-plain-auto-1dev-32-true
+    python -m trainkit.bench --list               # the cells' names
+
+Writes results.{json,csv,md,png} and TensorBoard scalars under --out (a new directory).
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+
+from trainkit.bench import cells as matrix
+from trainkit.bench.report import add_scaling, markdown, ratios, write_all
+from trainkit.config import ROOT_DIR
+
+
+def machine() -> dict[str, object]:
+    cpu = platform.processor()
+    with contextlib.suppress(OSError, StopIteration):
+        cpu = next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT_DIR, capture_output=True, text=True
+    ).stdout.strip()
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "gpus": gpus,
+        "torch": torch.__version__,
+        "lightning": L.__version__,
+        "python": platform.python_version(),
+        "commit": commit or None,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+    }
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    names = [c.name for c in matrix.DEFAULT_MATRIX]
+    parser.add_argument("--workloads", nargs="+", choices=list(matrix.WORKLOADS))
+    parser.add_argument("--cells", nargs="+", metavar="CELL", help="cells of the default matrix")
+    parser.add_argument("--list", action="store_true", help="print the cells' names and exit")
+    parser.add_argument("--repeats", type=int, help="timed epochs per cell (default: per model)")
+    parser.add_argument(
+        "--rounds", type=int, help="launches per cell, in turn (default: per model)"
+    )
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--quick", action="store_true", help="2 warm-up + 4 timed steps (tests)")
+    parser.add_argument("--loading", action="store_true", help="also ImageFolder images/s")
+    parser.add_argument("--out", type=Path, help="a new directory (default: logs/bench/<time>)")
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.cells or ()) - set(names))
+    if unknown:
+        parser.error(f"unknown cell(s) {unknown}: see --list for the names")
+    for flag in ("repeats", "threads", "rounds"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            parser.error(f"--{flag} must be 1 or more, got {getattr(args, flag)}")
+    if args.out is None:
+        stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+        args.out = ROOT_DIR / "logs" / "bench" / stamp
+    if args.out.exists():
+        parser.error(f"--out {args.out} exists: the benchmark writes a new directory only")
+    return args
+
+
+def selected(args: argparse.Namespace) -> list[matrix.Cell]:
+    chosen = [
+        c
+        for c in matrix.DEFAULT_MATRIX
+        if (not args.workloads or c.workload in args.workloads)
+        and (not args.cells or c.name in args.cells)
+    ]
+    changes = {"warmup": 2, "steps": 4} if args.quick else {}
+    if args.repeats:
+        changes["repeats"] = args.repeats
+    if args.rounds:
+        changes["rounds"] = args.rounds
+    matrix.WORKLOADS = {n: dataclasses.replace(w, **changes) for n, w in matrix.WORKLOADS.items()}
+    return chosen
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cells = selected(args)
+    if args.list:
+        print("\n".join(c.name for c in cells))
+        return 0
+    args.out.mkdir(parents=True)
+    settings = matrix.Settings(threads=args.threads)
+    for name in dict.fromkeys(c.workload for c in cells):
+        settings.data_roots[name] = matrix.WORKLOADS[name].write_data(args.out / "data")
+    launches: dict[str, list[dict]] = {c.name: [] for c in cells}
+    rounds = max(matrix.WORKLOADS[c.workload].rounds for c in cells)
+    for r in range(rounds):
+        for i, cell in enumerate(cells, 1):
+            if r >= matrix.WORKLOADS[cell.workload].rounds:
+                continue
+            result = matrix.run_cell(cell, settings, args.out / "cells" / cell.name / f"round{r}")
+            rate = result.get("samples_per_s")
+            summary = f"{statistics.median(rate):,.1f} samples/s" if rate else "FAILED"
+            print(f"round {r + 1}/{rounds}, {i}/{len(cells)} {cell.name}: {summary}", flush=True)
+            launches[cell.name].append(result)
+    results = [matrix.merge_rounds(launches[c.name]) for c in cells]
+    add_scaling(results)
+    report = {
+        "machine": machine(),
+        "settings": {**dataclasses.asdict(settings), "workloads": {
+            n: dataclasses.asdict(matrix.WORKLOADS[n]) for n in settings.data_roots}},
+        "cells": results,
+        "ratios": ratios(results),
+    }  # fmt: skip
+    if args.loading:
+        from trainkit.bench.loading import bench_imagefolder
+
+        report["loading"] = bench_imagefolder(args.out / "data", 256, [0, 1, 2], args.repeats or 3)
+    paths = write_all(args.out, report)
+    print(markdown(report))
+    print("Wrote " + ", ".join(str(p) for p in paths))
+    failed = [r["cell"] for r in results if "error" in r]
+    if failed:
+        print(
+            f"{len(failed)} cell(s) failed: {failed}; see cells/<name>/output.log", file=sys.stderr
+        )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""The benchmark matrix: what each cell runs, and running it in fresh processes.
+
+A template cell is ``python train.py`` with the cell's overrides and the default recipe (logger,
+callbacks, progress bar, checkpoints), plus ``BenchProbe``; a plain cell is ``python -m
+trainkit.bench.plain`` on the same data, model and optimizer. Each launch trains ``repeats``
+epochs of ``warmup + steps`` steps; the warm-up steps of every epoch are not timed. Cells launched
+more than once (``rounds``) take turns with the other cells: round 1 of every cell, then round 2.
+"""
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hydra.utils import get_class
+from omegaconf import OmegaConf
+
+from trainkit.config import ROOT_DIR, compose_config
+from trainkit.data.synthetic import write_cifar10, write_mnist
+from trainkit.runtime import free_port
+
+# Strategies whose processes each take their own share of the batch: data.batch_size is per process.
+DATA_PARALLEL = {"ddp", "ddp_spawn"}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model on a fixed in-memory dataset with a fixed global batch."""
+
+    name: str
+    overrides: tuple[str, ...]  # model and data choices; data.root is added when data is written
+    batch_size: int  # global: split over data-parallel processes, whole for dp and pipeline
+    warmup: int  # untimed steps at the start of every epoch
+    steps: int  # timed steps per epoch
+    repeats: int  # timed epochs per launch
+    rounds: int  # launches per cell, taken in turn with the other cells' launches
+
+    def write_data(self, root: Path) -> str:
+        """Synthetic files in the real format: every epoch's steps without wrapping, plus the
+        held-out validation images (``data.val_size=200``)."""
+        n = self.batch_size * (self.warmup + self.steps) + 200
+        if "data=cifar10" in self.overrides:
+            return str(write_cifar10(root / self.name, -(-n // 5), 200))
+        return str(write_mnist(root / self.name, n, 200))
+
+
+@dataclass(frozen=True)
+class Cell:
+    workload: str
+    runner: str  # "template" (train.py) or "plain" (hand-written loop)
+    strategy: str = "auto"  # a conf/strategy option; plain: "auto" (one process) or "ddp"
+    devices: int = 1
+    precision: str = "32-true"
+    extra: tuple[str, ...] = ()  # further train.py overrides (micro-batches, logging off, ...)
+    variant: str = ""  # what ``extra`` changes, for tables
+
+    @property
+    def name(self) -> str:
+        parts = [self.workload, self.runner, self.strategy, f"{self.devices}dev", self.precision]
+        slug = self.variant.replace(" ", "_").replace("=", "")
+        return "-".join([*parts, *([slug] if slug else [])])
+
+    def per_process_batch(self, batch_size: int) -> int:
+        data_parallel = self.strategy in DATA_PARALLEL or (
+            self.runner == "plain" and self.devices > 1
+        )
+        return batch_size // self.devices if data_parallel else batch_size
+
+
+# A ~10 ms MLP step needs tens of steps per timing, and launches in two rounds so that a slow spell
+# of a shared machine does not fall on one side of a ratio only; a ResNet-50 step takes seconds on
+# CPU, so a few steps are a long enough timing. The pipeline's ResNet-50 batch is larger: 4
+# micro-batches of 32 images (not 4 of 16) keep each stage's convolutions efficient.
+RESNET_OVERRIDES = ("model=resnet50", "data=cifar10", "data.val_size=200")
+WORKLOADS = {
+    w.name: w
+    for w in (
+        Workload("mlp", ("model=mlp", "data=mnist", "data.val_size=200"), 256, 10, 60, 2, 2),
+        Workload("resnet50", RESNET_OVERRIDES, 128, warmup=1, steps=3, repeats=2, rounds=1),
+        Workload("resnet50_b256", RESNET_OVERRIDES, 256, warmup=2, steps=3, repeats=1, rounds=1),
+    )
+}
+
+# Everything that only writes to TensorBoard off: the logging cost is the ratio to this cell.
+LOGGING_OFF = ("logger=none", "~callbacks.training_monitor", "~callbacks.validation_images")
+
+
+def pipeline(workload: str, microbatches: int, schedule: str = "gpipe") -> Cell:
+    extra = ("strategy.microbatches=" + str(microbatches), "strategy.schedule=" + schedule)
+    variant = f"{schedule} mb={microbatches}"
+    return Cell(workload, "template", "pipeline", 2, extra=extra, variant=variant)
+
+
+DEFAULT_MATRIX: tuple[Cell, ...] = (
+    Cell("mlp", "plain"),
+    Cell("mlp", "template"),
+    Cell("mlp", "template", extra=LOGGING_OFF, variant="no logging"),
+    Cell("mlp", "template", precision="bf16-mixed"),
+    Cell("mlp", "template", "dp", 2),
+    Cell("mlp", "plain", "ddp", 2),
+    Cell("mlp", "template", "ddp", 2),
+    Cell("mlp", "template", "ddp_spawn", 2),
+    pipeline("mlp", 1),
+    pipeline("mlp", 2),
+    pipeline("mlp", 4),
+    Cell("resnet50", "plain"),
+    Cell("resnet50", "template"),
+    Cell("resnet50", "plain", "ddp", 2),
+    Cell("resnet50", "template", "ddp", 2),
+    pipeline("resnet50_b256", 1),
+    pipeline("resnet50_b256", 4, "interleaved"),
+)
+
+
+@dataclass
+class Settings:
+    threads: int  # torch threads per process
+    tune_malloc: bool = True
+    seed: int = 0
+    data_roots: dict[str, str] = field(default_factory=dict)
+
+
+def template_command(cell: Cell, work: Workload, s: Settings, cell_dir: Path) -> list[str]:
+    probe = "+callbacks.bench_probe"
+    return [
+        *(sys.executable, "train.py", *work.overrides, f"data.root='{s.data_roots[work.name]}'"),
+        *(f"strategy={cell.strategy}", f"devices={cell.devices}", f"precision={cell.precision}"),
+        f"data.batch_size={cell.per_process_batch(work.batch_size)}",
+        *(f"threads={s.threads}", f"seed={s.seed}", f"tune_malloc={s.tune_malloc}"),
+        f"trainer.max_epochs={work.repeats}",
+        f"++trainer.limit_train_batches={work.warmup + work.steps}",
+        *("++trainer.limit_val_batches=1", "++trainer.limit_test_batches=1"),
+        "++trainer.num_sanity_val_steps=0",
+        f"paths.log_dir='{cell_dir}'",
+        *(
+            f"{probe}._target_=trainkit.bench.probe.BenchProbe",
+            f"{probe}.out='{cell_dir / 'probe'}'",
+        ),
+        *(f"{probe}.warmup={work.warmup}", f"{probe}.steps={work.steps}"),
+        *cell.extra,
+    ]
+
+
+def plain_command(cell: Cell, work: Workload, s: Settings, cell_dir: Path) -> list[str]:
+    """Writes the plain loop's spec from the same composed config the template would run."""
+    cfg = compose_config(
+        "train", cell_dir / "config", [*work.overrides, f"data.root='{s.data_roots[work.name]}'"]
+    )
+    cfg.model.num_classes = get_class(cfg.data._target_).num_classes
+    cfg.data.batch_size = cell.per_process_batch(work.batch_size)
+    spec = {
+        "data": OmegaConf.to_container(cfg.data, resolve=True),
+        "net": OmegaConf.to_container(cfg.model.net, resolve=True),
+        "optimizer": OmegaConf.to_container(cfg.model.optimizer, resolve=True),
+        "batch_size": cfg.data.batch_size,
+        "world": cell.devices,
+        "port": free_port(),
+        **{"threads": s.threads, "tune_malloc": s.tune_malloc, "seed": s.seed},
+        **{"warmup": work.warmup, "steps": work.steps, "epochs": work.repeats},
+        "out": str(cell_dir / "probe"),
+    }
+    spec_path = cell_dir / "plain_spec.json"
+    spec_path.write_text(json.dumps(spec, indent=2))
+    return [sys.executable, "-m", "trainkit.bench.plain", str(spec_path)]
+
+
+def run_cell(cell: Cell, s: Settings, cell_dir: Path) -> dict[str, object]:
+    """Runs one cell in fresh processes; its figures, or the reason it failed."""
+    work = WORKLOADS[cell.workload]
+    cell_dir.mkdir(parents=True)
+    build = template_command if cell.runner == "template" else plain_command
+    command = build(cell, work, s, cell_dir)
+    result: dict[str, object] = {
+        **{"cell": cell.name, "workload": cell.workload, "runner": cell.runner},
+        **{"strategy": cell.strategy, "devices": cell.devices, "precision": cell.precision},
+        **{"variant": cell.variant, "batch_size": work.batch_size, "threads": s.threads},
+        "commands": [command],
+    }
+    launched_at = time.time()
+    with open(cell_dir / "output.log", "w") as output:
+        proc = subprocess.run(command, cwd=ROOT_DIR, stdout=output, stderr=subprocess.STDOUT)
+    records = [
+        json.loads(p.read_text())
+        for p in sorted(cell_dir.glob("probe.rank*.json"), key=lambda p: int(p.name[10:-5]))
+    ]
+    rates = records[0]["samples_per_s"] if records else []
+    if proc.returncode != 0 or not rates:
+        tail = (cell_dir / "output.log").read_text()[-2000:]
+        return {**result, "error": f"exit code {proc.returncode}; output ends:\n{tail}"}
+    return {
+        **result,
+        "samples_per_s": rates,
+        "median_step_s": [records[0]["median_step_s"]],
+        "first_step_s": [records[0]["first_step_at"] - launched_at],
+        "peak_mem_mb": [r["peak_mem_mb"] for r in records],
+    }
+
+
+def merge_rounds(rounds: list[dict]) -> dict[str, object]:
+    """One cell's launches (one per round) as one result: every timed epoch, the median launch
+    time, each rank's largest peak memory; the first failure if any launch failed."""
+    if any("error" in r for r in rounds):
+        return next(r for r in rounds if "error" in r)
+    rates = [rate for r in rounds for rate in r["samples_per_s"]]
+    step = statistics.median_low(t for r in rounds for t in r["median_step_s"])
+    return {
+        **rounds[0],
+        "commands": [c for r in rounds for c in r["commands"]],
+        "samples_per_s": rates,
+        "median": statistics.median(rates),
+        "min": min(rates),
+        "max": max(rates),
+        "median_step_s": step,  # one launch's median step (the lower middle one), not a blend
+        "step_samples_per_s": rounds[0]["batch_size"] / step,
+        "first_step_s": statistics.median(t for r in rounds for t in r["first_step_s"]),
+        "peak_mem_mb": [max(mb) for mb in zip(*(r["peak_mem_mb"] for r in rounds), strict=True)],
+    }

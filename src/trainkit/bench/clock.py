@@ -1,0 +1,82 @@
+"""One way to time training steps and read peak memory, shared by the template probe and the plain
+loops so that both sides of every ratio are measured alike."""
+
+import json
+import resource
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+
+def _sync() -> None:
+    """Waits for queued GPU work, at the two ends of a timed window only."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+class StepClock:
+    """Steady-state samples/s of each epoch: from the start of step ``warmup`` to the end of step
+    ``warmup + steps - 1``, so the time between steps (fetching the next batch) counts too.
+
+    Also each timed step's own time (start to the next step's start): their median shrugs off the
+    stalls a shared machine puts on a few steps, which an epoch's average cannot.
+    """
+
+    def __init__(self, warmup: int, steps: int) -> None:
+        self.warmup, self.last = warmup, warmup + steps - 1
+        self.first_step_at: float | None = None  # wall clock, comparable with the launcher's
+        self.epochs: list[float] = []
+        self._start: float | None = None
+        self._end: float | None = None
+        self._samples = 0
+        self._step_start: float | None = None
+        self.step_times: list[float] = []
+
+    def step_start(self, step: int) -> None:
+        if self.first_step_at is None:
+            self.first_step_at = time.time()
+        if step == self.warmup:
+            _sync()
+            self._start = time.perf_counter()
+        if self.warmup <= step <= self.last:
+            now = time.perf_counter()
+            if self._step_start is not None:
+                self.step_times.append(now - self._step_start)
+            self._step_start = now
+
+    def step_end(self, step: int, samples: int) -> None:
+        if self.warmup <= step <= self.last:
+            if step == self.last:
+                _sync()
+            self._end = time.perf_counter()
+            self._samples += samples
+            if step == self.last and self._step_start is not None:
+                self.step_times.append(self._end - self._step_start)
+                self._step_start = None
+
+    def epoch_end(self) -> None:
+        if self._start is not None and self._end is not None and self._end > self._start:
+            self.epochs.append(self._samples / (self._end - self._start))
+        self._start, self._end, self._samples, self._step_start = None, None, 0, None
+
+    def record(self, replicas: int, device: torch.device) -> dict[str, object]:
+        """This process's figures; ``replicas`` scales its samples/s to the whole run's."""
+        return {
+            "samples_per_s": [rate * replicas for rate in self.epochs],
+            "median_step_s": statistics.median(self.step_times) if self.step_times else None,
+            "first_step_at": self.first_step_at,
+            "peak_mem_mb": peak_memory_mb(device),
+        }
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak allocated CUDA memory on a GPU; the process's peak resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: kB
+
+
+def write_record(out: str | Path, rank: int, record: dict[str, object]) -> None:
+    Path(f"{out}.rank{rank}.json").write_text(json.dumps(record))

@@ -1,0 +1,27 @@
+import lightning as L
+
+from trainkit.bench.clock import StepClock, write_record
+
+
+class BenchProbe(L.Callback):
+    """Added to a benchmark cell's ``train.py`` run: every rank times its training steps with the
+    same clock as the plain loops and writes ``<out>.rank<N>.json`` when training ends."""
+
+    def __init__(self, warmup: int, steps: int, out: str) -> None:
+        self.clock, self.out = StepClock(warmup, steps), out
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        self.clock.step_start(batch_idx)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        self.clock.step_end(batch_idx, len(batch[1]))
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        self.clock.epoch_end()
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        # data-parallel replicas each see their own samples; pipeline stages all see the same ones
+        kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+        replicas = kwargs.get("num_replicas", 1)
+        record = self.clock.record(replicas, pl_module.device)
+        write_record(self.out, trainer.global_rank, record)

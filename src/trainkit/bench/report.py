@@ -1,0 +1,217 @@
+"""Derived figures (scaling, the ratios the goals are about) and the run directory's artifacts:
+results.json, results.csv, results.md, results.png and TensorBoard scalars."""
+
+import csv
+import json
+from pathlib import Path
+
+from trainkit.bench.cells import LOGGING_OFF, Cell, pipeline
+
+# (what, numerator, denominator, goal): the ratios a run reports when both of its cells ran
+RATIOS: tuple[tuple[str, Cell, Cell, float | None], ...] = (
+    ("template vs plain loop, mlp", Cell("mlp", "template"), Cell("mlp", "plain"), 0.95),
+    (
+        "template ddp vs torch DDP, mlp",
+        Cell("mlp", "template", "ddp", 2),
+        Cell("mlp", "plain", "ddp", 2),
+        0.95,
+    ),
+    (
+        "default logging vs none, mlp",
+        Cell("mlp", "template"),
+        Cell("mlp", "template", extra=LOGGING_OFF, variant="no logging"),
+        0.95,
+    ),
+    (
+        "bf16-mixed vs 32-true, mlp",
+        Cell("mlp", "template", precision="bf16-mixed"),
+        Cell("mlp", "template"),
+        None,
+    ),
+    ("pipeline gpipe mb=2 vs mb=1, mlp", pipeline("mlp", 2), pipeline("mlp", 1), None),
+    ("pipeline gpipe mb=4 vs mb=1, mlp", pipeline("mlp", 4), pipeline("mlp", 1), None),
+    (
+        "template vs plain loop, resnet50",
+        Cell("resnet50", "template"),
+        Cell("resnet50", "plain"),
+        0.95,
+    ),
+    (
+        "template ddp vs torch DDP, resnet50",
+        Cell("resnet50", "template", "ddp", 2),
+        Cell("resnet50", "plain", "ddp", 2),
+        0.95,
+    ),
+    (
+        "pipeline interleaved mb=4 vs gpipe mb=1, resnet50",
+        pipeline("resnet50_b256", 4, "interleaved"),
+        pipeline("resnet50_b256", 1),
+        1.4,
+    ),
+)
+
+
+def add_scaling(cells: list[dict]) -> None:
+    """Speed-up and scaling efficiency against the same runner on one device (same workload and
+    precision, no variant): efficiency 1.0 is N devices at N times one device's samples/s."""
+    singles = {
+        (c["workload"], c["runner"], c["precision"]): c["median"]
+        for c in cells
+        if c["devices"] == 1 and not c["variant"] and "median" in c
+    }
+    for c in cells:
+        base = singles.get((c["workload"], c["runner"], c["precision"]))
+        if base and "median" in c:
+            c["speedup_vs_1_device"] = c["median"] / base
+            c["scaling_efficiency"] = c["median"] / (base * c["devices"])
+
+
+def ratios(cells: list[dict]) -> list[dict]:
+    by_name = {c["cell"]: c for c in cells if "median" in c}
+    found = []
+    for name, top, bottom, goal in RATIOS:
+        if top.name in by_name and bottom.name in by_name:
+            a, b = by_name[top.name], by_name[bottom.name]
+            value = a["median"] / b["median"]
+            by_step = a["step_samples_per_s"] / b["step_samples_per_s"]
+            met = None if goal is None else value >= goal
+            found.append(
+                {"ratio": name, "value": value, "by_median_step": by_step, "goal": goal, "met": met}
+            )
+    return found
+
+
+def _label(c: dict) -> str:
+    if c["runner"] == "plain":
+        name = "plain torch DDP" if c["strategy"] == "ddp" else "plain PyTorch"
+    else:
+        name = "template" + ("" if c["strategy"] == "auto" else f" {c['strategy']}")
+    variant = f" {c['variant']}" if c["variant"] else ""
+    return f"{name} x{c['devices']} {c['precision']}{variant}"
+
+
+COLUMNS = (
+    "cell", "workload", "runner", "strategy", "devices", "precision", "variant", "batch_size",
+    "threads", "median", "min", "max", "step_samples_per_s", "median_step_s",
+    "speedup_vs_1_device", "scaling_efficiency",
+    "first_step_s", "peak_mem_mb", "error",
+)  # fmt: skip
+
+
+def write_csv(path: Path, cells: list[dict]) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        for c in cells:
+            row = dict(c)
+            if "peak_mem_mb" in row:
+                row["peak_mem_mb"] = ";".join(f"{m:.0f}" for m in row["peak_mem_mb"])
+            if "error" in row:
+                row["error"] = row["error"].splitlines()[0]
+            writer.writerow(row)
+
+
+def _num(x: float) -> str:
+    return f"{x:,.0f}" if x >= 100 else f"{x:,.1f}"
+
+
+def markdown(report: dict) -> str:
+    m = report["machine"]
+    s = report["settings"]
+    gpus = ", ".join(m["gpus"]) or "none"
+    timing = "; ".join(
+        f"{name}: {w['rounds']} launch(es) x {w['repeats']} epoch(s) of {w['steps']} steps"
+        for name, w in s.get("workloads", {}).items()
+    )
+    lines = [
+        f"Machine: {m['cpu']}, {m['cores']} cores, GPUs: {gpus}; torch {m['torch']}, "
+        f"Lightning {m['lightning']}, Python {m['python']}. {s['threads']} thread(s) per process. "
+        f"samples/s: median (min-max) over the timed epochs ({timing}); seed {s['seed']}.",
+        "",
+        "| workload | run | batch | samples/s | from the median step "
+        "| speed-up vs 1 device (efficiency) | launch to first step | peak memory per device |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for c in report["cells"]:
+        if "error" in c:
+            lines.append(f"| {c['workload']} | {_label(c)} | {c['batch_size']} | failed | | | | |")
+            continue
+        scaling = ""
+        if c["devices"] > 1 and "speedup_vs_1_device" in c:
+            scaling = f"{c['speedup_vs_1_device']:.2f}x ({c['scaling_efficiency']:.0%})"
+        memory = " / ".join(f"{mb:,.0f} MB" for mb in c["peak_mem_mb"])
+        lines.append(
+            f"| {c['workload']} | {_label(c)} | {c['batch_size']} | {_num(c['median'])} "
+            f"({_num(c['min'])}-{_num(c['max'])}) | {_num(c['step_samples_per_s'])} "
+            f"| {scaling} | {c['first_step_s']:.1f} s "
+            f"| {memory} |"
+        )
+    lines += [
+        "",
+        "| ratio | of the medians | of the median steps | goal |",
+        "| --- | --- | --- | --- |",
+    ]
+    for r in report["ratios"]:
+        goal = "" if r["goal"] is None else f">= {r['goal']}x ({'met' if r['met'] else 'missed'})"
+        lines.append(
+            f"| {r['ratio']} | **{r['value']:.2f}x** | {r['by_median_step']:.2f}x | {goal} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_png(path: Path, cells: list[dict]) -> None:
+    """One horizontal bar chart per workload: median samples/s with the min-max range."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    done = [c for c in cells if "median" in c]
+    workloads = list(dict.fromkeys(c["workload"] for c in done))
+    fig, axes = plt.subplots(len(workloads), 1, figsize=(9, 1.0 + 0.42 * len(done)), squeeze=False)
+    for ax, workload in zip(axes[:, 0], workloads, strict=True):
+        rows = [c for c in done if c["workload"] == workload]
+        medians = [c["median"] for c in rows]
+        spread = [[c["median"] - c["min"] for c in rows], [c["max"] - c["median"] for c in rows]]
+        colors = ["tab:gray" if c["runner"] == "plain" else "tab:blue" for c in rows]
+        ax.barh(range(len(rows)), medians, xerr=spread, color=colors, capsize=3)
+        ax.set_yticks(range(len(rows)), [_label(c) for c in rows], fontsize=8)
+        ax.invert_yaxis()
+        ax.set_title(f"{workload}: samples/s (median, min-max); gray: plain PyTorch", fontsize=9)
+        ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_tensorboard(logdir: Path, report: dict) -> None:
+    """A run per cell (its samples/s per timed epoch, and its summary figures) and one for the
+    ratios: TensorBoard overlays the cells."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    for c in report["cells"]:
+        if "median" not in c:
+            continue
+        with SummaryWriter(str(logdir / c["cell"])) as writer:
+            for epoch, rate in enumerate(c["samples_per_s"]):
+                writer.add_scalar("bench/samples_per_s", rate, epoch)
+            writer.add_scalar("bench/median_samples_per_s", c["median"], 0)
+            writer.add_scalar("bench/median_step_s", c["median_step_s"], 0)
+            writer.add_scalar("bench/first_step_s", c["first_step_s"], 0)
+            writer.add_scalar("bench/peak_mem_mb", max(c["peak_mem_mb"]), 0)
+            if "scaling_efficiency" in c:
+                writer.add_scalar("bench/scaling_efficiency", c["scaling_efficiency"], 0)
+    with SummaryWriter(str(logdir / "ratios")) as writer:
+        for r in report["ratios"]:
+            tag = "ratio/" + r["ratio"].replace(" ", "_").replace(",", "")
+            writer.add_scalar(tag, r["value"], 0)
+
+
+def write_all(run_dir: Path, report: dict) -> list[Path]:
+    paths = [run_dir / f"results.{ext}" for ext in ("json", "csv", "md", "png")]
+    paths[0].write_text(json.dumps(report, indent=2) + "\n")
+    write_csv(paths[1], report["cells"])
+    paths[2].write_text(markdown(report))
+    write_png(paths[3], report["cells"])
+    write_tensorboard(run_dir / "tensorboard", report)
+    return [*paths, run_dir / "tensorboard"]
