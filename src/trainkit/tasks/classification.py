@@ -10,6 +10,12 @@ OptimizerFactory = Callable[..., torch.optim.Optimizer]
 SchedulerFactory = Callable[..., torch.optim.lr_scheduler.LRScheduler]
 
 
+def sample_mean(batch_mean: Tensor, n: int) -> Tensor:
+    """A batch's mean loss as ``n`` equal values (a view): averaged by MeanMetric, batches count by
+    their sample counts, so uneven last batches and shards give the exact mean over samples."""
+    return batch_mean.detach().reshape(1).expand(n)
+
+
 class ImageClassifier(L.LightningModule):
     """Any ``net`` trained with cross-entropy, scored with torchmetrics accuracy.
 
@@ -39,7 +45,8 @@ class ImageClassifier(L.LightningModule):
         # validate_args=False: the checks scan every target each step, which a classifier's own
         # labels never need
         # nan_strategy="disable": the default ("warn") drops NaNs after an `.any()` that waits for
-        # the GPU every step; a non-finite loss stops the run (NonFiniteLossStop) instead
+        # the GPU every step; a non-finite loss stops the run (NonFiniteLossStop) instead. With
+        # "disable" MeanMetric ignores a weight argument: sample_mean() passes a value per sample
         self.train_loss = MeanMetric(nan_strategy="disable")
         self.train_acc = MulticlassAccuracy(num_classes, average="micro", validate_args=False)
         self.val_acc = MulticlassAccuracy(num_classes, average="micro", validate_args=False)
@@ -65,7 +72,7 @@ class ImageClassifier(L.LightningModule):
 
     def on_train_batch_end(self, outputs: dict[str, Tensor], batch, batch_idx: int) -> None:
         loss, n = outputs["loss"].detach(), len(outputs["target"])
-        self.train_loss.update(loss, n)
+        self.train_loss.update(sample_mean(loss, n))
         self.train_acc.update(outputs["logits"], outputs["target"])
         if self.global_step % self.trainer.log_every_n_steps == 0:
             self.log("train/loss_step", loss, on_step=True, on_epoch=False, prog_bar=True)
@@ -80,7 +87,7 @@ class ImageClassifier(L.LightningModule):
         return self._shared_step(batch)
 
     def on_validation_batch_end(self, outputs, batch, batch_idx: int, dataloader_idx: int = 0):
-        self.val_loss.update(outputs["loss"], len(outputs["target"]))
+        self.val_loss.update(sample_mean(outputs["loss"], len(outputs["target"])))
         self.val_acc.update(outputs["logits"], outputs["target"])
         self.log("val/loss", self.val_loss)
         self.log("val/acc", self.val_acc, prog_bar=True)
@@ -89,7 +96,7 @@ class ImageClassifier(L.LightningModule):
         return self._shared_step(batch)
 
     def on_test_batch_end(self, outputs, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
-        self.test_loss.update(outputs["loss"], len(outputs["target"]))
+        self.test_loss.update(sample_mean(outputs["loss"], len(outputs["target"])))
         self.test_acc.update(outputs["logits"], outputs["target"])
         self.log("test/loss", self.test_loss)
         self.log("test/acc", self.test_acc)
