@@ -143,6 +143,7 @@ def free_port() -> int:
 # Files whose tests take minutes (real multi-process runs), started first: `make test` runs the
 # files on 2 xdist workers, and a long file picked up last would run alone at the end.
 LONGEST_FIRST = (
+    "test_reliability.py",
     "test_readme_strategies.py",
     "test_readme.py",
     "test_pipeline_resnet.py",

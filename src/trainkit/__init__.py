@@ -19,6 +19,22 @@ OmegaConf.register_new_resolver(
 )
 
 
+def requeue_dir(job_root: str, default: str) -> str:
+    """Lightning's ``default_root_dir``: where it saves SLURM requeue checkpoints (``hpc_ckpt_<n>``)
+    and, when a job starts, looks for them. A requeued job is a new run with a new directory, so
+    under SLURM this is ``<job_root>/<job id>``, the same for every start of the job."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    if not SLURMEnvironment.detect():
+        return default
+    array = os.environ.get("SLURM_ARRAY_JOB_ID")
+    job = f"{array}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array else os.environ["SLURM_JOB_ID"]
+    return f"{job_root}/{job}"
+
+
+OmegaConf.register_new_resolver("requeue_dir", requeue_dir, replace=True)
+
+
 def job_dirname(num: int, overrides: str, limit: int = 120) -> str:
     """``3_devices=2,model.optimizer.lr=0.001``: a sweep job's directory, named by its overrides
     (and so its TensorBoard run); '/' in values flattened, long names cut and made unique."""

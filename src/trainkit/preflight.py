@@ -3,9 +3,10 @@ or a process is started. Each problem is one line that names the fix."""
 
 import logging
 import os
+from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ def check_devices(cfg: DictConfig, accelerator: str) -> int:
     n = device_count(cfg.devices, accelerator)
     if cfg.num_nodes < 1:
         raise ConfigError(f"num_nodes={cfg.num_nodes}: must be 1 or more")
+    check_nodes(cfg.num_nodes, n)
     if accelerator == "gpu":
         have = torch.cuda.device_count()
         if have == 0:
@@ -59,6 +61,24 @@ def check_devices(cfg: DictConfig, accelerator: str) -> int:
                 f"or accelerator=cpu to run {n} CPU processes"
             )
     return n
+
+
+def check_nodes(num_nodes: int, devices: int) -> None:
+    """Several nodes need a launcher that starts every node's processes (torchrun, SLURM); without
+    one the first node would wait for the others forever. Under torchrun the sizes must agree."""
+    world = os.environ.get("WORLD_SIZE")
+    under_slurm = "SLURM_NTASKS" in os.environ
+    if num_nodes > 1 and world is None and not under_slurm:
+        raise ConfigError(
+            f"num_nodes={num_nodes} but this process was not started on {num_nodes} nodes: launch "
+            f"with torchrun --nnodes={num_nodes} --nproc-per-node={devices} train.py ..., or "
+            f"-m launcher=slurm; on one machine use num_nodes=1"
+        )
+    if world is not None and int(world) != num_nodes * devices:
+        raise ConfigError(
+            f"torchrun started {world} processes but num_nodes={num_nodes} x devices={devices} is "
+            f"{num_nodes * devices}: pass num_nodes=<--nnodes> devices=<--nproc-per-node>"
+        )
 
 
 def check_precision(cfg: DictConfig, accelerator: str) -> None:
@@ -105,8 +125,42 @@ def set_threads(cfg: DictConfig, processes_per_node: int) -> int:
     return threads
 
 
+RUN_FILES = ("checkpoints", "metrics.json", "tensorboard")
+RANK_ENV = ("LOCAL_RANK", "RANK", "SLURM_PROCID")  # set in a process that is not the first
+
+
+def check_new_output_dir(output_dir: str) -> None:
+    """A run never writes into an earlier run's directory (``hydra.run.dir`` given twice): its
+    checkpoints and logs would be mixed with or replace the earlier ones."""
+    if any(os.environ.get(name, "0") != "0" for name in RANK_ENV):
+        return  # the other ranks of a run share its directory
+    found = [name for name in RUN_FILES if (Path(output_dir) / name).exists()]
+    if found:
+        raise ConfigError(
+            f"{output_dir} already holds a run ({', '.join(found)}): give a new hydra.run.dir "
+            f"(the default makes a new one per run); to continue that run pass "
+            f"ckpt_path={Path(output_dir) / 'checkpoints' / 'last.ckpt'}"
+        )
+
+
+def check_positive(cfg: DictConfig) -> None:
+    """Sizes that must be positive integers, with the key to fix."""
+    keys = ("data.batch_size", "trainer.max_epochs", "trainer.log_every_n_steps")
+    for key in keys:
+        value = OmegaConf.select(cfg, key)
+        if value is None and key == "trainer.max_epochs":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}={value!r}: must be a whole number, e.g. {key}=32")
+        if value < 1 and not (key == "trainer.max_epochs" and value == -1):
+            raise ConfigError(f"{key}={value}: must be 1 or more")
+
+
 def preflight(cfg: DictConfig) -> str:
     """Validates the run's shape and applies process settings; returns the resolved accelerator."""
+    check_positive(cfg)
+    if cfg.paths.get("output_dir"):
+        check_new_output_dir(cfg.paths.output_dir)
     accelerator = resolve_accelerator(cfg.accelerator)
     devices = check_devices(cfg, accelerator)
     check_precision(cfg, accelerator)

@@ -2,6 +2,7 @@
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +13,12 @@ from lightning.pytorch.plugins import TorchSyncBatchNorm
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
-from trainkit.callbacks import ProcessInfo, RunConfig
+from trainkit.callbacks import NonFiniteLossStop, Preemption, ProcessInfo, RunConfig
+from trainkit.callbacks.preemption import Preempted
+from trainkit.checkpoint_io import AtomicCheckpointIO
 from trainkit.loggers import flat_hparams, log_final
 from trainkit.preflight import device_count, preflight, resolve_accelerator
+from trainkit.resume import resolve_ckpt_path
 from trainkit.runtime import tune_malloc
 from trainkit.strategies.ddp import isolated_job
 
@@ -35,14 +39,16 @@ def build_callbacks(cfg: DictConfig) -> list[L.Callback]:
 
 
 def build_plugins(cfg: DictConfig) -> list[Any]:
-    """``sync_batchnorm``: torch's SyncBatchNorm needs CUDA, so on CPU (gloo) our own layer sync."""
+    """Checkpoints written atomically; ``sync_batchnorm``: torch's SyncBatchNorm needs CUDA, so on
+    CPU (gloo) our own layer sync."""
+    plugins: list[Any] = [AtomicCheckpointIO()]
     if not cfg.sync_batchnorm:
-        return []
+        return plugins
     if resolve_accelerator(cfg.accelerator) == "cpu":
         from trainkit.strategies.sync_batchnorm import GlooSyncBatchNorm
 
-        return [GlooSyncBatchNorm()]
-    return [TorchSyncBatchNorm()]
+        return [*plugins, GlooSyncBatchNorm()]
+    return [*plugins, TorchSyncBatchNorm()]
 
 
 @rank_zero_only
@@ -92,6 +98,8 @@ def build(
             *build_callbacks(cfg.callbacks),
             RunConfig(resolved),
             ProcessInfo(job_overrides(), cfg.paths.output_dir, cfg.task_name),
+            Preemption(str(Path(cfg.paths.output_dir) / "checkpoints")),
+            NonFiniteLossStop(check_every=cfg.trainer.log_every_n_steps),
             *extra_callbacks,
         ],
         plugins=build_plugins(cfg),
@@ -109,13 +117,22 @@ def run(cfg: DictConfig) -> float | None:
 
 def _train_and_test(cfg: DictConfig) -> float | None:
     preflight(cfg)
+    ckpt_path = resolve_ckpt_path(cfg)
+    if ckpt_path:
+        log.info("Resuming from %s", ckpt_path)
     if cfg.tune_malloc:
         tune_malloc()
     if cfg.seed is not None:
         L.seed_everything(cfg.seed, workers=True)
     datamodule, model, trainer = build(cfg)
+    if trainer.world_size > 1 and "LOCAL_RANK" not in os.environ:
+        # the launching process, before it starts the others: missing data fails here, once
+        datamodule.prepare_data()
 
-    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    try:
+        trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
+    except Preempted as stop:  # saved; exit as a signalled process would, never 0
+        raise SystemExit(128 + stop.signum) from None
     fit_metrics = as_floats(trainer.callback_metrics)
 
     best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""

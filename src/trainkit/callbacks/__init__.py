@@ -1,5 +1,7 @@
 """Lightning callbacks: what the run records beside the model's own metrics."""
 
+from trainkit.callbacks.non_finite_loss import NonFiniteLossStop
+from trainkit.callbacks.preemption import Preemption
 from trainkit.callbacks.process_info import ProcessInfo
 from trainkit.callbacks.profile_steps import ProfileSteps
 from trainkit.callbacks.run_config import RunConfig
@@ -8,6 +10,8 @@ from trainkit.callbacks.training_monitor import TrainingMonitor
 from trainkit.callbacks.validation_images import ValidationImages
 
 __all__ = [
+    "NonFiniteLossStop",
+    "Preemption",
     "ProcessInfo",
     "ProfileSteps",
     "RunConfig",

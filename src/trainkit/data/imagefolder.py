@@ -221,6 +221,11 @@ class ImageFolderDataModule(ShardedDataModule):
             raise ValueError(f"{len(paths)} {what}: {describe(paths)}. Remove them, {SKIP_HINT}.")
         log.warning("skipping %d %s: %s", len(paths), what, describe(paths, limit=len(paths)))
 
+    def prepare_data(self) -> None:
+        """Scans the folders (and checks the images if asked), so that a bad tree is reported
+        before a multi-process run starts its processes."""
+        self.setup("fit")
+
     def setup(self, stage: str | None = None) -> None:
         if self.datasets:
             return

@@ -16,7 +16,9 @@ class InMemoryLoader:
     """An iterable of batches ``tuple(t[idx] for t in tensors)``, in the order of ``sampler``.
 
     Lightning accepts any sized iterable as a dataloader; it finds ``sampler.set_epoch`` as it does
-    on a DataLoader.
+    on a DataLoader. It is also stateful (``state_dict``/``load_state_dict``): Lightning stores the
+    position in mid-epoch checkpoints, and a resumed epoch continues from the next batch instead of
+    starting over, so no sample is seen twice or skipped.
     """
 
     batch_sampler = None  # read by Lightning's DataLoader checks beside ``sampler``
@@ -34,12 +36,26 @@ class InMemoryLoader:
             raise ValueError("all tensors must have the same first dimension")
         self.tensors, self.batch_size = tuple(tensors), batch_size
         self.sampler, self.drop_last = sampler, drop_last
+        self._yielded = 0  # batches handed out in the current pass
+        self._resume_at = 0  # batches the next pass skips (set by load_state_dict)
 
     def __iter__(self) -> Iterator[tuple[Tensor, ...]]:
         idx = self.sampler.indices()
-        for start in range(0, len(self) * self.batch_size, self.batch_size):
+        self._yielded, self._resume_at = self._resume_at, 0
+        for start in range(
+            self._yielded * self.batch_size, len(self) * self.batch_size, self.batch_size
+        ):
             batch = idx[start : start + self.batch_size]
+            self._yielded += 1
             yield tuple(t[batch] for t in self.tensors)
+
+    def state_dict(self) -> dict[str, int]:
+        """Batches handed out in this pass: the ones trained on, since Lightning's fetcher asks for
+        a batch only when its step starts (it knows the length, so it does not fetch ahead)."""
+        return {"batches_done": self._yielded if self._yielded < len(self) else 0}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._resume_at = state["batches_done"]
 
     def __len__(self) -> int:
         n = len(self.sampler)

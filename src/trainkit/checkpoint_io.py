@@ -1,0 +1,56 @@
+"""Checkpoint files that are whole or absent, never truncated.
+
+Lightning 2.6.6 saves through an fsspec transaction whose temporary file is made by
+``tempfile.mkstemp()`` in the system temp directory; committing it is ``shutil.move``, which is a
+copy when that directory is on another filesystem than the checkpoints (local /tmp, shared run
+directories), and nothing is fsync'ed. A crash during that copy leaves a truncated ``last.ckpt``.
+"""
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from fsspec.implementations.local import LocalFileSystem
+from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+
+def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
+    """``torch.save`` to a temporary file beside ``path``, fsync, then rename over ``path``.
+
+    The rename is atomic on one filesystem (POSIX), so a reader or a resumed run sees the previous
+    file or the new one; the directory is fsync'ed too, so the rename survives a power cut.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's torch checkpoint IO, writing local files with ``atomic_torch_save``; remote
+    URLs (s3://, gs://, ...) keep Lightning's own path."""
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
+        fs = get_filesystem(path)
+        if storage_options is not None or not isinstance(fs, LocalFileSystem):
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        atomic_torch_save(checkpoint, path)

@@ -1,0 +1,68 @@
+"""``ckpt_path``: which checkpoint a run resumes from, checked before anything starts.
+
+``ckpt_path=last`` is the newest ``checkpoints/last.ckpt`` of an earlier run of the same task
+(every run writes a new directory, so Lightning's own ``"last"``, which looks in this run's
+directory, would find nothing).
+"""
+
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from trainkit.callbacks.run_config import CONFIG_KEY
+from trainkit.preflight import ConfigError
+
+
+def newest_last_checkpoint(runs_dir: Path, exclude: Path) -> Path | None:
+    found = [
+        p
+        for p in runs_dir.glob("*/checkpoints/last.ckpt")
+        if p.parents[1].resolve() != exclude.resolve()
+    ]
+    return max(found, key=lambda p: p.stat().st_mtime, default=None)
+
+
+def resolve_ckpt_path(cfg: DictConfig) -> str | None:
+    """The checkpoint file to resume from (None: start fresh); a one-line ConfigError if it is
+    missing, not a trainkit checkpoint, or trained another model."""
+    if cfg.ckpt_path is None:
+        return None
+    if cfg.ckpt_path == "last":
+        runs = Path(cfg.paths.log_dir) / cfg.task_name / "runs"
+        path = newest_last_checkpoint(runs, exclude=Path(cfg.paths.output_dir))
+        if path is None:
+            raise ConfigError(
+                f"ckpt_path=last: no earlier run under {runs} has checkpoints/last.ckpt; "
+                f"start without ckpt_path, or give a checkpoint file"
+            )
+    else:
+        path = Path(cfg.ckpt_path).expanduser()
+        if not path.is_file():
+            raise ConfigError(
+                f"ckpt_path={cfg.ckpt_path} does not exist: give a checkpoint file, e.g. "
+                f"logs/train/runs/<run>/checkpoints/last.ckpt, or ckpt_path=last"
+            )
+    check_same_model(path, cfg)
+    return str(path)
+
+
+def check_same_model(path: Path, cfg: DictConfig) -> None:
+    try:  # mmap: reads the small config entry, not every tensor
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:
+        raise ConfigError(f"ckpt_path={path} is not a readable checkpoint ({err})") from err
+    if CONFIG_KEY not in checkpoint:
+        raise ConfigError(
+            f"ckpt_path={path} was not written by trainkit's train.py (no '{CONFIG_KEY}'): "
+            f"resume from a trainkit checkpoint, or load foreign weights in your model's code"
+        )
+    theirs = checkpoint[CONFIG_KEY].get("model", {}).get("net")
+    net = OmegaConf.masked_copy(cfg.model.net, [k for k in cfg.model.net if k != "num_classes"])
+    ours = OmegaConf.to_container(net, resolve=True)
+    theirs = {k: v for k, v in (theirs or {}).items() if k != "num_classes"}
+    if theirs != ours:
+        raise ConfigError(
+            f"ckpt_path={path} holds a different model: model.net={theirs}, this run builds "
+            f"model.net={ours}; resume with the checkpoint's model options"
+        )

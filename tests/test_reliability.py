@@ -1,0 +1,307 @@
+"""Faults, resume and bad input, with real processes and real signals: nothing already written is
+lost, a failed run exits non-zero, and a resumed run ends where an uninterrupted one would."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainkit.checkpoint_io import atomic_torch_save
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+STEPS_PER_EPOCH = 50  # 800 training images of the test MNIST, batch 16
+
+
+def train(log_dir: Path, *overrides: str, wait: bool = True, env: dict | None = None, **popen):
+    """``python train.py`` with the tests' helper callbacks importable; a finished process, or a
+    running one with ``wait=False``."""
+    env = {
+        **{k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "PL_GLOBAL_SEED")},
+        **(env or {}),
+    }
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
+    command = [sys.executable, "train.py", *overrides, f"paths.log_dir={log_dir}"]
+    if not wait:
+        return subprocess.Popen(command, cwd=ROOT, env=env, text=True, **popen)
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def runs(log_dir: Path) -> list[Path]:
+    return sorted((log_dir / "train" / "runs").iterdir())
+
+
+def weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    return torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
+
+
+@pytest.fixture(scope="module")
+def base(train_overrides: tuple[str, ...]) -> tuple[str, ...]:
+    return (*train_overrides, "data.batch_size=16", "threads=1", "trainer.max_epochs=3")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(base, tmp_path_factory) -> Path:
+    """The reference: 3 epochs without a stop; its run directory."""
+    log_dir = tmp_path_factory.mktemp("uninterrupted")
+    proc = train(log_dir, *base)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run,) = runs(log_dir)
+    return run
+
+
+# --- atomic checkpoints -----------------------------------------------------------------------
+
+
+class Unpicklable:
+    def __reduce__(self):
+        raise RuntimeError("fails half-way through the save")
+
+
+def test_failed_save_keeps_the_previous_file_whole(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoints" / "last.ckpt"
+    atomic_torch_save({"step": 1, "w": torch.ones(1000)}, path)
+    with pytest.raises(RuntimeError, match="half-way"):
+        atomic_torch_save({"w": torch.zeros(10_000_000), "bad": Unpicklable()}, path)
+    loaded = torch.load(path, weights_only=True)
+    assert loaded["step"] == 1 and torch.equal(loaded["w"], torch.ones(1000))
+    assert [p.name for p in path.parent.iterdir()] == ["last.ckpt"]  # no temporary left
+
+
+SAVER = """
+import sys, torch
+from trainkit.checkpoint_io import atomic_torch_save
+i = 0
+while True:
+    i += 1
+    atomic_torch_save({"i": i, "w": torch.full((25_000_000,), float(i))}, sys.argv[1])
+    print(i, flush=True)
+"""
+
+
+def test_sigkill_during_saves_never_leaves_a_truncated_checkpoint(tmp_path: Path) -> None:
+    path = tmp_path / "last.ckpt"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SAVER, str(path)], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline().strip() == "1"  # one whole save, then kill during the next
+    time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    loaded = torch.load(path, weights_only=True, mmap=True)
+    assert loaded["w"].shape == (25_000_000,) and loaded["w"][-1] == loaded["i"]
+
+
+# --- preemption: SIGTERM / SIGINT -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("sig", "code"), [("SIGTERM", 143), ("SIGINT", 130)])
+def test_signal_saves_exits_nonzero_and_resumes_exactly(
+    sig: str, code: int, base, uninterrupted: Path, tmp_path: Path
+) -> None:
+    stop_at = STEPS_PER_EPOCH + 20  # mid-epoch 1
+    hook = "+callbacks.signal_at"
+    proc = train(
+        tmp_path, *base, f"{hook}._target_=signal_at.SignalAt", f"{hook}.step={stop_at}",
+        f"{hook}.signal={sig}",
+    )  # fmt: skip
+    assert proc.returncode == code, proc.stderr[-3000:]
+    (stopped,) = runs(tmp_path)
+    saved = torch.load(stopped / "checkpoints" / "last.ckpt", weights_only=True)
+    assert saved["global_step"] == stop_at and saved["epoch"] == 1
+    assert f"{sig}: stopped at step {stop_at}" in proc.stderr + proc.stdout
+
+    if sig == "SIGINT":
+        return  # the resume is the same as after SIGTERM, below
+
+    before = (stopped / "checkpoints" / "last.ckpt").read_bytes()
+    proc = train(tmp_path, *base, f"hydra.run.dir={stopped}")  # into the stopped run's directory
+    assert proc.returncode != 0 and f"{stopped} already holds a run" in proc.stderr
+    assert (stopped / "checkpoints" / "last.ckpt").read_bytes() == before  # nothing overwritten
+
+    proc = train(tmp_path, *base, "ckpt_path=last")  # the same command as before, plus the resume
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = next(r for r in runs(tmp_path) if r != stopped)  # a new directory; the old one kept
+    assert (stopped / "checkpoints" / "last.ckpt").is_file()
+    assert f"Resuming from {stopped / 'checkpoints' / 'last.ckpt'}" in proc.stderr + proc.stdout
+    final = torch.load(resumed / "checkpoints" / "last.ckpt", weights_only=True)
+    assert final["global_step"] == 3 * STEPS_PER_EPOCH  # no step repeated or skipped
+    reference = weights(uninterrupted / "checkpoints" / "last.ckpt")
+    for name, tensor in final["state_dict"].items():
+        assert torch.equal(tensor, reference[name]), name  # the same samples, in the same order
+
+
+def test_ddp_sigterm_stops_every_rank_and_resumes_exactly(base, tmp_path: Path) -> None:
+    ddp = (*base, "strategy=ddp", "devices=2", "trainer.max_epochs=2")
+    reference_dir = tmp_path / "reference"
+    assert train(reference_dir, *ddp).returncode == 0
+    hook = "+callbacks.signal_at"
+    stop_at = STEPS_PER_EPOCH // 2 + 5  # 25 steps an epoch on 2 ranks: mid-epoch 1
+    proc = train(
+        tmp_path / "logs", *ddp, f"{hook}._target_=signal_at.SignalAt", f"{hook}.step={stop_at}"
+    )
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    proc = train(tmp_path / "logs", *ddp, "ckpt_path=last")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = runs(tmp_path / "logs")[-1]
+    (reference,) = runs(reference_dir)
+    final = weights(resumed / "checkpoints" / "last.ckpt")
+    expected = weights(reference / "checkpoints" / "last.ckpt")
+    assert all(torch.equal(final[k], expected[k]) for k in expected)
+
+
+SLURM_JOB = {
+    **{"SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "localhost"},
+    **{"SLURM_NTASKS": "1", "SLURM_NTASKS_PER_NODE": "1"},
+    **{"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"},
+}
+
+
+def test_slurm_requeue_signal_saves_requeues_and_the_next_start_resumes(
+    base, uninterrupted: Path, tmp_path: Path
+) -> None:
+    """SLURM, as far as one machine can play it: its environment, a real SIGUSR1 (the
+    ``--signal=USR1@120`` of launcher=slurm), a recording ``scontrol``, then SIGTERM as SLURM
+    sends before requeueing; the job's next start is the same command."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "scontrol.calls"
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    env = {**SLURM_JOB, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    usr1, term = "+callbacks.requeue_signal", "+callbacks.term_signal"
+    signals = (
+        *(f"{usr1}._target_=signal_at.SignalAt", f"{usr1}.step=70", f"{usr1}.signal=SIGUSR1"),
+        *(f"{term}._target_=signal_at.SignalAt", f"{term}.step=72"),
+    )
+    proc = train(tmp_path, *base, *signals, env=env)
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    assert calls.read_text().split() == ["requeue", "4242"]
+    hpc = tmp_path / "train" / "slurm_jobs" / "4242" / "hpc_ckpt_1.ckpt"
+    assert torch.load(hpc, weights_only=True)["global_step"] == 70
+
+    proc = train(tmp_path, *base, env=env)  # the requeued job: the same command
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert str(hpc) in proc.stderr + proc.stdout  # Lightning: "Restoring states from ..."
+    resumed = runs(tmp_path)[-1]
+    final = weights(resumed / "checkpoints" / "last.ckpt")
+    expected = weights(uninterrupted / "checkpoints" / "last.ckpt")
+    assert all(torch.equal(final[k], expected[k]) for k in expected)
+
+
+# --- a rank killed or stuck -------------------------------------------------------------------
+
+
+def rank_pids(run_dir: Path, timeout: float = 120) -> dict[int, int]:
+    """Each rank's pid, from the ProcessInfo lines of the run's logs."""
+    import json
+    import re
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        pids = {}
+        for log in run_dir.glob("*.log") if run_dir.exists() else []:
+            for m in re.finditer(r"process (\{.*\})", log.read_text()):
+                info = json.loads(m.group(1))
+                pids[info["rank"]] = info["pid"]
+        if len(pids) == 2:
+            return pids
+        time.sleep(0.5)
+    raise AssertionError(f"no process lines for 2 ranks in {run_dir}")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead: its parent has not reaped it yet
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("how", ["SIGKILL rank 1", "SIGSTOP rank 1"])
+def test_a_lost_rank_ends_the_others_within_a_minute(how: str, base, tmp_path: Path) -> None:
+    long = (*base, "strategy=ddp", "devices=2", "trainer.max_epochs=1000")
+    proc = train(
+        tmp_path, *long, "strategy.timeout.seconds=8", wait=False,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        run_dir = None
+        deadline = time.time() + 120
+        while run_dir is None and time.time() < deadline:
+            found = (
+                list((tmp_path / "train" / "runs").glob("*"))
+                if (tmp_path / "train").exists()
+                else []
+            )
+            run_dir = found[0] if found else None
+            time.sleep(0.2)
+        pids = rank_pids(run_dir)
+        time.sleep(2)  # both ranks training
+        victim = pids[int(how[-1])]
+        os.kill(victim, signal.SIGSTOP if "SIGSTOP" in how else signal.SIGKILL)
+        start = time.time()
+        survivors = [pid for pid in pids.values() if pid != victim]
+        while any(alive(p) for p in survivors) and time.time() - start < 60:
+            time.sleep(0.2)
+        assert not any(alive(p) for p in survivors), f"{how}: a rank still runs after 60 s"
+        if proc.pid != victim:
+            assert proc.wait(timeout=30) != 0  # the run fails, it does not look finished
+        deadline = time.time() + 30
+        while any(alive(p) for p in pids.values()) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not any(alive(p) for p in pids.values()), "an orphaned rank is left"
+    finally:
+        for pid in (proc.pid,):
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()
+
+
+# --- a non-finite loss ------------------------------------------------------------------------
+
+
+def test_non_finite_loss_stops_naming_the_step_and_keeps_the_good_checkpoint(
+    base, tmp_path: Path
+) -> None:
+    proc = train(
+        tmp_path, *base, "model.optimizer._target_=torch.optim.SGD", "model.optimizer.lr=1e30",
+        "trainer.log_every_n_steps=5",
+    )  # fmt: skip
+    assert proc.returncode != 0
+    out = proc.stderr + proc.stdout
+    assert "FloatingPointError: training loss is" in out and "at step" in out
+    assert "model.optimizer.lr" in out
+    (run,) = runs(tmp_path)
+    for ckpt in (run / "checkpoints").glob("*.ckpt"):
+        assert all(torch.isfinite(t).all() for t in weights(ckpt).values()), ckpt
+
+
+# --- bad input: refused before any process starts, nothing overwritten -----------------------
+
+
+def test_missing_data_is_reported_before_ddp_starts_its_processes(tmp_path: Path) -> None:
+    proc = train(
+        tmp_path, f"data.root={tmp_path / 'nothing'}", "data.download=false", "strategy=ddp",
+        "devices=2", "accelerator=cpu",
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "MNIST files not found" in proc.stderr
+    (run,) = runs(tmp_path)
+    assert not list(run.glob("*_ddp_process_*.log"))  # no other rank was started
+
+
+def test_the_same_command_twice_makes_two_directories(train_overrides, tmp_path: Path) -> None:
+    for _ in range(2):
+        proc = train(tmp_path, *train_overrides, "debug=fast_dev_run")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    first, second = runs(tmp_path)
+    assert first != second and (first / "config.yaml").is_file()
