@@ -14,11 +14,10 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from trainkit.bench.cells import DEFAULT_MATRIX, Cell, merge_rounds
 from trainkit.bench.report import add_scaling, markdown, ratios
 
-CELLS = (
+CELLS = (  # template ddp cells are train.py runs that test_strategies.py runs many of
     "mlp-plain-auto-1dev-32-true",
     "mlp-template-auto-1dev-32-true",
     "mlp-plain-ddp-2dev-32-true",
-    "mlp-template-ddp-2dev-32-true",
 )
 REPEATS = 2
 
@@ -59,9 +58,9 @@ def test_every_cell_measured(results: dict) -> None:
         assert c["threads"] == 1
         # the median step's rate is the same order as the epochs' (it drops only the stalls)
         assert 0.5 * c["min"] < c["step_samples_per_s"] < 2 * c["max"]
-    two = cells["mlp-template-ddp-2dev-32-true"]
+    two = cells["mlp-plain-ddp-2dev-32-true"]
     assert two["speedup_vs_1_device"] == pytest.approx(
-        two["median"] / cells["mlp-template-auto-1dev-32-true"]["median"]
+        two["median"] / cells["mlp-plain-auto-1dev-32-true"]["median"]
     )
     assert two["scaling_efficiency"] == pytest.approx(two["speedup_vs_1_device"] / 2)
 
@@ -91,8 +90,7 @@ def test_ratios_reported_with_goals(results: dict) -> None:
         cells["mlp-template-auto-1dev-32-true"] / cells["mlp-plain-auto-1dev-32-true"]
     )
     assert single["goal"] == 0.95 and single["met"] == (single["value"] >= 0.95)
-    assert "template ddp vs torch DDP, mlp" in by_name
-    assert not any("resnet50" in name for name in by_name)  # only ratios whose cells ran
+    assert list(by_name) == ["template vs plain loop, mlp"]  # only ratios whose cells ran
 
 
 def test_machine_described(results: dict) -> None:
