@@ -143,14 +143,19 @@ def free_port() -> int:
 # Files whose tests take minutes (real multi-process runs), started first: `make test` runs the
 # files on 2 xdist workers, and a long file picked up last would run alone at the end.
 LONGEST_FIRST = (
-    "test_reliability.py",
+    "test_sweeps.py",
     "test_readme_strategies.py",
+    "test_reliability.py",
     "test_readme.py",
     "test_pipeline_resnet.py",
-    "test_pipeline.py",
-    "test_sweeps.py",
     "test_strategies.py",
+    "test_pipeline.py",
+    "test_walkthroughs.py",
+    "test_train_resnet.py",
     "test_bench.py",
+    "test_train.py",
+    "test_dashboards.py",
+    "test_rename.py",
 )
 
 

@@ -14,6 +14,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from trainkit.bench.cells import DEFAULT_MATRIX, Cell, merge_rounds
 from trainkit.bench.report import add_scaling, markdown, ratios
 
+pytestmark = pytest.mark.slow  # long end-to-end runs: CI's `slow` job
+
 CELLS = (  # template ddp cells are train.py runs that test_strategies.py runs many of
     "mlp-plain-auto-1dev-32-true",
     "mlp-template-auto-1dev-32-true",

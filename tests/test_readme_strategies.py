@@ -9,6 +9,8 @@ import pytest
 from readme_blocks import bash_block_after, run_train_command
 from trainkit.data.synthetic import write_cifar10, write_mnist
 
+pytestmark = pytest.mark.slow  # long end-to-end runs: CI's `slow` job
+
 SECTIONS = (
     "### Strategies, devices and precision",
     "### Pipeline (model parallel)",

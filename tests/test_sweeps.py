@@ -19,6 +19,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.backend.event_processing.plugin_event_multiplexer import EventMultiplexer
 from tensorboard.plugins.hparams import plugin_data_pb2
 
+pytestmark = pytest.mark.slow  # long end-to-end runs: CI's `slow` job
+
 BATCH = (
     "data.batch_size=100"  # 800 training images: 8 full batches, so every strategy sees them all
 )
