@@ -1,6 +1,7 @@
 """The Hydra configs, composed in-process, and the objects ``trainkit.train.build`` makes."""
 
 import io
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -15,7 +16,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
-from trainkit.callbacks import RunConfig, StartupTime
+from trainkit.callbacks import ProfileSteps, RunConfig, StartupTime
 from trainkit.config import compose_config
 from trainkit.data import MNISTDataModule
 from trainkit.models import MLP
@@ -157,6 +158,20 @@ def check_limit_batches(cfg, dm, model, trainer, out):
     assert (trainer.limit_val_batches, trainer.limit_test_batches) == (2, 2)
 
 
+def check_overfit_batches(cfg, dm, model, trainer, out):
+    assert trainer.overfit_batches == 1
+    assert (trainer.limit_train_batches, trainer.limit_val_batches) == (1, 1)
+
+
+def check_detect_anomaly(cfg, dm, model, trainer, out):
+    assert trainer._detect_anomaly is True
+
+
+def check_profile(cfg, dm, model, trainer, out):
+    assert len(callbacks_of(trainer, ProfileSteps)) == 1
+    assert trainer.limit_train_batches == 10
+
+
 def check_experiment(cfg, dm, model, trainer, out):
     assert trainer.max_epochs == 10
     assert dm.batch_size == 256
@@ -174,6 +189,9 @@ def check_experiment(cfg, dm, model, trainer, out):
         ("callbacks=none", check_no_callbacks),
         ("debug=fast_dev_run", check_fast_dev_run),
         ("debug=limit_batches", check_limit_batches),
+        ("debug=overfit_batches", check_overfit_batches),
+        ("debug=detect_anomaly", check_detect_anomaly),
+        ("debug=profile", check_profile),
         ("experiment=mnist_mlp", check_experiment),
     ],
     ids=lambda v: v if isinstance(v, str) else "",
@@ -193,6 +211,48 @@ def test_command_line_overrides_win_over_the_experiment(built) -> None:
     _, dm, _, trainer = built("experiment=mnist_mlp", "trainer.max_epochs=3", "data.batch_size=64")
     assert trainer.max_epochs == 3
     assert dm.batch_size == 64
+
+
+def first_batch_per_epoch(dm: MNISTDataModule, trainer: L.Trainer) -> list[torch.Tensor]:
+    dm.trainer = trainer
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    batches = []
+    for epoch in range(2):
+        loader.sampler.set_epoch(epoch)
+        batches.append(next(iter(loader))[1])
+    return batches
+
+
+def test_overfit_batches_trains_on_the_same_batch_every_epoch(built) -> None:
+    """Lightning unshuffles only a DataLoader's own sampler: our loaders must do it themselves."""
+    *_, dm, _, trainer = built("debug=overfit_batches")
+    first, second = first_batch_per_epoch(dm, trainer)
+    assert torch.equal(first, second)
+
+    *_, dm, _, trainer = built()  # without it, every epoch is reshuffled
+    first, second = first_batch_per_epoch(dm, trainer)
+    assert not torch.equal(first, second)
+
+
+@pytest.mark.usefixtures("restore_seed_state")
+def test_overfit_batches_fits_its_batch(compose, output_dir: Path) -> None:
+    cfg = compose("debug=overfit_batches", "trainer.max_epochs=30", "logger=none")
+    run(cfg)
+    fit = json.loads((output_dir / "metrics.json").read_text())["fit"]
+    assert fit["train/acc"] == 1.0 and fit["train/loss"] < 0.05
+    last = torch.load(output_dir / "checkpoints" / "last.ckpt", weights_only=True)
+    assert last["global_step"] == 30  # one batch per epoch
+
+
+@pytest.mark.usefixtures("restore_seed_state")
+def test_detect_anomaly_names_the_operation_that_made_a_nan(compose) -> None:
+    cfg = compose(
+        "debug=detect_anomaly", "model.optimizer._target_=torch.optim.SGD",
+        "model.optimizer.lr=1e38", "logger=none",
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"Function '\w+Backward\d*' returned nan values"):
+        run(cfg)
 
 
 # --- top-level keys --------------------------------------------------------------------------

@@ -128,10 +128,15 @@ class ShardedDataModule(L.LightningDataModule):
         return seeded_split(n, val_count(self.val_size, n), self.split_seed)
 
     def shard(self, size: int, train: bool) -> ShardSampler:
-        """This rank's indices: shuffled equal shards to train, every sample once to evaluate."""
+        """This rank's indices: shuffled equal shards to train, every sample once to evaluate.
+
+        ``trainer.overfit_batches`` trains on the same batches every epoch, so nothing is shuffled;
+        Lightning would unshuffle only a DataLoader's own sampler, and silently not these shards.
+        """
         rank, world = shard_of(self.trainer)
+        shuffle = train and not (self.trainer and self.trainer.overfit_batches > 0)
         return ShardSampler(
-            size, shuffle=train, seed=self.seed, rank=rank, world_size=world, even=train
+            size, shuffle=shuffle, seed=self.seed, rank=rank, world_size=world, even=train
         )
 
     def loader_batch_size(self, train: bool) -> int:
