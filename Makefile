@@ -10,7 +10,7 @@ PORT   ?= 6006
 OUT    ?= docs/img
 
 .DEFAULT_GOAL := help
-.PHONY: help install train eval test lint format tensorboard screenshots bench clean
+.PHONY: help install train eval test lint format tensorboard screenshots bench rename clean
 
 help:  ## list the targets
 	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -33,9 +33,8 @@ eval: $(STAMP)  ## evaluate a checkpoint: make eval ARGS="ckpt_path=..."
 test: $(STAMP)  ## run the test suite
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-lint: $(STAMP)  ## ruff lint and format check
-	$(BIN)/ruff check .
-	$(BIN)/ruff format --check .
+lint: $(STAMP)  ## the pre-commit hooks on every file: ruff lint and format, whitespace, YAML, TOML
+	$(BIN)/pre-commit run --all-files --show-diff-on-failure
 
 format: $(STAMP)  ## ruff fix and format
 	$(BIN)/ruff check --fix .
@@ -49,6 +48,10 @@ screenshots: $(STAMP)  ## TensorBoard pages as PNGs (headless Chromium): make sc
 
 bench: $(STAMP)  ## strategy benchmark matrix (< 10 min on 2 cores): make bench [ARGS="--workloads mlp"]
 	$(BIN)/python -m trainkit.bench $(ARGS)
+
+rename:  ## rename the package, imports, configs and docs: make rename NAME=myproject
+	@test -n "$(NAME)" || { echo "make rename: give the new name, e.g. make rename NAME=myproject" >&2; exit 2; }
+	$(PYTHON) tools/rename.py $(NAME)
 
 clean:  ## remove the virtualenv, caches and logs
 	rm -rf $(VENV) .pytest_cache .ruff_cache src/*.egg-info logs outputs multirun

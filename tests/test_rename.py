@@ -1,0 +1,103 @@
+"""``make rename NAME=...`` in a copy of the project: refused names change nothing, and a renamed
+project has no trace of the old name and passes its own tests.
+
+The renamed copy runs a part of its suite here (every module imported, every config group
+composed, real train/eval runs); CI's ``rename`` job (.github/workflows/ci.yml) runs all of it.
+"""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import trainkit
+from project_copy import copy_project, run_in
+
+OLD = trainkit.__name__  # so that this file still holds after the project itself is renamed
+NEW = "renamed_project"
+
+# Fast files that import the modules, compose every config group and train in-process.
+RENAMED_SUITE = ("tests/test_config.py", "tests/test_models.py", "tests/test_bad_input.py")
+FAST = ("data.val_size=200", "trainer.max_epochs=1", "++trainer.limit_train_batches=2")
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    return copy_project(tmp_path / "project")
+
+
+def make_rename(project: Path, name: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["make", "--no-print-directory", "rename", f"NAME={name}", f"PYTHON={sys.executable}"],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def snapshot(project: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(project)): p.read_bytes() for p in project.rglob("*") if p.is_file()}
+
+
+def files_mentioning(project: Path, word: str) -> list[str]:
+    pattern = re.compile(word.encode(), re.IGNORECASE)
+    return sorted(
+        str(p.relative_to(project))
+        for p in project.rglob("*")
+        if word in str(p.relative_to(project)).lower()
+        or (p.is_file() and pattern.search(p.read_bytes()))
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("My-Project", "try NAME=my_project"),
+        ("3d_unet", "try NAME=d_unet"),
+        ("class", "is a Python keyword"),
+        ("torch", "already an importable module"),
+        ("json", "already an importable module"),
+        (OLD, "already called"),
+        ("", "give the new name"),
+    ],
+)
+def test_a_refused_name_changes_nothing(project: Path, name: str, message: str) -> None:
+    before = snapshot(project)
+    proc = make_rename(project, name)
+    assert proc.returncode != 0
+    assert message in proc.stderr
+    assert snapshot(project) == before
+
+
+def test_renamed_project_passes_its_tests(project: Path, mnist_root: Path, tmp_path: Path) -> None:
+    proc = make_rename(project, NEW)
+    assert proc.returncode == 0, proc.stderr
+    assert (project / "src" / NEW / "__init__.py").is_file()
+    assert not (project / "src" / OLD).exists()
+    assert files_mentioning(project, OLD) == []
+    assert f"{NEW.upper()}_DATA_DIR" in (project / "README.md").read_text()
+
+    # the copy's src/ is first on PYTHONPATH, and no file of it names the old package: whatever
+    # the tests import is the renamed one
+    run_in(project, "-m", "pytest", "-q", "-p", "no:cacheprovider", *RENAMED_SUITE, timeout=900)
+
+    # the entry points, end to end: train, then evaluate the checkpoint it wrote
+    logs = tmp_path / "logs"
+    run_in(project, "train.py", f"data.root={mnist_root}", *FAST, f"paths.log_dir={logs}")
+    (best,) = logs.glob("train/runs/*/checkpoints/best.ckpt")
+    assert f"{NEW}_config" in torch.load(best, weights_only=True)  # the checkpoint's config key
+    run_in(project, "eval.py", f"ckpt_path={best}", f"paths.log_dir={logs}")
+    assert list(logs.glob("eval/runs/*/metrics.json"))
+
+
+def test_rename_twice(project: Path) -> None:
+    """A fork renamed once can be renamed again: the old name is read from src/."""
+    assert make_rename(project, "first_name").returncode == 0
+    proc = make_rename(project, "second_name")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in (project / "src").iterdir()) == ["second_name"]
+    assert files_mentioning(project, "first_name") == []
