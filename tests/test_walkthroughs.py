@@ -1,0 +1,114 @@
+"""docs/add_a_*.md, followed as written in a copy of the project: their files added, their
+commands run (on the test data, for a few steps), and the result checked."""
+
+import re
+import shlex
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from project_copy import ROOT, copy_project, run_in
+
+FILE_BLOCK = re.compile(r"<!-- file: (\S+) -->\n```\w*\n(.*?)```", re.S)
+RUN_BLOCK = re.compile(r"<!-- run -->\n```bash\n(.*?)```", re.S)
+FAST = (
+    "data.val_size=200",
+    "trainer.max_epochs=1",
+    "++trainer.limit_train_batches=3",
+    "++trainer.limit_val_batches=1",
+    "++trainer.limit_test_batches=1",
+)
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return copy_project(tmp_path_factory.mktemp("walkthroughs") / "project")
+
+
+def add_files(project: Path, doc: str) -> list[str]:
+    """Write the walkthrough's files; each is new (adding a part edits nothing that exists)."""
+    text = (ROOT / "docs" / doc).read_text()
+    files = FILE_BLOCK.findall(text)
+    assert files, f"{doc} has no <!-- file: ... --> blocks"
+    for path, content in files:
+        assert not (project / path).exists(), f"{doc} would overwrite {path}"
+        (project / path).write_text(content)
+    return [path for path, _ in files]
+
+
+def commands(doc: str) -> list[list[str]]:
+    """The ``python train.py ...`` lines of the walkthrough's <!-- run --> block."""
+    block = RUN_BLOCK.search((ROOT / "docs" / doc).read_text()).group(1)
+    argvs = [shlex.split(line) for line in block.splitlines() if line.strip()]
+    assert all(argv[:2] == ["python", "train.py"] for argv in argvs), block
+    return argvs
+
+
+def train(project: Path, argv: list[str], data_root: Path, log_dir: Path) -> Path:
+    """Run one walkthrough command on ``data_root`` for a few steps; returns its run directory."""
+    before = set(log_dir.glob("train/runs/*"))
+    run_in(project, *argv[1:], f"data.root={data_root}", *FAST, f"paths.log_dir={log_dir}")
+    (run_dir,) = set(log_dir.glob("train/runs/*")) - before
+    assert (run_dir / "metrics.json").is_file()
+    return run_dir
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
+    return ckpt["state_dict"]
+
+
+def test_add_a_model(project: Path, mnist_root: Path, tmp_path: Path) -> None:
+    assert add_files(project, "add_a_model.md") == [
+        "src/trainkit/models/convnet.py",
+        "conf/model/convnet.yaml",
+    ]
+    plain, pipelined = commands("add_a_model.md")
+
+    run_dir = train(project, plain, mnist_root, tmp_path)
+    config = OmegaConf.load(run_dir / "config.yaml")
+    assert config.model.net._target_ == "trainkit.models.convnet.ConvNet"
+    assert weights(run_dir)["net.0.0.weight"].shape == (32, 1, 3, 3)  # a conv, 32 channels
+
+    run_dir = train(project, pipelined, mnist_root, tmp_path)
+    assert OmegaConf.load(run_dir / "config.yaml").strategy.stages == 2
+    assert weights(run_dir)["net.0.0.weight"].shape == (16, 1, 3, 3)  # model.net.width=16
+
+
+def test_add_a_datamodule(project: Path, mnist_root: Path, tmp_path: Path) -> None:
+    assert add_files(project, "add_a_datamodule.md") == [
+        "src/trainkit/data/fashion_mnist.py",
+        "conf/data/fashion_mnist.yaml",
+    ]
+    # Fashion-MNIST's files are in MNIST's idx format, under FashionMNIST/raw
+    root = tmp_path / "data"
+    shutil.copytree(mnist_root / "MNIST", root / "FashionMNIST")
+
+    for argv in commands("add_a_datamodule.md"):
+        run_dir = train(project, argv, root, tmp_path / "logs")
+        config = OmegaConf.load(run_dir / "config.yaml")
+        assert config.data._target_ == "trainkit.data.fashion_mnist.FashionMNISTDataModule"
+        assert config.model.num_classes == 10
+
+
+def test_add_a_strategy(project: Path, mnist_root: Path, tmp_path: Path) -> None:
+    assert add_files(project, "add_a_strategy.md") == [
+        "src/trainkit/strategies/ddp_fp16_grads.py",
+        "conf/strategy/ddp_fp16_grads.yaml",
+    ]
+    (argv,) = commands("add_a_strategy.md")
+    # SGD: its step is proportional to the gradient, so the rounding shows in the weights (Adam's
+    # first steps are nearly the gradient's sign, which float16 keeps)
+    sgd = ["model.optimizer._target_=torch.optim.SGD", "model.optimizer.lr=0.1"]
+    compressed = weights(train(project, [*argv, *sgd], mnist_root, tmp_path))
+    reference_argv = [a.replace("ddp_fp16_grads", "ddp") for a in argv]
+    reference = weights(train(project, [*reference_argv, *sgd], mnist_root, tmp_path))
+
+    # the same run but for the float16 rounding of the averaged gradients: the hook was used
+    assert compressed.keys() == reference.keys()
+    differences = [(compressed[k] - reference[k]).abs().max().item() for k in reference]
+    assert max(differences) > 0
+    assert max(differences) < 1e-3
