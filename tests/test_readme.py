@@ -60,3 +60,31 @@ def test_readme_eval_command(quickstart_run: Path, tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     (eval_dir,) = (tmp_path / "logs" / "eval" / "runs").iterdir()
     assert str(ckpt) in (eval_dir / "metrics.json").read_text()
+
+
+def table_rows(after: str) -> dict[str, str]:
+    """The first Markdown table after ``after``: first cell's first `name` -> the row."""
+    section = README[README.index(after) :]
+    rows = {}
+    for line in section.splitlines()[1:]:
+        if rows and not line.startswith("|"):
+            break
+        match = re.match(r"\| `([\w/]+)`", line)
+        if match:
+            rows[match.group(1)] = line
+    return rows
+
+
+def test_config_table_lists_every_group_and_option() -> None:
+    rows = table_rows("| group / key | options | default |")
+    for group in sorted(p for p in (ROOT / "conf").iterdir() if p.is_dir()):
+        assert group.name in rows, f"README's config table has no row for conf/{group.name}/"
+        cells = rows[group.name].split("|")
+        for option in sorted(group.glob("*.yaml")):
+            assert f"`{option.stem}`" in cells[2], f"conf/{group.name}/{option.name} not in README"
+
+
+def test_every_experiment_is_documented() -> None:
+    rows = table_rows("| experiment | model and data | what it sets |")
+    experiments = {p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml")}
+    assert set(rows) == experiments

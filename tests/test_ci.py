@@ -1,0 +1,80 @@
+"""The GitHub workflow and the pre-commit config name things that exist: make targets, pytest
+markers, hooks. GitHub cannot run here, so what can be checked offline is checked."""
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKFLOW = yaml.safe_load((ROOT / ".github" / "workflows" / "ci.yml").read_text())
+PRE_COMMIT = yaml.safe_load((ROOT / ".pre-commit-config.yaml").read_text())
+MAKE_TARGETS = set(re.findall(r"^([a-z]+):", (ROOT / "Makefile").read_text(), re.M))
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+MARKERS = {m.split(":")[0] for m in PYPROJECT["tool"]["pytest"]["ini_options"]["markers"]}
+
+
+def run_lines(job: str) -> list[list[str]]:
+    return [shlex.split(s["run"]) for s in WORKFLOW["jobs"][job]["steps"] if "run" in s]
+
+
+def marker_expression(argv: list[str]) -> str:
+    (pytest_args,) = [a.split("=", 1)[1] for a in argv if a.startswith("PYTEST_ARGS=")]
+    args = shlex.split(pytest_args)
+    return args[args.index("-m") + 1]
+
+
+def test_jobs() -> None:
+    jobs = WORKFLOW["jobs"]
+    assert set(jobs) == {"lint", "tests", "slow", "rename", "gpu"}
+    assert jobs["tests"]["strategy"]["matrix"]["python"] == ["3.10", "3.11", "3.12"]
+    assert all(j["runs-on"] == "ubuntu-latest" for n, j in jobs.items() if n != "gpu")
+    assert {"self-hosted", "gpu"} <= set(jobs["gpu"]["runs-on"])
+
+
+@pytest.mark.parametrize("job", ["lint", "tests", "slow", "rename", "gpu"])
+def test_each_job_runs_make_targets_that_exist(job: str) -> None:
+    lines = run_lines(job)
+    assert lines
+    for argv in lines:
+        assert argv[0] == "make", argv
+        assert argv[1] in MAKE_TARGETS, f"{job}: make {argv[1]} is not a Makefile target"
+
+
+def test_test_jobs_select_by_declared_markers() -> None:
+    expressions = {
+        job: marker_expression(argv)
+        for job in ("tests", "slow", "rename", "gpu")
+        for argv in run_lines(job)
+        if argv[1] == "test"
+    }
+    assert expressions == {
+        "tests": "not slow and not gpu",
+        "slow": "slow and not gpu",
+        "rename": "not gpu",
+        "gpu": "gpu",
+    }
+    for expression in expressions.values():
+        assert set(re.findall(r"\w+", expression)) - {"and", "or", "not"} <= MARKERS
+
+
+def test_the_rename_job_renames_before_testing() -> None:
+    assert [argv[1] for argv in run_lines("rename")] == ["rename", "test"]
+
+
+def test_pre_commit_hooks_exist_in_the_virtualenv_layout() -> None:
+    hooks = {h["id"]: h for repo in PRE_COMMIT["repos"] for h in repo["hooks"]}
+    assert {"ruff-check", "ruff-format", "trailing-whitespace", "end-of-file-fixer"} <= set(hooks)
+    assert {"check-yaml", "check-toml"} <= set(hooks)
+    for hook in hooks.values():
+        executable = shlex.split(hook["entry"])[0]
+        assert executable.startswith(".venv/bin/"), hook["id"]
+        # installed by `make install` (pyproject's dev extra), beside this interpreter
+        assert (ROOT / executable).exists() or not (ROOT / ".venv").exists(), executable
