@@ -20,7 +20,7 @@ OLD = trainkit.__name__  # so that this file still holds after the project itsel
 NEW = "renamed_project"
 
 # Fast files that import the modules, compose every config group and train in-process.
-RENAMED_SUITE = ("tests/test_config.py", "tests/test_models.py", "tests/test_bad_input.py")
+RENAMED_SUITE = ("tests/test_config.py", "tests/test_models.py", "tests/test_data.py")
 FAST = ("data.val_size=200", "trainer.max_epochs=1", "++trainer.limit_train_batches=2")
 
 
