@@ -25,11 +25,12 @@ def bash_block_after(heading: str) -> list[str]:
     return [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
 
 
-def run_train_command(command: str, data_root: Path, log_dir: Path) -> None:
-    """``python train.py ...`` as written, on ``data_root`` with a few steps appended."""
+def run_train_command(command: str, data_root: Path, log_dir: Path, *extra: str) -> None:
+    """``python train.py ...`` as written, on ``data_root`` with a few steps (and ``extra``)
+    appended."""
     argv = shlex.split(command)
     assert argv[:2] == ["python", "train.py"], command
-    argv = [sys.executable, *argv[1:], f"data.root={data_root}", *FAST]
+    argv = [sys.executable, *argv[1:], f"data.root={data_root}", *FAST, *extra]
     env = {**os.environ, "TRAINKIT_LOG_DIR": str(log_dir)}
     proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"`{command}` failed:\n{proc.stderr[-3000:]}"

@@ -43,16 +43,12 @@ def base(tmp_path_factory) -> tuple[str, ...]:
 @pytest.fixture(scope="module")
 def runs(run_script: Callable[..., Path], base: tuple[str, ...]) -> dict[str, Path]:
     f64 = (*base, "precision=64-true")
+    # plain model parallelism (one micro-batch) and 2 stages x 2 replicas are checked on the MLP
+    # (tests/test_pipeline.py); here the split of six very uneven blocks by FLOPs, in float64
     commands = {
-        # float32, one micro-batch: plain model parallelism, the same sums as one device
-        "single": (*base, "threads=1"),
-        "mb1": (*base, *PIPE, "strategy.microbatches=1"),
-        # float64, 4 micro-batches
         "single64": (*f64, "threads=1"),
         "gpipe64": (*f64, *PIPE, "strategy.schedule=gpipe"),
         "interleaved64": (*f64, *PIPE, "strategy.schedule=interleaved"),
-        # 2 stages x 2 replicas of 8 (the same global batch of 16), 2 micro-batches each
-        "replicas64": (*f64, *PIPE, "devices=4", "data.batch_size=8", "strategy.microbatches=2"),
     }
     return {name: run_script("train.py", *args) for name, args in commands.items()}
 
@@ -66,15 +62,7 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
-def test_resnet_model_parallel_is_exactly_single_device(runs: dict[str, Path]) -> None:
-    single, piped = last(runs["single"]), last(runs["mb1"])
-    assert single["global_step"] == piped["global_step"] == 3
-    for key, value in single["state_dict"].items():
-        assert torch.equal(value, piped["state_dict"][key]), key
-
-
-# 1F1B's order is checked on the MLP (tests/test_pipeline.py); here the block split by FLOPs
-@pytest.mark.parametrize("name", ["gpipe64", "interleaved64", "replicas64"])
+@pytest.mark.parametrize("name", ["gpipe64", "interleaved64"])
 def test_resnet_pipeline_weights_equal_single_device(runs: dict[str, Path], name: str) -> None:
     single, piped = last(runs["single64"]), last(runs[name])
     assert single["global_step"] == piped["global_step"] == 3
@@ -92,7 +80,7 @@ def test_resnet_training_moved_every_weight(
     L.seed_everything(cfg.seed, workers=True)
     _, model, _ = build(cfg)
     init = model.state_dict()
-    for name in ("gpipe64", "interleaved64", "replicas64"):
+    for name in ("gpipe64", "interleaved64"):
         trained = last(runs[name])["state_dict"]
         moved = {k: (trained[k].double() - init[k].double()).abs().max().item() for k in init}
         assert min(moved.values()) > 1e6 * FLOAT64_ATOL, (
