@@ -11,16 +11,10 @@ import torch
 from omegaconf import OmegaConf
 
 from project_copy import ROOT, copy_project, run_in
+from readme_blocks import FAST
 
 FILE_BLOCK = re.compile(r"<!-- file: (\S+) -->\n```\w*\n(.*?)```", re.S)
 RUN_BLOCK = re.compile(r"<!-- run -->\n```bash\n(.*?)```", re.S)
-FAST = (
-    "data.val_size=200",
-    "trainer.max_epochs=1",
-    "++trainer.limit_train_batches=3",
-    "++trainer.limit_val_batches=1",
-    "++trainer.limit_test_batches=1",
-)
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ before the first is written, so a file that cannot be read stops the rename with
 import argparse
 import importlib.util
 import keyword
+import os
 import re
 import shutil
 import subprocess
@@ -43,7 +44,7 @@ def current_package(root: Path) -> str:
     return packages[0]
 
 
-def check_name(name: str, old: str, root: Path) -> None:
+def check_name(name: str, old: str) -> None:
     """Refuse a name Python cannot import, or one that shadows a module the project needs."""
     suggestion = re.sub(r"[^a-z0-9_]", "_", name.lower()).lstrip("0123456789_")
     fix = f" (try NAME={suggestion})" if suggestion and suggestion != name else ""
@@ -64,23 +65,28 @@ def check_name(name: str, old: str, root: Path) -> None:
 
 
 def project_files(root: Path) -> list[Path]:
-    """The project's text files: what the rename rewrites."""
+    """The project's text files: what the rename rewrites. Skipped folders are not entered."""
     files = []
-    for path in sorted(root.rglob("*")):
-        parts = path.relative_to(root).parts
-        if parts[0] in SKIP_TOP_LEVEL or any(
-            p in SKIP_DIRS or p.endswith(SKIP_SUFFIXES) for p in parts[:-1]
-        ):
-            continue
-        if path.is_file() and (path.suffix in TEXT_SUFFIXES or path.name in TEXT_NAMES):
-            files.append(path)
+    for directory, dirs, names in os.walk(root):
+        top = Path(directory) == root
+        dirs[:] = sorted(
+            d
+            for d in dirs
+            if d not in SKIP_DIRS
+            and not d.endswith(SKIP_SUFFIXES)
+            and not (top and d in SKIP_TOP_LEVEL)
+        )
+        for n in sorted(names):
+            if Path(n).suffix in TEXT_SUFFIXES or n in TEXT_NAMES:
+                files.append(Path(directory) / n)
     return files
 
 
-def rename(root: Path, name: str) -> list[Path]:
-    """Replace the package name everywhere under ``root``; returns the files changed."""
+def rename(root: Path, name: str) -> tuple[str, list[Path]]:
+    """Replace the package name everywhere under ``root``; returns the old name and the files
+    changed."""
     old = current_package(root)
-    check_name(name, old, root)
+    check_name(name, old)
     target = root / "src" / name
     if target.exists():
         raise RenameError(f"{target} already exists; move it away first")
@@ -100,7 +106,7 @@ def rename(root: Path, name: str) -> list[Path]:
     (root / "src" / old).rename(target)
     for stale in (root / "src").glob(f"{old}.egg-info"):
         shutil.rmtree(stale)
-    return list(new_texts)
+    return old, list(new_texts)
 
 
 def forget_old_install(root: Path, old: str) -> None:
@@ -119,8 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", type=Path, default=ROOT, help="the project to rename")
     args = parser.parse_args(argv)
     try:
-        old = current_package(args.root)
-        changed = rename(args.root, args.name)
+        old, changed = rename(args.root, args.name)
     except RenameError as err:
         print(f"make rename: {err}", file=sys.stderr)
         return 2
