@@ -1,9 +1,6 @@
-"""Checkpoint files that are whole or absent, never truncated.
-
-Lightning 2.6.6 saves through an fsspec transaction whose temporary file is made by
-``tempfile.mkstemp()`` in the system temp directory; committing it is ``shutil.move``, which is a
-copy when that directory is on another filesystem than the checkpoints (local /tmp, shared run
-directories), and nothing is fsync'ed. A crash during that copy leaves a truncated ``last.ckpt``.
+"""Checkpoint files that are whole or absent, never truncated: written beside the target, fsync'ed
+and renamed over it (docs/design.md, "Atomic checkpoint writes" and "Lightning's checkpoint temp
+file in $TMPDIR").
 """
 
 import contextlib

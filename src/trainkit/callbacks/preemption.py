@@ -1,3 +1,6 @@
+"""SIGTERM and SIGINT stop training cleanly: last.ckpt saved, non-zero exit
+(docs/design.md, "SIGTERM and Lightning's stop path")."""
+
 import logging
 import signal
 import threading
@@ -19,16 +22,12 @@ class Preempted(Exception):
 
 
 class Preemption(L.Callback):
-    """SIGTERM (a scheduler's preemption) and SIGINT (Ctrl-C) stop training at the end of the
-    current step with ``<dirpath>/last.ckpt`` saved, mid-epoch included, on every rank together.
+    """SIGTERM (a scheduler's preemption) and SIGINT (Ctrl-C) stop training at the end of a step
+    with ``<dirpath>/last.ckpt`` saved, mid-epoch included, on every rank at the same step.
 
-    Lightning 2.6.6 stops on SIGTERM but saves nothing and exits 0, so a preempted job looked
-    finished; its stop path broadcasts from inside the signal handler and ends in a barrier whose
-    errors it ignores, which left ranks of a ddp run waiting on each other here. Ctrl-C raised
-    KeyboardInterrupt wherever it landed. Here a signal only sets a flag, read at the end of a step:
-    every step in one process; with several ranks every ``check_every`` steps, where one
-    all-reduce lets them agree and stop at the same step (a collective, and on a GPU a wait, that
-    is not worth paying every step when a scheduler gives tens of seconds' notice).
+    The signal handler only sets a flag. It is read every step in one process, and every
+    ``check_every`` steps with several ranks, where one all-reduce makes them agree: a scheduler
+    gives tens of seconds' notice, so a collective every step would not pay for itself.
     """
 
     def __init__(self, dirpath: str, check_every: int = 10) -> None:

@@ -15,9 +15,8 @@ class ProcessInfo(L.Callback):
     """Each rank logs who it is and what it runs, once its process group exists.
 
     One line per rank in its own log file; in a sweep, proof that every process of a job ran that
-    job's overrides (and a trial's parameters), in that job's directory. Ranks started with
-    torch.multiprocessing (ddp_spawn) never pass through Hydra's logging set-up: they get the
-    same files here (rank 0 ``<job>.log``, rank N ``<job>_ddp_process_<N>.log``).
+    job's overrides (and a trial's parameters), in that job's directory. Spawned ranks get the log
+    files Hydra would give them (docs/design.md, "Spawned ranks, loggers and log files").
     """
 
     def __init__(self, overrides: list[str], log_dir: str | None = None, job: str = "train"):

@@ -1,3 +1,6 @@
+"""``debug=profile``: a ``torch.profiler`` trace of a few training steps, started and stopped by
+us (docs/design.md, "PyTorchProfiler segfault at teardown")."""
+
 from pathlib import Path
 
 import lightning as L
@@ -7,10 +10,9 @@ from torch.profiler import ProfilerActivity, profile
 
 class ProfileSteps(L.Callback):
     """A ``torch.profiler`` trace of ``steps`` training steps after ``skip`` warm-up steps,
-    written as ``<dirpath>/train_steps.pt.trace.json`` (chrome://tracing, ui.perfetto.dev).
-
-    Our own start and stop rather than Lightning's PyTorchProfiler: with torch 2.14.1 that one
-    segfaulted at teardown in 3 to 4 runs of 10 here, with or without its module-name ranges."""
+    written by rank 0 as ``<dirpath>/train_steps.pt.trace.json`` (chrome://tracing,
+    ui.perfetto.dev). Used instead of Lightning's ``PyTorchProfiler``, which can crash at teardown.
+    """
 
     def __init__(self, dirpath: str, skip: int = 2, steps: int = 5) -> None:
         self.dirpath, self.skip, self.steps = Path(dirpath), skip, steps

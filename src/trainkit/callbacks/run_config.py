@@ -11,7 +11,8 @@ class RunConfig(L.Callback):
     TensorBoard's Text tab (``config``).
 
     ``eval.py ckpt_path=...`` rebuilds model and data from it with no other input, and
-    ``torch.load(weights_only=True)`` reads it.
+    ``torch.load(weights_only=True)`` reads it (docs/design.md, "Checkpoints carry their config and
+    load with weights_only=True").
     """
 
     def __init__(self, config: dict[str, Any]) -> None:

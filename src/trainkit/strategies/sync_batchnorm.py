@@ -1,10 +1,5 @@
-"""SyncBatchNorm that works on CPU / gloo, as a Lightning ``LayerSync`` plugin.
-
-``Trainer(sync_batchnorm=True)`` converts BatchNorm layers into ``torch.nn.SyncBatchNorm``, whose
-kernels are CUDA only: on CPU the first training forward fails with "SyncBatchNorm layers only
-work with GPU modules". ``GlooSyncBatchNorm`` converts them into ``_SyncBatchNorm`` instead, which
-computes the global batch statistics with ordinary tensor ops and one autograd-aware all-reduce of
-the per-channel (sum, sum of squares, count), so it runs with any backend on any device.
+"""Batch norm with all-rank statistics on any backend (gloo too), as a Lightning ``LayerSync``
+plugin: torch's SyncBatchNorm runs on CUDA only (docs/design.md, "SyncBatchNorm refuses CPU").
 
 Use: ``Trainer(strategy="ddp"/"ddp_spawn", sync_batchnorm=True, plugins=[GlooSyncBatchNorm()])``
 (``sync_batchnorm=True`` may also be left out: the plugin alone selects it). As with
@@ -21,12 +16,11 @@ from torch.nn.modules.lazy import LazyModuleMixin
 
 
 class _AllReduceSum(torch.autograd.Function):
-    """Autograd-aware SUM all-reduce.
+    """Autograd-aware SUM all-reduce: torch's ``torch.distributed.nn.functional.all_reduce``,
+    without its FutureWarning on every call (docs/design.md, "SyncBatchNorm refuses CPU").
 
     Rank r's addend enters every rank's result, so its gradient is the sum over ranks of the
-    incoming gradients: the backward is the same all-reduce. This is exactly
-    ``torch.distributed.nn.functional.all_reduce``, which torch 2.14 deprecates with a
-    FutureWarning on every call (its suggested replacement is a private module).
+    incoming gradients: the backward is the same all-reduce.
     """
 
     @staticmethod
@@ -168,10 +162,9 @@ def _move_state(src: _BatchNorm, dst: _BatchNorm) -> None:
 class GlooSyncBatchNorm(TorchSyncBatchNorm):
     """Lightning ``LayerSync`` plugin: converts every BatchNorm into ``_SyncBatchNorm``.
 
-    It subclasses ``TorchSyncBatchNorm`` only because Lightning's accelerator connector rejects
-    any other ``LayerSync`` plugin together with ``Trainer(sync_batchnorm=True)``; both methods
-    are replaced. Lightning's DDP/FSDP strategies call :meth:`apply` before fitting and
-    :meth:`revert` in teardown.
+    A ``TorchSyncBatchNorm`` only so that Lightning accepts it beside ``sync_batchnorm=True``;
+    both methods are replaced. Lightning's DDP/FSDP strategies call :meth:`apply` before fitting
+    and :meth:`revert` in teardown.
 
     Args:
         process_group: the group whose batches form the global batch; ``None`` for the world.

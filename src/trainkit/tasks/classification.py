@@ -12,7 +12,8 @@ SchedulerFactory = Callable[..., torch.optim.lr_scheduler.LRScheduler]
 
 def sample_mean(batch_mean: Tensor, n: int) -> Tensor:
     """A batch's mean loss as ``n`` equal values (a view): averaged by MeanMetric, batches count by
-    their sample counts, so uneven last batches and shards give the exact mean over samples."""
+    their sample counts, so uneven last batches and shards give the exact mean over samples
+    (docs/design.md, "MeanMetric ignores weights with nan_strategy disable")."""
     return batch_mean.detach().reshape(1).expand(n)
 
 
@@ -42,11 +43,8 @@ class ImageClassifier(L.LightningModule):
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
         self.loss_fn = nn.CrossEntropyLoss()
-        # validate_args=False: the checks scan every target each step, which a classifier's own
-        # labels never need
-        # nan_strategy="disable": the default ("warn") drops NaNs after an `.any()` that waits for
-        # the GPU every step; a non-finite loss stops the run (NonFiniteLossStop) instead. With
-        # "disable" MeanMetric ignores a weight argument: sample_mean() passes a value per sample
+        # validate_args=False: no per-step scan of the targets, which our own labels never need
+        # nan_strategy="disable": no per-step GPU wait; it drops weights, hence sample_mean()
         self.train_loss = MeanMetric(nan_strategy="disable")
         self.train_acc = MulticlassAccuracy(num_classes, average="micro", validate_args=False)
         self.val_acc = MulticlassAccuracy(num_classes, average="micro", validate_args=False)
