@@ -1,44 +1,26 @@
-"""Fixtures: a small learnable MNIST in the real IDX format, and real train.py/eval.py runs."""
+"""Fixtures shared by all the tests: a small learnable MNIST in the real IDX format, the overrides
+that point a run at it, and real train.py/eval.py runs. Helpers that are not fixtures are in
+helpers.py."""
 
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import DictConfig
 
+from helpers import INHERITED_ENV, ROOT, TRAINED_RUN, run_python
 from trainkit import runtime
+from trainkit.config import compose_config
 from trainkit.data.synthetic import write_mnist
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # 1000 training images (VAL_SIZE of them held out for validation) and 250 test images: big enough
 # to learn from in an epoch, small enough that a subprocess run is dominated by its imports.
 N_TRAIN, N_TEST, VAL_SIZE = 1000, 250, 200
 
-# Lightning's seed_everything exports these; an in-process test must not seed the subprocesses.
-_SEED_ENV = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")
-# An in-process run or Lightning may export a thread count: subprocesses choose their own.
-_INHERITED_ENV = (*_SEED_ENV, "OMP_NUM_THREADS")
-
 
 class ScriptError(AssertionError):
     """A train.py/eval.py subprocess failed; the message carries its output."""
-
-
-def _run_process(script: str, *overrides: str, log_dir: Path) -> subprocess.CompletedProcess:
-    """``python <script> <overrides> paths.log_dir=<log_dir>`` from the repository root."""
-    env = {k: v for k, v in os.environ.items() if k not in _INHERITED_ENV}
-    return subprocess.run(
-        [sys.executable, script, *overrides, f"paths.log_dir={log_dir}"],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
 
 
 def _run_dirs(log_dir: Path) -> set[Path]:
@@ -47,7 +29,7 @@ def _run_dirs(log_dir: Path) -> set[Path]:
 
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
-    return REPO_ROOT
+    return ROOT
 
 
 @pytest.fixture(scope="session")
@@ -62,21 +44,30 @@ def val_size() -> int:
 
 
 @pytest.fixture(scope="session")
-def data_overrides(mnist_root: Path) -> tuple[str, ...]:
-    """The local test data, and never a download."""
-    return (f"data.root={mnist_root}", f"data.val_size={VAL_SIZE}", "data.download=false")
+def overrides(mnist_root: Path) -> tuple[str, ...]:
+    """What every run and composed config here starts from: the local test data (never a
+    download), on the CPU. Tests append their own."""
+    return (
+        f"data.root={mnist_root}",
+        f"data.val_size={VAL_SIZE}",
+        "data.download=false",
+        "accelerator=cpu",
+    )
 
 
-@pytest.fixture(scope="session")
-def train_overrides(data_overrides: tuple[str, ...]) -> tuple[str, ...]:
-    """What every ``python train.py`` run here needs: the test data, on the CPU."""
-    return (*data_overrides, "accelerator=cpu")
+@pytest.fixture
+def output_dir(tmp_path: Path) -> Path:
+    return tmp_path / "run"
 
 
-@pytest.fixture(scope="session")
-def run_process() -> Callable[..., subprocess.CompletedProcess]:
-    """``run_process("eval.py", *overrides, log_dir=...)``: the finished process, any exit code."""
-    return _run_process
+@pytest.fixture
+def compose(overrides: tuple[str, ...], output_dir: Path) -> Callable[..., DictConfig]:
+    """``compose(*extra)``: the train config on the test data, writing into ``output_dir``."""
+
+    def compose(*extra: str) -> DictConfig:
+        return compose_config("train", output_dir, [*overrides, *extra])
+
+    return compose
 
 
 @pytest.fixture(scope="session")
@@ -90,7 +81,7 @@ def run_script(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     def run(script: str, *overrides: str, log_dir: Path | None = None) -> Path:
         log_dir = log_dir or tmp_path_factory.mktemp(Path(script).stem + "-logs")
         before = _run_dirs(log_dir)
-        proc = _run_process(script, *overrides, log_dir=log_dir)
+        proc = run_python(script, *overrides, log_dir=log_dir)
         if proc.returncode != 0:
             raise ScriptError(
                 f"{script} {' '.join(overrides)} exited with {proc.returncode}\n"
@@ -110,23 +101,20 @@ def train_log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def trained_run_overrides(train_overrides: tuple[str, ...]) -> tuple[str, ...]:
-    return (*train_overrides, "seed=0", "trainer.max_epochs=1")
-
-
-@pytest.fixture(scope="session")
 def trained_run(
-    run_script: Callable[..., Path], trained_run_overrides: tuple[str, ...], train_log_dir: Path
+    run_script: Callable[..., Path], overrides: tuple[str, ...], train_log_dir: Path
 ) -> Path:
-    """One epoch of ``python train.py ... seed=0``: the run directory, shared read-only by tests."""
-    return run_script("train.py", *trained_run_overrides, log_dir=train_log_dir)
+    """One epoch of ``python train.py ... seed=0``: the run directory, shared read-only by tests.
+
+    Tests that read it are marked ``helpers.shares_trained_run``: one xdist worker makes it."""
+    return run_script("train.py", *overrides, *TRAINED_RUN, log_dir=train_log_dir)
 
 
 @pytest.fixture
 def restore_seed_state(monkeypatch: pytest.MonkeyPatch):
     """In-process runs seed the global RNGs, export PL_GLOBAL_SEED and set the thread count (env
     and torch): undo all of it afterwards, so later subprocesses start clean."""
-    for name in (*_SEED_ENV, "OMP_NUM_THREADS"):
+    for name in INHERITED_ENV:
         monkeypatch.delenv(name, raising=False)
     state, threads = torch.get_rng_state(), torch.get_num_threads()
     yield
@@ -140,28 +128,18 @@ def free_port() -> int:
     return runtime.free_port()
 
 
-# Files whose tests take minutes (real multi-process runs), started first: `make test` runs the
-# files on 2 xdist workers, and a long file picked up last would run alone at the end.
-LONGEST_FIRST = (
-    "test_sweeps.py",
-    "test_readme_strategies.py",
-    "test_reliability.py",
-    "test_readme.py",
-    "test_pipeline_resnet.py",
-    "test_strategies.py",
-    "test_pipeline.py",
-    "test_walkthroughs.py",
-    "test_train_resnet.py",
-    "test_bench.py",
-    "test_train.py",
-    "test_dashboards.py",
-    "test_rename.py",
-)
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    def rank(item: pytest.Item) -> int:
-        name = item.path.name
-        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
-
-    items.sort(key=rank)  # stable: the order within a file is kept
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``--dist loadgroup`` (`make test`, CI) keeps the tests of one ``xdist_group`` on one worker:
+    its scheduler reads the group from a ``@<group>`` suffix that each worker adds to the node ids.
+    pytest 9.2 reads node ids from ``item._id``, where pytest-xdist 3.8 no longer writes the suffix
+    (pytest-dev/pytest-xdist#1386): without this, every group would be spread over the workers and
+    its shared runs made on each. Adds the suffix as xdist does; a no-op where xdist did."""
+    if not getattr(config.option, "loadgroup", False):  # set on xdist workers under loadgroup
+        return
+    for item in items:
+        marks = item.iter_markers("xdist_group")
+        names = {str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in marks}
+        suffix = "@" + "_".join(sorted(names))
+        if names and hasattr(item, "_id") and not item.nodeid.endswith(suffix):
+            item._id = type(item._id).parse(item.nodeid + suffix)

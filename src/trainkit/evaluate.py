@@ -1,4 +1,5 @@
-"""The evaluation recipe: rebuild model and data from a checkpoint's own config, then test."""
+"""The evaluation recipe: rebuild model and data from a checkpoint's own config, then validate,
+test and/or predict with a Trainer built as train.py builds it."""
 
 import logging
 from pathlib import Path
@@ -6,14 +7,20 @@ from pathlib import Path
 import lightning as L
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
+from trainkit.build import build_trainer, prepare_data_once
+from trainkit.callbacks import PredictionWriter
 from trainkit.callbacks.run_config import CONFIG_KEY
-from trainkit.preflight import device_count, resolve_accelerator, set_threads
-from trainkit.strategies.ddp import DDPStrategy, isolated_job
-from trainkit.train import as_floats, build_loggers, write_json
+from trainkit.errors import ConfigError
+from trainkit.launch import isolated_job
+from trainkit.preflight import preflight
+from trainkit.train import as_floats, write_json
 
 log = logging.getLogger(__name__)
+
+STAGES = ("validate", "test", "predict")
+PREDICTIONS_FILE = "predictions.pt"
 
 
 def read_checkpoint_config(ckpt_path: str | Path) -> DictConfig:
@@ -24,7 +31,7 @@ def read_checkpoint_config(ckpt_path: str | Path) -> DictConfig:
             f"ckpt_path={ckpt_path} does not exist. Pass a checkpoint written by train.py, e.g. "
             f"ckpt_path=logs/train/runs/<run>/checkpoints/best.ckpt"
         )
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     if CONFIG_KEY not in checkpoint:
         raise ValueError(
             f"{path} has no '{CONFIG_KEY}': it was not written by trainkit's train.py, so the "
@@ -33,37 +40,60 @@ def read_checkpoint_config(ckpt_path: str | Path) -> DictConfig:
     return OmegaConf.create(checkpoint[CONFIG_KEY])
 
 
-def run(cfg: DictConfig) -> dict[str, float]:
-    """Test a checkpoint on its own data and model config; ``cfg.data`` keys override the data's."""
-    with isolated_job():
-        return _test(cfg)
+def check_stages(stages: list[str]) -> None:
+    unknown = [s for s in stages if s not in STAGES]
+    if not stages or unknown:
+        raise ConfigError(
+            f"stages={list(stages)}: give one or more of {', '.join(STAGES)}, e.g. "
+            f"stages=[validate,test]"
+        )
 
 
-def _test(cfg: DictConfig) -> dict[str, float]:
-    train_cfg = read_checkpoint_config(cfg.ckpt_path)
+def with_checkpoint_config(cfg: DictConfig) -> DictConfig:
+    """The eval config completed by the checkpoint's: its model, its data (``cfg.data``'s non-null
+    keys override), and its precision unless ``precision`` is given."""
+    trained = read_checkpoint_config(cfg.ckpt_path)
+    data = trained.data
     for key, value in (cfg.get("data") or {}).items():
         if value is not None:
-            train_cfg.data[key] = value
+            data[key] = value
+    with open_dict(cfg):
+        cfg.model, cfg.data = trained.model, data
+        if cfg.precision is None:
+            cfg.precision = trained.precision
+    return cfg
 
-    datamodule: L.LightningDataModule = instantiate(train_cfg.data)
-    model: L.LightningModule = instantiate(train_cfg.model)
-    precision = cfg.precision if cfg.precision is not None else train_cfg.precision
-    per_node = device_count(cfg.devices, resolve_accelerator(cfg.accelerator))
-    processes = cfg.num_nodes * per_node
-    # the thread count train.py tested with (cores / processes): float sums in the same order
-    set_threads(cfg, per_node)
-    trainer = L.Trainer(
-        strategy=DDPStrategy() if processes > 1 else "auto",  # ranks that run this job only
-        accelerator=cfg.accelerator,
-        devices=cfg.devices,
-        num_nodes=cfg.num_nodes,
-        precision=precision,
-        logger=build_loggers(cfg.logger) or False,
-        default_root_dir=cfg.paths.output_dir,
-    )
-    metrics = as_floats(trainer.test(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)[0])
-    write_json(
-        Path(cfg.paths.output_dir) / "metrics.json",
-        {"test": metrics, "checkpoint": str(Path(cfg.ckpt_path).resolve())},
-    )
-    return metrics
+
+def run(cfg: DictConfig) -> dict[str, dict[str, float]]:
+    """Evaluate a checkpoint on its own data and model config; one entry per stage."""
+    with isolated_job():
+        return _evaluate(cfg)
+
+
+def _evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
+    check_stages(list(cfg.stages))
+    cfg = with_checkpoint_config(cfg)
+    dims = preflight(cfg)
+    datamodule: L.LightningDataModule = instantiate(cfg.data)
+    model: L.LightningModule = instantiate(cfg.model)
+    output_dir = Path(cfg.paths.output_dir)
+    writer = PredictionWriter(str(output_dir / PREDICTIONS_FILE))
+    callbacks = [writer] if "predict" in cfg.stages else []
+    trainer = build_trainer(cfg, dims, model, callbacks=callbacks)
+    prepare_data_once(datamodule, dims)
+
+    results: dict[str, dict[str, float]] = {}
+    for stage in cfg.stages:
+        run_stage = getattr(trainer, stage)
+        if stage == "predict":
+            run_stage(
+                model, datamodule=datamodule, ckpt_path=cfg.ckpt_path, return_predictions=False
+            )
+            log.info("predictions written to %s", writer.path)
+        else:
+            results[stage] = as_floats(
+                run_stage(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)[0]
+            )
+    checkpoint = str(Path(cfg.ckpt_path).resolve())
+    write_json(output_dir / "metrics.json", {**results, "checkpoint": checkpoint})
+    return results

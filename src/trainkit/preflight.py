@@ -6,79 +6,14 @@ import os
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from trainkit.errors import ConfigError
+from trainkit.parallel import ParallelDims, strategy_flag
 
 log = logging.getLogger(__name__)
 
 CPU_PRECISIONS = ("32-true", "32", "64-true", "64", "bf16-mixed", "bf16-true")
-
-
-class ConfigError(ValueError):
-    """A config value that cannot run; the message says which value and what to do instead."""
-
-
-def resolve_accelerator(name: str) -> str:
-    """'auto' as Lightning resolves it, reduced to cpu / gpu / mps / other."""
-    if name == "auto":
-        if torch.cuda.is_available():
-            return "gpu"
-        if torch.backends.mps.is_available():
-            return "mps"
-        return "cpu"
-    return "gpu" if name == "cuda" else name
-
-
-def device_count(devices, accelerator: str) -> int:
-    """How many devices (processes, for ddp) per node ``devices`` asks for."""
-    if isinstance(devices, str) and devices != "auto":
-        devices = [d for d in devices.split(",") if d.strip()] if "," in devices else int(devices)
-    if devices == "auto":
-        return torch.cuda.device_count() if accelerator == "gpu" else 1
-    if isinstance(devices, int):
-        if devices == -1:
-            return torch.cuda.device_count() if accelerator == "gpu" else (os.cpu_count() or 1)
-        if devices <= 0:
-            raise ConfigError(f"devices={devices}: give a positive count, a list of ids, or auto")
-        return devices
-    return len(devices)
-
-
-def check_devices(cfg: DictConfig, accelerator: str) -> int:
-    n = device_count(cfg.devices, accelerator)
-    if cfg.num_nodes < 1:
-        raise ConfigError(f"num_nodes={cfg.num_nodes}: must be 1 or more")
-    check_nodes(cfg.num_nodes, n)
-    if accelerator == "gpu":
-        have = torch.cuda.device_count()
-        if have == 0:
-            raise ConfigError(
-                f"accelerator={cfg.accelerator} but no CUDA GPU is visible: use accelerator=cpu "
-                f"(devices=N then runs N CPU processes) or check CUDA_VISIBLE_DEVICES"
-            )
-        if n > have:
-            raise ConfigError(
-                f"devices={cfg.devices} but this machine has {have} GPU(s): use devices<={have}, "
-                f"or accelerator=cpu to run {n} CPU processes"
-            )
-    return n
-
-
-def check_nodes(num_nodes: int, devices: int) -> None:
-    """Several nodes need a launcher that starts every node's processes (torchrun, SLURM); without
-    one the first node would wait for the others forever. Under torchrun the sizes must agree."""
-    world = os.environ.get("WORLD_SIZE")
-    under_slurm = "SLURM_NTASKS" in os.environ
-    if num_nodes > 1 and world is None and not under_slurm:
-        raise ConfigError(
-            f"num_nodes={num_nodes} but this process was not started on {num_nodes} nodes: launch "
-            f"with torchrun --nnodes={num_nodes} --nproc-per-node={devices} train.py ..., or "
-            f"-m launcher=slurm; on one machine use num_nodes=1"
-        )
-    if world is not None and int(world) != num_nodes * devices:
-        raise ConfigError(
-            f"torchrun started {world} processes but num_nodes={num_nodes} x devices={devices} is "
-            f"{num_nodes * devices}: pass num_nodes=<--nnodes> devices=<--nproc-per-node>"
-        )
 
 
 def check_precision(cfg: DictConfig, accelerator: str) -> None:
@@ -156,15 +91,31 @@ def check_positive(cfg: DictConfig) -> None:
             raise ConfigError(f"{key}={value}: must be 1 or more")
 
 
-def preflight(cfg: DictConfig) -> str:
-    """Validates the run's shape and applies process settings; returns the resolved accelerator."""
+def resolve_drop_last(cfg: DictConfig) -> None:
+    """``data.drop_last``: null becomes what the strategy requires (a pipeline fixes its shapes
+    at the first step, so it requires full batches); an explicit ``false`` there is refused."""
+    data = cfg.get("data")
+    if data is None or "drop_last" not in data:
+        return
+    required = strategy_flag(cfg.strategy, "requires_full_batches")
+    if data.drop_last is None:
+        with open_dict(cfg):
+            data.drop_last = required
+    elif required and not data.drop_last:
+        raise ConfigError(
+            "data.drop_last=false with a strategy that fixes its shapes after the first step "
+            "(strategy=pipeline): an incomplete last batch cannot run. Use data.drop_last=true "
+            "or null"
+        )
+
+
+def preflight(cfg: DictConfig) -> ParallelDims:
+    """Validates the run's shape and applies process settings; returns its parallel layout."""
     check_positive(cfg)
     if cfg.paths.get("output_dir"):
         check_new_output_dir(cfg.paths.output_dir)
-    accelerator = resolve_accelerator(cfg.accelerator)
-    devices = check_devices(cfg, accelerator)
-    check_precision(cfg, accelerator)
-    strategy = cfg.strategy.get("name") or cfg.strategy.get("_target_", "")
-    single_process = devices == 1 or "DataParallel" in strategy
-    set_threads(cfg, 1 if single_process else devices)
-    return accelerator
+    dims = ParallelDims.from_config(cfg)
+    check_precision(cfg, dims.accelerator)
+    resolve_drop_last(cfg)
+    set_threads(cfg, dims.processes_per_node)
+    return dims

@@ -1,8 +1,8 @@
 """``ckpt_path``: which checkpoint a run resumes from, checked before anything starts.
 
-``ckpt_path=last`` is the newest ``checkpoints/last.ckpt`` of an earlier run of the same task
-(every run writes a new directory, so Lightning's own ``"last"``, which looks in this run's
-directory, would find nothing).
+``ckpt_path=last`` is the newest ``checkpoints/last.ckpt`` of an earlier run of the same task:
+every run has a new directory, where Lightning's own ``"last"`` would find nothing
+(docs/design.md, "Every run a new directory").
 """
 
 from pathlib import Path
@@ -11,7 +11,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from trainkit.callbacks.run_config import CONFIG_KEY
-from trainkit.preflight import ConfigError
+from trainkit.errors import ConfigError
 
 
 def newest_last_checkpoint(runs_dir: Path, exclude: Path) -> Path | None:

@@ -22,7 +22,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from trainkit.strategies.ddp import ENTRY_POINT_ENV, in_multirun
+from trainkit.launch import ENTRY_POINT_ENV, in_multirun
 
 log = logging.getLogger(__name__)
 

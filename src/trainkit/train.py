@@ -2,53 +2,27 @@
 
 import json
 import logging
-import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 from hydra.utils import instantiate
 from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.plugins import TorchSyncBatchNorm
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
+from trainkit.build import build_trainer, prepare_data_once
 from trainkit.callbacks import NonFiniteLossStop, Preemption, ProcessInfo, RunConfig
 from trainkit.callbacks.preemption import Preempted
-from trainkit.checkpoint_io import AtomicCheckpointIO
+from trainkit.launch import isolated_job
 from trainkit.loggers import flat_hparams, log_final
-from trainkit.preflight import device_count, preflight, resolve_accelerator
+from trainkit.parallel import ParallelDims
+from trainkit.preflight import preflight
 from trainkit.resume import resolve_ckpt_path
 from trainkit.runtime import tune_malloc
-from trainkit.strategies.ddp import isolated_job
 
 log = logging.getLogger(__name__)
-
-
-def build_strategy(cfg: DictConfig) -> Any:
-    """A strategy option either names a Lightning strategy or gives a ``_target_`` to build."""
-    return instantiate(cfg) if "_target_" in cfg else cfg.name
-
-
-def build_loggers(cfg: DictConfig) -> list[L.pytorch.loggers.Logger]:
-    return [instantiate(c) for c in (cfg or {}).values() if c is not None]
-
-
-def build_callbacks(cfg: DictConfig) -> list[L.Callback]:
-    return [instantiate(c) for c in (cfg or {}).values() if c is not None]
-
-
-def build_plugins(cfg: DictConfig) -> list[Any]:
-    """Checkpoints written atomically; ``sync_batchnorm``: torch's SyncBatchNorm needs CUDA, so on
-    CPU (gloo) our own layer sync."""
-    plugins: list[Any] = [AtomicCheckpointIO()]
-    if not cfg.sync_batchnorm:
-        return plugins
-    if resolve_accelerator(cfg.accelerator) == "cpu":
-        from trainkit.strategies.sync_batchnorm import GlooSyncBatchNorm
-
-        return [*plugins, GlooSyncBatchNorm()]
-    return [*plugins, TorchSyncBatchNorm()]
 
 
 @rank_zero_only
@@ -75,34 +49,26 @@ def job_overrides() -> list[str]:
 
 
 def build(
-    cfg: DictConfig, extra_callbacks: list[L.Callback] = ()
+    cfg: DictConfig, dims: ParallelDims, extra_callbacks: Sequence[L.Callback] = ()
 ) -> tuple[L.LightningDataModule, L.LightningModule, L.Trainer]:
     """Every object of a run, from its config. Writes the resolved config into the run directory."""
     datamodule: L.LightningDataModule = instantiate(cfg.data)
     cfg.model.num_classes = datamodule.num_classes
     model: L.LightningModule = instantiate(cfg.model)
-
-    strategy = build_strategy(cfg.strategy)
-    if hasattr(strategy, "check_run"):  # shapes a strategy cannot run, before processes start
-        accelerator = resolve_accelerator(cfg.accelerator)
-        devices = device_count(cfg.devices, accelerator)
-        strategy.check_run(model, devices, cfg.data.batch_size, cfg.num_nodes)
-
-    resolved = OmegaConf.to_container(cfg, resolve=True)
-    write_config(Path(cfg.paths.output_dir) / "config.yaml", cfg)
-    trainer: L.Trainer = instantiate(
-        cfg.trainer,
-        strategy=strategy,
-        logger=build_loggers(cfg.logger) or False,
+    output_dir = Path(cfg.paths.output_dir)
+    write_config(output_dir / "config.yaml", cfg)
+    trainer = build_trainer(
+        cfg,
+        dims,
+        model,
         callbacks=[
-            *build_callbacks(cfg.callbacks),
-            RunConfig(resolved),
+            # built here, not in conf/callbacks: every run needs them, and they take run facts
+            RunConfig(OmegaConf.to_container(cfg, resolve=True)),  # the config in checkpoints
             ProcessInfo(job_overrides(), cfg.paths.output_dir, cfg.task_name),
-            Preemption(str(Path(cfg.paths.output_dir) / "checkpoints")),
+            Preemption(str(output_dir / "checkpoints")),  # SIGTERM/SIGINT: save, then exit
             NonFiniteLossStop(check_every=cfg.trainer.log_every_n_steps),
             *extra_callbacks,
         ],
-        plugins=build_plugins(cfg),
     )
     return datamodule, model, trainer
 
@@ -116,7 +82,7 @@ def run(cfg: DictConfig) -> float | None:
 
 
 def _train_and_test(cfg: DictConfig) -> float | None:
-    preflight(cfg)
+    dims = preflight(cfg)
     ckpt_path = resolve_ckpt_path(cfg)
     if ckpt_path:
         log.info("Resuming from %s", ckpt_path)
@@ -124,10 +90,8 @@ def _train_and_test(cfg: DictConfig) -> float | None:
         tune_malloc()
     if cfg.seed is not None:
         L.seed_everything(cfg.seed, workers=True)
-    datamodule, model, trainer = build(cfg)
-    if trainer.world_size > 1 and "LOCAL_RANK" not in os.environ:
-        # the launching process, before it starts the others: missing data fails here, once
-        datamodule.prepare_data()
+    datamodule, model, trainer = build(cfg, dims)
+    prepare_data_once(datamodule, dims)
 
     try:
         trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)

@@ -131,9 +131,9 @@ def template_command(cell: Cell, work: Workload, s: Settings, cell_dir: Path) ->
         f"data.batch_size={cell.per_process_batch(work.batch_size)}",
         *(f"threads={s.threads}", f"seed={s.seed}", f"tune_malloc={s.tune_malloc}"),
         f"trainer.max_epochs={work.repeats}",
-        f"++trainer.limit_train_batches={work.warmup + work.steps}",
-        *("++trainer.limit_val_batches=1", "++trainer.limit_test_batches=1"),
-        "++trainer.num_sanity_val_steps=0",
+        f"trainer.limit_train_batches={work.warmup + work.steps}",
+        *("trainer.limit_val_batches=1", "trainer.limit_test_batches=1"),
+        "trainer.num_sanity_val_steps=0",
         f"paths.log_dir='{cell_dir}'",
         *(
             f"{probe}._target_=trainkit.bench.probe.BenchProbe",

@@ -1,6 +1,7 @@
 import lightning as L
 
 from trainkit.bench.clock import StepClock, write_record
+from trainkit.parallel import data_shard
 
 
 class BenchProbe(L.Callback):
@@ -20,8 +21,6 @@ class BenchProbe(L.Callback):
         self.clock.epoch_end()
 
     def on_train_end(self, trainer, pl_module) -> None:
-        # data-parallel replicas each see their own samples; pipeline stages all see the same ones
-        kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
-        replicas = kwargs.get("num_replicas", 1)
+        _, replicas = data_shard(trainer.strategy)
         record = self.clock.record(replicas, pl_module.device)
         write_record(self.out, trainer.global_rank, record)

@@ -1,6 +1,7 @@
 """Lightning callbacks: what the run records beside the model's own metrics."""
 
 from trainkit.callbacks.non_finite_loss import NonFiniteLossStop
+from trainkit.callbacks.prediction_writer import PredictionWriter
 from trainkit.callbacks.preemption import Preemption
 from trainkit.callbacks.process_info import ProcessInfo
 from trainkit.callbacks.profile_steps import ProfileSteps
@@ -11,6 +12,7 @@ from trainkit.callbacks.validation_images import ValidationImages
 
 __all__ = [
     "NonFiniteLossStop",
+    "PredictionWriter",
     "Preemption",
     "ProcessInfo",
     "ProfileSteps",

@@ -67,5 +67,5 @@ class NonFiniteLossStop(L.Callback):
         raise FloatingPointError(
             f"training loss is {loss.item()} at step {step} (epoch {epoch}, batch "
             f"{batch_idx}): stopped before saving it; last good checkpoint: {kept}. Lower "
-            f"model.optimizer.lr, or clip gradients with +trainer.gradient_clip_val=1.0"
+            f"model.optimizer.lr, or clip gradients with trainer.gradient_clip_val=1.0"
         )

@@ -8,6 +8,8 @@ from typing import Any
 import lightning as L
 import torch
 
+from trainkit.parallel import data_shard
+
 log = logging.getLogger(__name__)
 
 
@@ -83,9 +85,7 @@ class TrainingMonitor(L.Callback):
             return
         if self._steps:
             seconds = now - self._window_start
-            # data-parallel replicas: ranks of one pipeline share their batch
-            sharding = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
-            replicas = sharding.get("num_replicas", 1)
+            _, replicas = data_shard(trainer.strategy)
             self._log(
                 trainer,
                 {

@@ -87,8 +87,11 @@ class CIFAR10DataModule(InMemoryDataModule):
         download: bool = True,
         crop_padding: int = 4,
         augment: bool = True,
+        drop_last: bool | None = False,
     ) -> None:
-        super().__init__(root, batch_size, eval_batch_size, val_size, split_seed, seed, download)
+        super().__init__(
+            root, batch_size, eval_batch_size, val_size, split_seed, seed, download, drop_last
+        )
         if crop_padding < 0:
             raise ValueError(f"data.crop_padding must be >= 0, got {crop_padding}")
         self.crop_padding, self.use_augment = crop_padding, augment

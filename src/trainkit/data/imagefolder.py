@@ -135,8 +135,9 @@ class ImageFolderDataModule(ShardedDataModule):
         seed: int | None = 0,
         mean: tuple[float, ...] = IMAGENET_MEAN,
         std: tuple[float, ...] = IMAGENET_STD,
+        drop_last: bool | None = False,
     ) -> None:
-        super().__init__(root, batch_size, eval_batch_size, val_size, split_seed, seed)
+        super().__init__(root, batch_size, eval_batch_size, val_size, split_seed, seed, drop_last)
         if bad_files not in BAD_FILES:
             raise ValueError(f"data.bad_files must be one of {BAD_FILES}, got {bad_files!r}")
         if image_size <= 0:

@@ -90,8 +90,9 @@ class InMemoryDataModule(ShardedDataModule):
         split_seed: int,
         seed: int | None,
         download: bool,
+        drop_last: bool | None = False,
     ) -> None:
-        super().__init__(root, batch_size, eval_batch_size, val_size, split_seed, seed)
+        super().__init__(root, batch_size, eval_batch_size, val_size, split_seed, seed, drop_last)
         self.download = download
         self.splits: dict[str, tuple[Tensor, Tensor]] = {}
 

@@ -12,6 +12,8 @@ import lightning as L
 import torch
 from torch import Tensor
 
+from trainkit.parallel import data_shard
+
 
 class ShardSampler:
     """One rank's indices of a dataset, reshuffled every epoch from ``(seed, epoch)``.
@@ -59,18 +61,6 @@ class ShardSampler:
         return len(range(self.rank, self.size, self.world_size))
 
 
-def shard_of(trainer) -> tuple[int, int]:
-    """(rank, replicas) of this process's data shard, as the strategy defines them: every rank
-    for ddp, one replica per pipeline, one for dp and a single device."""
-    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) if trainer else None
-    return (kwargs["rank"], kwargs["num_replicas"]) if kwargs else (0, 1)
-
-
-def full_batches_only(trainer) -> bool:
-    """Strategies with shapes fixed after the first step (pipeline) get no incomplete batch."""
-    return bool(trainer and getattr(trainer.strategy, "needs_full_batches", False))
-
-
 def seeded_split(n: int, n_val: int, seed: int) -> tuple[Tensor, Tensor]:
     """(train indices, val indices): a fixed random split of ``range(n)``."""
     if n_val <= 0:
@@ -108,6 +98,7 @@ class ShardedDataModule(L.LightningDataModule):
         val_size: int | float,
         split_seed: int,
         seed: int | None,
+        drop_last: bool | None = False,
     ) -> None:
         super().__init__()
         if batch_size <= 0 or (eval_batch_size is not None and eval_batch_size <= 0):
@@ -122,6 +113,8 @@ class ShardedDataModule(L.LightningDataModule):
         self.val_size, self.split_seed = val_size, split_seed
         # seed=null leaves the global RNGs unseeded; the shard order needs a seed all ranks share
         self.seed = 0 if seed is None else seed
+        # training drops an incomplete last batch; null in the config: what the strategy requires
+        self.train_drop_last = bool(drop_last)
 
     def split_train(self, n: int) -> tuple[Tensor, Tensor]:
         """(train indices, val indices) of a training set of ``n`` samples."""
@@ -133,7 +126,7 @@ class ShardedDataModule(L.LightningDataModule):
         ``trainer.overfit_batches`` trains on the same batches every epoch, so nothing is shuffled;
         Lightning would unshuffle only a DataLoader's own sampler, and silently not these shards.
         """
-        rank, world = shard_of(self.trainer)
+        rank, world = data_shard(self.trainer.strategy if self.trainer else None)
         shuffle = train and not (self.trainer and self.trainer.overfit_batches > 0)
         return ShardSampler(
             size, shuffle=shuffle, seed=self.seed, rank=rank, world_size=world, even=train
@@ -143,7 +136,7 @@ class ShardedDataModule(L.LightningDataModule):
         return self.batch_size if train else self.eval_batch_size
 
     def drop_last(self, train: bool) -> bool:
-        return train and full_batches_only(self.trainer)
+        return train and self.train_drop_last
 
     def _loader(self, split: str, train: bool):
         raise NotImplementedError

@@ -1,5 +1,6 @@
-"""Our Lightning strategies and plugins: what Lightning 2.6 lacks or gets wrong.
+"""Our Lightning strategies and plugins: ranks, launching, wrapping, backward and collectives,
+knowing nothing of the task (docs/design.md, "Layers").
 
-ddp.py (ddp that is right under Hydra multirun), dp.py (torch.nn.DataParallel), pipeline.py
-(pipelined model parallelism), sync_batchnorm.py (SyncBatchNorm on CPU/gloo).
+ddp.py (Lightning's DDP with ranks launched by trainkit.launch), dp.py (torch.nn.DataParallel),
+pipeline.py (pipelined model parallelism), sync_batchnorm.py (SyncBatchNorm on CPU/gloo).
 """

@@ -106,6 +106,7 @@ class DataParallelStrategy(ParallelStrategy):
     """
 
     strategy_name = "dp"
+    single_process = True  # read by trainkit.parallel: one process, whatever ``devices`` says
 
     # --- devices and ranks: one process -------------------------------------------------------
 

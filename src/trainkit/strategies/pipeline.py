@@ -11,7 +11,7 @@ schedule, which runs forward and backward inside the training step. ``schedule=i
 (Megatron's interleaved 1F1B) cuts the model into ``stages x virtual_stages`` chunks and gives
 each process every ``stages``-th chunk, which shortens the pipeline's fill and drain.
 
-Traps this handles (see DESIGN.md):
+Traps this handles (docs/design.md, "Pipeline gradients zeroed by zero_grad" and below):
 
 - Lightning's automatic optimisation runs training_step -> zero_grad -> backward. The schedule's
   gradients would be zeroed and the weights never change, silently. The step sets its gradients
@@ -41,6 +41,7 @@ from torch.distributed.pipelining import (
 )
 from torch.utils.flop_counter import FlopCounterMode
 
+from trainkit.errors import ConfigError
 from trainkit.strategies.ddp import DDPStrategy
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ MULTI_CHUNK = {"interleaved"}  # schedules that run several model chunks per pro
 BALANCE = ("flops", "params")
 
 
-class PipelineConfigError(ValueError):
+class PipelineConfigError(ConfigError):
     """A pipeline shape that cannot run; raised before any process starts."""
 
 
@@ -99,7 +100,7 @@ class PipelineStrategy(DDPStrategy):
     """GPipe / 1F1B pipeline over ``stages`` processes (one per device), through Lightning."""
 
     strategy_name = "pipeline"
-    needs_full_batches = True  # read by our datamodules: drop an incomplete last training batch
+    requires_full_batches = True  # shapes are fixed at the first step: data.drop_last=true
 
     def __init__(
         self,

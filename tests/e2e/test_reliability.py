@@ -1,36 +1,30 @@
 """Faults, resume and bad input, with real processes and real signals: nothing already written is
-lost, a failed run exits non-zero, and a resumed run ends where an uninterrupted one would."""
+lost, a failed run exits non-zero, and a resumed run ends where an uninterrupted one would. (A
+failed save in one process: unit/test_checkpoint_io.py.)"""
 
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from trainkit.checkpoint_io import atomic_torch_save
+from helpers import run_python, start_python
 
 pytestmark = pytest.mark.slow  # long end-to-end runs: CI's `slow` job
-TESTS = Path(__file__).resolve().parent
-ROOT = TESTS.parent
 STEPS_PER_EPOCH = 50  # 800 training images of the test MNIST, batch 16
+# The tests that compare with the module's uninterrupted run: one worker makes it.
+shares_uninterrupted = pytest.mark.xdist_group(name="reliability_uninterrupted")
 
 
 def train(log_dir: Path, *overrides: str, wait: bool = True, env: dict | None = None, **popen):
-    """``python train.py`` with the tests' helper callbacks importable; a finished process, or a
-    running one with ``wait=False``."""
-    env = {
-        **{k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "PL_GLOBAL_SEED")},
-        **(env or {}),
-    }
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
-    command = [sys.executable, "train.py", *overrides, f"paths.log_dir={log_dir}"]
+    """``python train.py`` (``helpers.SignalAt`` importable as a callback); a finished process, or
+    a running one with ``wait=False``."""
     if not wait:
-        return subprocess.Popen(command, cwd=ROOT, env=env, text=True, **popen)
-    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        return start_python("train.py", *overrides, log_dir=log_dir, env=env, **popen)
+    return run_python("train.py", *overrides, log_dir=log_dir, env=env)
 
 
 def runs(log_dir: Path) -> list[Path]:
@@ -42,8 +36,8 @@ def weights(ckpt: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def base(train_overrides: tuple[str, ...]) -> tuple[str, ...]:
-    return (*train_overrides, "data.batch_size=16", "threads=1", "trainer.max_epochs=3")
+def base(overrides: tuple[str, ...]) -> tuple[str, ...]:
+    return (*overrides, "data.batch_size=16", "threads=1", "trainer.max_epochs=3")
 
 
 @pytest.fixture(scope="module")
@@ -59,21 +53,6 @@ def uninterrupted(base, tmp_path_factory) -> Path:
 # --- atomic checkpoints -----------------------------------------------------------------------
 
 
-class Unpicklable:
-    def __reduce__(self):
-        raise RuntimeError("fails half-way through the save")
-
-
-def test_failed_save_keeps_the_previous_file_whole(tmp_path: Path) -> None:
-    path = tmp_path / "checkpoints" / "last.ckpt"
-    atomic_torch_save({"step": 1, "w": torch.ones(1000)}, path)
-    with pytest.raises(RuntimeError, match="half-way"):
-        atomic_torch_save({"w": torch.zeros(10_000_000), "bad": Unpicklable()}, path)
-    loaded = torch.load(path, weights_only=True)
-    assert loaded["step"] == 1 and torch.equal(loaded["w"], torch.ones(1000))
-    assert [p.name for p in path.parent.iterdir()] == ["last.ckpt"]  # no temporary left
-
-
 SAVER = """
 import sys, torch
 from trainkit.checkpoint_io import atomic_torch_save
@@ -87,9 +66,7 @@ while True:
 
 def test_sigkill_during_saves_never_leaves_a_truncated_checkpoint(tmp_path: Path) -> None:
     path = tmp_path / "last.ckpt"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", SAVER, str(path)], stdout=subprocess.PIPE, text=True
-    )
+    proc = start_python("-c", SAVER, str(path), stdout=subprocess.PIPE)
     assert proc.stdout.readline().strip() == "1"  # one whole save, then kill during the next
     time.sleep(0.05)
     proc.kill()
@@ -101,6 +78,7 @@ def test_sigkill_during_saves_never_leaves_a_truncated_checkpoint(tmp_path: Path
 # --- preemption: SIGTERM / SIGINT -------------------------------------------------------------
 
 
+@shares_uninterrupted
 @pytest.mark.parametrize(("sig", "code"), [("SIGTERM", 143), ("SIGINT", 130)])
 def test_signal_saves_exits_nonzero_and_resumes_exactly(
     sig: str, code: int, base, uninterrupted: Path, tmp_path: Path
@@ -108,7 +86,7 @@ def test_signal_saves_exits_nonzero_and_resumes_exactly(
     stop_at = STEPS_PER_EPOCH + 20  # mid-epoch 1
     hook = "+callbacks.signal_at"
     proc = train(
-        tmp_path, *base, f"{hook}._target_=signal_at.SignalAt", f"{hook}.step={stop_at}",
+        tmp_path, *base, f"{hook}._target_=helpers.SignalAt", f"{hook}.step={stop_at}",
         f"{hook}.signal={sig}",
     )  # fmt: skip
     assert proc.returncode == code, proc.stderr[-3000:]
@@ -144,7 +122,7 @@ def test_ddp_sigterm_stops_every_rank_and_resumes_exactly(base, tmp_path: Path) 
     hook = "+callbacks.signal_at"
     stop_at = STEPS_PER_EPOCH // 2 + 5  # 25 steps an epoch on 2 ranks: mid-epoch 1
     proc = train(
-        tmp_path / "logs", *ddp, f"{hook}._target_=signal_at.SignalAt", f"{hook}.step={stop_at}"
+        tmp_path / "logs", *ddp, f"{hook}._target_=helpers.SignalAt", f"{hook}.step={stop_at}"
     )
     assert proc.returncode == 143, proc.stderr[-3000:]
     proc = train(tmp_path / "logs", *ddp, "ckpt_path=last")
@@ -163,6 +141,7 @@ SLURM_JOB = {
 }
 
 
+@shares_uninterrupted
 def test_slurm_requeue_signal_saves_requeues_and_the_next_start_resumes(
     base, uninterrupted: Path, tmp_path: Path
 ) -> None:
@@ -177,8 +156,8 @@ def test_slurm_requeue_signal_saves_requeues_and_the_next_start_resumes(
     env = {**SLURM_JOB, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
     usr1, term = "+callbacks.requeue_signal", "+callbacks.term_signal"
     signals = (
-        *(f"{usr1}._target_=signal_at.SignalAt", f"{usr1}.step=70", f"{usr1}.signal=SIGUSR1"),
-        *(f"{term}._target_=signal_at.SignalAt", f"{term}.step=72"),
+        *(f"{usr1}._target_=helpers.SignalAt", f"{usr1}.step=70", f"{usr1}.signal=SIGUSR1"),
+        *(f"{term}._target_=helpers.SignalAt", f"{term}.step=72"),
     )
     proc = train(tmp_path, *base, *signals, env=env)
     assert proc.returncode == 143, proc.stderr[-3000:]
@@ -304,9 +283,9 @@ def test_missing_data_is_reported_before_ddp_starts_its_processes(tmp_path: Path
     assert not list(run.glob("*_ddp_process_*.log"))  # no other rank was started
 
 
-def test_the_same_command_twice_makes_two_directories(train_overrides, tmp_path: Path) -> None:
+def test_the_same_command_twice_makes_two_directories(overrides, tmp_path: Path) -> None:
     for _ in range(2):
-        proc = train(tmp_path, *train_overrides, "debug=fast_dev_run")
+        proc = train(tmp_path, *overrides, "debug=fast_dev_run")
         assert proc.returncode == 0, proc.stderr[-3000:]
     first, second = runs(tmp_path)
     assert first != second and (first / "config.yaml").is_file()

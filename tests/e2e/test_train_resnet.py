@@ -17,15 +17,18 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from image_tree import write_tree
+from helpers import run_python, write_tree
 from trainkit.data.synthetic import write_cifar10
+
+# Every test reads the module's ResNet-50 runs: one worker makes them.
+pytestmark = pytest.mark.xdist_group(name="train_resnet")
 
 SHORT_RUN = (
     "accelerator=cpu",
     "seed=0",
     "trainer.max_epochs=1",
-    "++trainer.limit_train_batches=2",
-    "++trainer.limit_val_batches=1",
+    "trainer.limit_train_batches=2",
+    "trainer.limit_val_batches=1",
     "model.optimizer.lr=0.001",
 )
 IMAGEFOLDER_CLASSES = ["apple", "banana", "cherry"]
@@ -159,14 +162,12 @@ def test_eval_reproduces_the_test_metrics(
     assert metrics["test"] == read_metrics(run_dir)["test"]  # exactly, not approximately
 
 
-def test_eval_on_other_class_folders_fails_clearly(
-    imagefolder_run: Path, tmp_path: Path, run_process
-) -> None:
+def test_eval_on_other_class_folders_fails_clearly(imagefolder_run: Path, tmp_path: Path) -> None:
     other = tmp_path / "other-images"
     write_tree(other, {"train": 1, "val": 1}, classes=("apple", "banana", "durian"))
     best = best_checkpoint(imagefolder_run)
 
-    proc = run_process(
+    proc = run_python(
         "eval.py",
         f"ckpt_path={best}",
         f"data.root={other}",

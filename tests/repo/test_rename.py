@@ -14,14 +14,18 @@ import pytest
 import torch
 
 import trainkit
-from project_copy import copy_project, run_in
+from helpers import copy_project, run_in
 
 OLD = trainkit.__name__  # so that this file still holds after the project itself is renamed
 NEW = "renamed_project"
 
 # Fast files that import the modules, compose every config group and train in-process.
-RENAMED_SUITE = ("tests/test_config.py", "tests/test_models.py", "tests/test_data.py")
-FAST = ("data.val_size=200", "trainer.max_epochs=1", "++trainer.limit_train_batches=2")
+RENAMED_SUITE = (
+    "tests/unit/test_config.py",
+    "tests/unit/test_models_mlp.py",
+    "tests/unit/test_data.py",
+)
+FAST = ("data.val_size=200", "trainer.max_epochs=1", "trainer.limit_train_batches=2")
 
 
 @pytest.fixture

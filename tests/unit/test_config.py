@@ -1,5 +1,6 @@
 """The Hydra configs, composed in-process, and the objects ``trainkit.train.build`` makes."""
 
+import inspect
 import io
 import json
 import os
@@ -20,6 +21,7 @@ from trainkit.callbacks import ProfileSteps, RunConfig, StartupTime
 from trainkit.config import compose_config
 from trainkit.data import MNISTDataModule
 from trainkit.models import MLP
+from trainkit.parallel import ParallelDims
 from trainkit.tasks import ImageClassifier
 from trainkit.train import build, run
 
@@ -27,25 +29,10 @@ Built = tuple[DictConfig, MNISTDataModule, ImageClassifier, L.Trainer]
 
 
 @pytest.fixture
-def output_dir(tmp_path: Path) -> Path:
-    return tmp_path / "run"
-
-
-@pytest.fixture
-def compose(data_overrides: tuple[str, ...], output_dir: Path) -> Callable[..., DictConfig]:
-    """``compose(*overrides)``: the train config on the test data, writing into ``output_dir``."""
-
-    def compose(*overrides: str) -> DictConfig:
-        return compose_config("train", output_dir, [*data_overrides, *overrides])
-
-    return compose
-
-
-@pytest.fixture
 def built(compose: Callable[..., DictConfig]) -> Callable[..., Built]:
     def built(*overrides: str) -> Built:
         cfg = compose(*overrides)
-        return (cfg, *build(cfg))
+        return (cfg, *build(cfg, ParallelDims.from_config(cfg)))
 
     return built
 
@@ -300,7 +287,7 @@ def test_seed_null_trains(compose, output_dir: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "overrides",
+    "extra",
     [
         (),
         ("experiment=mnist_mlp",),
@@ -311,8 +298,8 @@ def test_seed_null_trains(compose, output_dir: Path) -> None:
     ],
     ids=["default", "experiment", "scheduler"],
 )
-def test_model_hparams_are_plain_values(built, overrides: tuple[str, ...]) -> None:
-    _, _, model, _ = built(*overrides)
+def test_model_hparams_are_plain_values(built, extra: tuple[str, ...]) -> None:
+    _, _, model, _ = built(*extra)
     hparams = dict(model.hparams)
     assert hparams["num_classes"] == 10
     assert is_plain(hparams), hparams
@@ -357,3 +344,59 @@ def test_eval_config_requires_ckpt_path(tmp_path: Path) -> None:
     assert OmegaConf.is_missing(cfg, "ckpt_path")
     with pytest.raises(MissingMandatoryValue):
         _ = cfg.ckpt_path
+
+
+# Trainer arguments where conf/trainer/default.yaml differs from Lightning on purpose.
+OURS = {
+    "use_distributed_sampler": False,  # our datamodules shard themselves
+    "min_epochs": 1,
+    "max_epochs": 10,
+    "log_every_n_steps": 50,
+    "deterministic": False,
+}
+# the top-level keys, and the run directory (test_default_builds_data_model_and_trainer)
+SET_BY_THE_RUN = ("accelerator", "devices", "num_nodes", "precision", "default_root_dir")
+
+
+def test_trainer_config_holds_lightnings_defaults(compose) -> None:
+    """Every common Trainer argument is in the config at Lightning's default, or listed in OURS."""
+    defaults = {
+        name: p.default
+        for name, p in inspect.signature(L.Trainer.__init__).parameters.items()
+        if name != "self"
+    }
+    cfg = compose()
+    typed = {k: v for k, v in cfg.trainer.items() if k != "_target_" and k not in SET_BY_THE_RUN}
+    common = {
+        "max_steps", "min_steps", "max_time", "limit_train_batches", "limit_val_batches",
+        "limit_test_batches", "limit_predict_batches", "overfit_batches", "fast_dev_run",
+        "val_check_interval", "check_val_every_n_epoch", "num_sanity_val_steps",
+        "accumulate_grad_batches", "gradient_clip_val", "gradient_clip_algorithm",
+        "detect_anomaly", "benchmark", "inference_mode", "enable_checkpointing",
+        "enable_progress_bar", "enable_model_summary", "reload_dataloaders_every_n_epochs",
+    }  # fmt: skip
+    assert common <= set(typed)
+    for key, value in typed.items():
+        if key in OURS:
+            assert value == OURS[key], key
+        else:
+            assert value == defaults[key], key
+
+
+def test_trainer_arguments_work_as_typed(built) -> None:
+    """No `+`: the keys exist, and they reach the Trainer."""
+    _, _, _, trainer = built(
+        "trainer.limit_train_batches=2",
+        "trainer.limit_val_batches=1",
+        "trainer.max_steps=7",
+        "trainer.val_check_interval=0.5",
+        "trainer.accumulate_grad_batches=3",
+        "trainer.gradient_clip_val=0.5",
+        "trainer.gradient_clip_algorithm=value",
+        "trainer.num_sanity_val_steps=0",
+    )
+    assert (trainer.limit_train_batches, trainer.limit_val_batches) == (2, 1)
+    assert (trainer.max_steps, trainer.val_check_interval) == (7, 0.5)
+    assert trainer.accumulate_grad_batches == 3
+    assert (trainer.gradient_clip_val, trainer.gradient_clip_algorithm) == (0.5, "value")
+    assert trainer.num_sanity_val_steps == 0

@@ -1,4 +1,5 @@
-"""End to end: ``python train.py`` and ``python eval.py`` as real subprocesses on IDX files."""
+"""End to end: ``python train.py`` and ``python eval.py`` as real subprocesses on IDX files; and the
+checks on ``ckpt_path`` against a real run's checkpoints."""
 
 import json
 import math
@@ -10,6 +11,13 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from helpers import TRAINED_RUN, run_python, shares_trained_run
+from trainkit.errors import ConfigError
+from trainkit.resume import resolve_ckpt_path
+
+# Most tests read conftest's trained_run (and the repeat of its command below): one worker.
+pytestmark = shares_trained_run
 
 
 def read_metrics(run_dir: Path) -> dict:
@@ -106,19 +114,19 @@ def test_eval_reproduces_the_test_metrics(
     assert metrics["test"] == read_metrics(trained_run)["test"]  # exactly, not approximately
 
 
-def test_eval_missing_checkpoint_fails_clearly(tmp_path: Path, run_process) -> None:
+def test_eval_missing_checkpoint_fails_clearly(tmp_path: Path) -> None:
     missing = tmp_path / "no-such-run" / "best.ckpt"
-    proc = run_process("eval.py", f"ckpt_path={missing}", log_dir=tmp_path / "logs")
+    proc = run_python("eval.py", f"ckpt_path={missing}", log_dir=tmp_path / "logs")
 
     assert proc.returncode != 0
     assert f"ckpt_path={missing} does not exist" in output_of(proc)
     assert not list((tmp_path / "logs").rglob("metrics.json"))
 
 
-def test_eval_foreign_checkpoint_fails_clearly(tmp_path: Path, run_process) -> None:
+def test_eval_foreign_checkpoint_fails_clearly(tmp_path: Path) -> None:
     foreign = tmp_path / "foreign.ckpt"
     torch.save({"state_dict": {"weight": torch.zeros(3)}, "epoch": 4}, foreign)
-    proc = run_process("eval.py", f"ckpt_path={foreign}", log_dir=tmp_path / "logs")
+    proc = run_python("eval.py", f"ckpt_path={foreign}", log_dir=tmp_path / "logs")
 
     assert proc.returncode != 0
     out = output_of(proc)
@@ -131,9 +139,9 @@ def test_eval_foreign_checkpoint_fails_clearly(tmp_path: Path, run_process) -> N
 
 
 def test_learns_the_learnable_data(
-    run_script: Callable[..., Path], train_overrides: tuple[str, ...]
+    run_script: Callable[..., Path], overrides: tuple[str, ...]
 ) -> None:
-    run_dir = run_script("train.py", *train_overrides, "trainer.max_epochs=3")
+    run_dir = run_script("train.py", *overrides, "trainer.max_epochs=3")
 
     assert read_metrics(run_dir)["test"]["test/acc"] > 0.9  # chance is 0.1
     # last.ckpt is the last epoch even when the best (val/acc saturates here) is an earlier one
@@ -152,12 +160,12 @@ def test_learns_the_learnable_data(
 @pytest.fixture(scope="module")
 def repeat_run(
     run_script: Callable[..., Path],
-    trained_run_overrides: tuple[str, ...],
+    overrides: tuple[str, ...],
     train_log_dir: Path,
     trained_run: Path,
 ) -> Path:
     """The shared run's exact command again, into the same log directory."""
-    return run_script("train.py", *trained_run_overrides, log_dir=train_log_dir)
+    return run_script("train.py", *overrides, *TRAINED_RUN, log_dir=train_log_dir)
 
 
 def state_dict(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -183,10 +191,33 @@ def test_same_seed_gives_identical_weights(trained_run: Path, repeat_run: Path) 
 
 
 def test_other_seed_gives_other_weights(
-    run_script: Callable[..., Path], train_overrides: tuple[str, ...], trained_run: Path
+    run_script: Callable[..., Path], overrides: tuple[str, ...], trained_run: Path
 ) -> None:
-    other = run_script("train.py", *train_overrides, "seed=1", "trainer.max_epochs=1")
+    other = run_script("train.py", *overrides, "seed=1", "trainer.max_epochs=1")
     assert OmegaConf.load(other / "config.yaml").seed == 1
     seed0, seed1 = state_dict(trained_run), state_dict(other)
     assert seed0.keys() == seed1.keys()
     assert not all(torch.equal(seed0[key], seed1[key]) for key in seed0)
+
+
+# --- ckpt_path checked against the shared run (the bad-input catalogue: unit/test_preflight.py) ---
+
+
+def test_foreign_and_other_model_checkpoints(compose, trained_run: Path, tmp_path: Path) -> None:
+    foreign = tmp_path / "foreign.ckpt"
+    torch.save({"state_dict": {"w": torch.zeros(2)}}, foreign)
+    with pytest.raises(ConfigError, match=r"was not written by trainkit's train\.py"):
+        resolve_ckpt_path(compose(f"ckpt_path={foreign}"))
+    ours = trained_run / "checkpoints" / "last.ckpt"
+    assert resolve_ckpt_path(compose(f"ckpt_path={ours}")) == str(ours)
+    with pytest.raises(ConfigError, match=r"holds a different model: model\.net=.*hidden"):
+        resolve_ckpt_path(compose(f"ckpt_path={ours}", "model.net.hidden=[64]"))
+
+
+def test_last_picks_the_newest_earlier_run(compose, trained_run: Path) -> None:
+    log_dir = trained_run.parents[2]
+    cfg = compose("ckpt_path=last", f"paths.log_dir={log_dir}")
+    newest = max(
+        log_dir.glob("train/runs/*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime
+    )
+    assert resolve_ckpt_path(cfg) == str(newest)

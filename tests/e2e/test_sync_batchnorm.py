@@ -1,4 +1,5 @@
-"""GlooSyncBatchNorm: BatchNorm over the global batch on CPU/gloo, checked in real processes.
+"""GlooSyncBatchNorm: BatchNorm over the global batch on CPU/gloo, checked in real processes (what
+needs no process group is in unit/test_sync_batchnorm.py).
 
 The multi-process tests spawn ``world_size`` processes (gloo on 127.0.0.1). Every rank runs the
 same cases on its own slice of a global batch, with rank-dependent data and (in some cases)
@@ -12,8 +13,6 @@ reference gradient of ``sum((y * w))`` on its slice, and its DDP-averaged parame
 equal the reference ones divided by the world size.
 """
 
-import copy
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -22,22 +21,21 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from helpers import quiet_trainer
+from trainkit.runtime import free_port
 from trainkit.strategies.sync_batchnorm import GlooSyncBatchNorm, _SyncBatchNorm
+
+# The tests that read the spawned ranks' records (one multi-process run per world size): one worker.
+shares_spawned = pytest.mark.xdist_group(name="sync_batchnorm_spawned")
 
 
 def _assert_close(actual: Tensor, expected: Tensor) -> None:
     torch.testing.assert_close(actual, expected, atol=1e-6, rtol=1e-5)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
@@ -144,7 +142,7 @@ def spawned(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     # fork: the ranks inherit the imported modules instead of spending seconds importing them.
     mp.start_processes(
         _rank_main,
-        args=(world_size, _free_port(), out_dir),
+        args=(world_size, free_port(), out_dir),
         nprocs=world_size,
         join=True,
         start_method="fork",
@@ -171,6 +169,7 @@ def references() -> dict[int, dict[str, dict]]:
 CASES = list(_cases(2))
 
 
+@shares_spawned
 @pytest.mark.parametrize("case", CASES)
 def test_running_stats_equal_global_batchnorm_on_every_rank(spawned, references, case) -> None:
     world_size, ranks = spawned
@@ -181,6 +180,7 @@ def test_running_stats_equal_global_batchnorm_on_every_rank(spawned, references,
             _assert_close(record[case]["state"][key], value)
 
 
+@shares_spawned
 @pytest.mark.parametrize("case", CASES)
 def test_outputs_are_the_rank_slices_of_global_batchnorm(spawned, references, case) -> None:
     world_size, ranks = spawned
@@ -191,6 +191,7 @@ def test_outputs_are_the_rank_slices_of_global_batchnorm(spawned, references, ca
             _assert_close(record[case]["outputs"][step], expected[rows])
 
 
+@shares_spawned
 @pytest.mark.parametrize("case", CASES)
 def test_input_gradients_are_the_rank_slices_of_global_ones(spawned, references, case) -> None:
     world_size, ranks = spawned
@@ -201,6 +202,7 @@ def test_input_gradients_are_the_rank_slices_of_global_ones(spawned, references,
             _assert_close(record[case]["input_grads"][step], expected[rows])
 
 
+@shares_spawned
 @pytest.mark.parametrize("case", CASES)
 def test_ddp_averaged_parameter_gradients_match_global_ones(spawned, references, case) -> None:
     world_size, ranks = spawned
@@ -212,95 +214,11 @@ def test_ddp_averaged_parameter_gradients_match_global_ones(spawned, references,
                 _assert_close(grad, ref / world_size)
 
 
+@shares_spawned
 @pytest.mark.parametrize("case", CASES)
 def test_eval_uses_running_stats_without_communication(spawned, references, case) -> None:
     world_size, ranks = spawned
     _assert_close(ranks[0][case]["eval_output"], references[world_size][case]["eval_output"])
-
-
-def test_without_process_group_it_is_plain_batchnorm() -> None:
-    assert not dist.is_initialized()
-    gen = torch.Generator().manual_seed(0)
-    plain = nn.BatchNorm2d(3, momentum=None)
-    synced = GlooSyncBatchNorm().apply(copy.deepcopy(plain))
-    assert isinstance(synced, _SyncBatchNorm)
-    for _ in range(2):
-        x = 3 + 2 * torch.randn(5, 3, 4, 4, generator=gen)
-        w = torch.randn(5, 3, 4, 4, generator=gen)
-        outputs, grads = [], []
-        for bn in (plain, synced):
-            x_in = x.clone().requires_grad_()
-            y = bn(x_in)
-            (y * w).sum().backward()
-            outputs.append(y)
-            grads.append([x_in.grad, bn.weight.grad, bn.bias.grad])
-        torch.testing.assert_close(outputs[0], outputs[1], atol=0, rtol=0)
-        for a, b in zip(*grads, strict=True):
-            torch.testing.assert_close(a, b, atol=0, rtol=0)
-    torch.testing.assert_close(plain.state_dict(), synced.state_dict(), atol=0, rtol=0)
-    plain.eval()
-    synced.eval()
-    x = torch.randn(2, 3, 4, 4, generator=gen)
-    torch.testing.assert_close(plain(x), synced(x), atol=0, rtol=0)
-
-
-def test_apply_then_revert_keeps_classes_parameters_and_buffers() -> None:
-    model = nn.ModuleDict(
-        {
-            "a": nn.BatchNorm1d(4, momentum=None),
-            "b": nn.Sequential(nn.Conv2d(1, 4, 1), nn.BatchNorm2d(4, eps=1e-3, affine=False)),
-            "c": nn.BatchNorm3d(2, track_running_stats=False),
-            "d": nn.InstanceNorm1d(4),
-        }
-    )
-    with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            buffer.copy_(7 if name.endswith("num_batches_tracked") else torch.rand(buffer.shape))
-    model["b"].eval()
-    classes = {name: type(m) for name, m in model.named_modules()}
-    params = dict(model.named_parameters())
-    buffers = dict(model.named_buffers())
-    state = copy.deepcopy(model.state_dict())
-    plugin = GlooSyncBatchNorm()
-
-    assert plugin.apply(model) is model
-    plugin.apply(model)  # idempotent: nothing is wrapped twice
-    for name in ("a", "b.1", "c"):
-        assert type(model.get_submodule(name)) is _SyncBatchNorm
-    assert type(model["d"]) is nn.InstanceNorm1d
-    assert model["b"][1].eps == 1e-3 and not model["b"][1].affine and not model["b"][1].training
-    assert model["a"].momentum is None and not model["c"].track_running_stats
-    assert all(params[k] is v for k, v in model.named_parameters())
-    assert all(buffers[k] is v for k, v in model.named_buffers())
-    assert model.state_dict().keys() == state.keys()
-    with pytest.raises(ValueError, match="expected 2D or 3D input"):
-        model["a"](torch.randn(2, 4, 3, 3))
-
-    assert plugin.revert(model) is model
-    assert {name: type(m) for name, m in model.named_modules()} == classes
-    assert dict(model.named_parameters()).keys() == params.keys()
-    assert all(params[k] is v for k, v in model.named_parameters())
-    assert all(buffers[k] is v for k, v in model.named_buffers())
-    assert not model["b"][1].training and model["b"][1].eps == 1e-3
-    torch.testing.assert_close(model.state_dict(), state, atol=0, rtol=0)
-
-    root = plugin.apply(nn.BatchNorm1d(2))
-    assert type(root) is _SyncBatchNorm
-    assert type(plugin.revert(root)) is nn.BatchNorm1d
-
-
-def test_trainer_accepts_the_plugin_with_sync_batchnorm() -> None:
-    plugin = GlooSyncBatchNorm()
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp",
-        sync_batchnorm=True,
-        plugins=[plugin],
-        logger=False,
-        enable_checkpointing=False,
-    )
-    assert trainer.strategy._layer_sync is plugin
 
 
 # --- End to end through Lightning: Trainer(strategy="ddp_spawn", sync_batchnorm=True) ----------
@@ -357,10 +275,10 @@ def test_lightning_ddp_spawn_synchronises_running_stats(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     rows = _lightning_rows()
     model = _BatchNormRegressor()
-    trainer = Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=2,
         strategy="ddp_spawn",
@@ -368,10 +286,6 @@ def test_lightning_ddp_spawn_synchronises_running_stats(
         plugins=[GlooSyncBatchNorm()],
         max_epochs=1,
         callbacks=[_SaveBatchNorm(tmp_path)],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         default_root_dir=tmp_path,
     )
     trainer.fit(model)

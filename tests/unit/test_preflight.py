@@ -1,8 +1,8 @@
 """The bad-input catalogue: each mistake is refused by a one-line error that names the key and the
 fix, from the checks that run before data is read or a process starts (``preflight``,
-``resolve_ckpt_path``). The end-to-end refusals (before ddp starts, nothing overwritten) are in
-test_reliability.py; pipeline shapes in test_pipeline.py; ImageFolder trees in
-test_data_imagefolder.py."""
+``resolve_ckpt_path``). The same checks against a real run's checkpoints are in e2e/test_train.py;
+the end-to-end refusals (before ddp starts, nothing overwritten) in e2e/test_reliability.py;
+pipeline shapes in unit/test_pipeline.py; ImageFolder trees in unit/test_data_imagefolder.py."""
 
 from pathlib import Path
 
@@ -10,17 +10,10 @@ import pytest
 import torch
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
-from trainkit.config import compose_config
-from trainkit.preflight import ConfigError, preflight
+from trainkit.errors import ConfigError
+from trainkit.evaluate import check_stages
+from trainkit.preflight import preflight
 from trainkit.resume import resolve_ckpt_path
-
-
-@pytest.fixture
-def compose(tmp_path: Path, data_overrides: tuple[str, ...]):
-    def make(*overrides: str):
-        return compose_config("train", tmp_path / "run", [*data_overrides, *overrides])
-
-    return make
 
 
 @pytest.mark.parametrize(
@@ -71,21 +64,29 @@ def test_last_without_an_earlier_run(compose, tmp_path: Path) -> None:
         resolve_ckpt_path(cfg)
 
 
-def test_foreign_and_other_model_checkpoints(compose, trained_run: Path, tmp_path: Path) -> None:
-    foreign = tmp_path / "foreign.ckpt"
-    torch.save({"state_dict": {"w": torch.zeros(2)}}, foreign)
-    with pytest.raises(ConfigError, match=r"was not written by trainkit's train\.py"):
-        resolve_ckpt_path(compose(f"ckpt_path={foreign}"))
-    ours = trained_run / "checkpoints" / "last.ckpt"
-    assert resolve_ckpt_path(compose(f"ckpt_path={ours}")) == str(ours)
-    with pytest.raises(ConfigError, match=r"holds a different model: model\.net=.*hidden"):
-        resolve_ckpt_path(compose(f"ckpt_path={ours}", "model.net.hidden=[64]"))
+@pytest.mark.parametrize(
+    ("extra", "drop_last"),
+    [
+        ((), False),
+        (("strategy=ddp", "devices=2"), False),
+        (("strategy=pipeline", "devices=2"), True),  # shapes fixed at the first step
+        (("strategy=pipeline", "devices=2", "data.drop_last=true"), True),
+        (("data.drop_last=true",), True),
+    ],
+)
+def test_drop_last_null_is_what_the_strategy_requires(compose, extra, drop_last: bool) -> None:
+    cfg = compose(*extra)
+    preflight(cfg)
+    assert cfg.data.drop_last is drop_last
 
 
-def test_last_picks_the_newest_earlier_run(compose, trained_run: Path) -> None:
-    log_dir = trained_run.parents[2]
-    cfg = compose("ckpt_path=last", f"paths.log_dir={log_dir}")
-    newest = max(
-        log_dir.glob("train/runs/*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime
-    )
-    assert resolve_ckpt_path(cfg) == str(newest)
+def test_drop_last_false_under_the_pipeline_is_refused(compose) -> None:
+    cfg = compose("strategy=pipeline", "devices=2", "data.drop_last=false")
+    with pytest.raises(ConfigError, match=r"data\.drop_last=false .*pipeline.*drop_last=true"):
+        preflight(cfg)
+
+
+@pytest.mark.parametrize("stages", [[], ["tset"], ["validate", "fit"]])
+def test_eval_stages_are_checked(stages: list[str]) -> None:
+    with pytest.raises(ConfigError, match=r"stages=.*give one or more of validate, test, predict"):
+        check_stages(stages)

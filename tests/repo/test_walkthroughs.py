@@ -10,8 +10,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from project_copy import ROOT, copy_project, run_in
-from readme_blocks import FAST
+from helpers import FAST, ROOT, copy_project, run_in
 
 FILE_BLOCK = re.compile(r"<!-- file: (\S+) -->\n```\w*\n(.*?)```", re.S)
 RUN_BLOCK = re.compile(r"<!-- run -->\n```bash\n(.*?)```", re.S)

@@ -1,5 +1,5 @@
-"""strategy=dp: our DataParallelStrategy (torch.nn.DataParallel), on CPU and, where there are two
-GPUs, for real.
+"""strategy=dp: our DataParallelStrategy (torch.nn.DataParallel), in-process, on CPU and, where
+there are two GPUs, for real. ``python train.py strategy=dp`` runs are in e2e/test_dp.py.
 
 Without GPUs DataParallel splits nothing, so the CPU tests rebuild its per-step mechanics from the
 same pieces it uses: replicas made by ``_replicate_for_data_parallel`` (as
@@ -7,7 +7,6 @@ same pieces it uses: replicas made by ``_replicate_for_data_parallel`` (as
 outputs concatenated along dim 0 (what ``gather`` does).
 """
 
-import json
 import re
 import threading
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies.strategy import _ForwardRedirection
 from torch import Tensor, nn
 
+from helpers import quiet_trainer
 from trainkit.config import compose_config
 from trainkit.strategies.dp import DataParallelStrategy, _StepRouter, mean_loss
 from trainkit.tasks import ImageClassifier
@@ -238,9 +238,7 @@ def test_config_builds_the_strategy(tmp_path: Path) -> None:
     ],
 )
 def test_trainer_on_cpu_is_one_process_on_one_device(accelerator: str) -> None:
-    trainer = L.Trainer(
-        strategy=DataParallelStrategy(), accelerator=accelerator, devices=2, logger=False
-    )
+    trainer = quiet_trainer(strategy=DataParallelStrategy(), accelerator=accelerator, devices=2)
     strategy = trainer.strategy
     assert isinstance(strategy, DataParallelStrategy)
     assert strategy.parallel_devices == [torch.device("cpu")]
@@ -254,7 +252,7 @@ def test_trainer_on_cpu_is_one_process_on_one_device(accelerator: str) -> None:
 
 def test_more_than_one_node_is_refused() -> None:
     with pytest.raises(ValueError, match="num_nodes=2 needs strategy=ddp"):
-        L.Trainer(strategy=DataParallelStrategy(), accelerator="cpu", num_nodes=2, logger=False)
+        quiet_trainer(strategy=DataParallelStrategy(), accelerator="cpu", num_nodes=2)
 
 
 class CountingProbe(L.Callback):
@@ -280,26 +278,22 @@ class CountingProbe(L.Callback):
 
 def fit_in_process(
     tmp_path: Path,
-    data_overrides: tuple[str, ...],
+    overrides: tuple[str, ...],
     accelerator: str,
     devices: int,
     model_cls: type[ImageClassifier] = ImageClassifier,
 ):
     """One epoch of the config's MLP on the test MNIST, batches of 64, under strategy=dp."""
-    cfg = compose_config("train", tmp_path, [*data_overrides, "data.batch_size=64"])
+    cfg = compose_config("train", tmp_path, [*overrides, "data.batch_size=64"])
     datamodule = instantiate(cfg.data)
     net, optimizer = instantiate(cfg.model.net, num_classes=10), instantiate(cfg.model.optimizer)
     model = model_cls(net=net, optimizer=optimizer, num_classes=datamodule.num_classes)
     probe = CountingProbe()
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         strategy=DataParallelStrategy(),
         accelerator=accelerator,
         devices=devices,
         max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[probe],
         default_root_dir=tmp_path,
     )
@@ -308,11 +302,11 @@ def fit_in_process(
 
 
 def test_fit_on_cpu_warns_and_counts_every_sample(
-    tmp_path: Path, data_overrides: tuple[str, ...], val_size: int
+    tmp_path: Path, overrides: tuple[str, ...], val_size: int
 ) -> None:
     expected = re.escape(f"{CPU_WARNING}; devices=2 trains as one process on one device")
     with pytest.warns(UserWarning, match=expected):
-        trainer, model, probe, datamodule = fit_in_process(tmp_path, data_overrides, "cpu", 2)
+        trainer, model, probe, datamodule = fit_in_process(tmp_path, overrides, "cpu", 2)
 
     assert trainer.num_devices == 1
     assert probe.loss_shapes == {()}  # the reduced loss
@@ -323,62 +317,6 @@ def test_fit_on_cpu_warns_and_counts_every_sample(
 
     predictions = torch.cat(trainer.predict(model, datamodule=datamodule))
     assert predictions.ndim == 1 and len(predictions) == len(datamodule.splits["test"][1])
-
-
-# --- the real recipe: python train.py strategy=dp ------------------------------------------------
-
-
-def load_checkpoint(run_dir: Path) -> dict:
-    path = run_dir / "checkpoints" / "last.ckpt"
-    return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def read_metrics(run_dir: Path) -> dict:
-    return json.loads((run_dir / "metrics.json").read_text())
-
-
-@pytest.fixture(scope="module")
-def cpu_runs(run_process, train_overrides: tuple[str, ...], tmp_path_factory) -> dict:
-    """One epoch with strategy=dp devices=2 and one with the default single device, same seed."""
-    log_dir = tmp_path_factory.mktemp("dp-logs")
-    common = (*train_overrides, "seed=0", "trainer.max_epochs=1")
-    runs = {}
-    for name, extra in (("dp", ("strategy=dp", "devices=2")), ("single", ())):
-        before = set(log_dir.glob("train/runs/*"))
-        proc = run_process("train.py", *common, *extra, log_dir=log_dir)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        [run_dir] = set(log_dir.glob("train/runs/*")) - before
-        runs[name] = (run_dir, proc.stdout + proc.stderr)
-    return runs
-
-
-def test_dp_run_on_cpu_says_it_is_one_device(cpu_runs: dict) -> None:
-    dp_output, single_output = cpu_runs["dp"][1], cpu_runs["single"][1]
-    assert f"{CPU_WARNING}; devices=2 trains as one process on one device" in dp_output
-    assert CPU_WARNING not in single_output
-
-
-def test_dp_run_on_cpu_equals_the_single_device_run(cpu_runs: dict) -> None:
-    dp, single = load_checkpoint(cpu_runs["dp"][0]), load_checkpoint(cpu_runs["single"][0])
-    assert dp["state_dict"].keys() == single["state_dict"].keys()
-    assert not any(key.startswith("module.") for key in dp["state_dict"])
-    for key, value in single["state_dict"].items():
-        torch.testing.assert_close(dp["state_dict"][key], value, atol=1e-6, rtol=0, msg=key)
-    assert dp["global_step"] == single["global_step"] > 0
-
-
-def test_dp_checkpoint_evaluates_with_the_default_strategy(
-    cpu_runs: dict, run_script: Callable[..., Path], tmp_path: Path
-) -> None:
-    run_dir = cpu_runs["dp"][0]
-    model = instantiate(compose_config("train", tmp_path, ["model.num_classes=10"]).model)
-    model.load_state_dict(load_checkpoint(run_dir)["state_dict"], strict=True)
-
-    best = run_dir / "checkpoints" / "best.ckpt"
-    evaluated = read_metrics(run_script("eval.py", f"ckpt_path={best}", "accelerator=cpu"))["test"]
-    trained = read_metrics(run_dir)["test"]
-    assert evaluated["test/acc"] == trained["test/acc"]
-    assert evaluated["test/loss"] == pytest.approx(trained["test/loss"], rel=1e-6)
 
 
 # --- real DataParallel on two GPUs ---------------------------------------------------------------
@@ -401,10 +339,10 @@ class DeviceRecordingClassifier(ImageClassifier):
 @pytest.mark.gpu
 @two_gpus
 def test_two_gpus_split_the_batch_reduce_the_loss_and_count_every_sample(
-    tmp_path: Path, data_overrides: tuple[str, ...], val_size: int
+    tmp_path: Path, overrides: tuple[str, ...], val_size: int
 ) -> None:
     trainer, model, probe, datamodule = fit_in_process(
-        tmp_path, data_overrides, "gpu", 2, DeviceRecordingClassifier
+        tmp_path, overrides, "gpu", 2, DeviceRecordingClassifier
     )
     assert trainer.num_devices == 2
     assert isinstance(trainer.strategy.model, nn.DataParallel)
@@ -415,23 +353,3 @@ def test_two_gpus_split_the_batch_reduce_the_loss_and_count_every_sample(
     # every replica ran on its own GPU, with its own parameters, and knew it
     assert {d for d, _, _ in model.seen} == {torch.device("cuda", 0), torch.device("cuda", 1)}
     assert all(device == inputs == logits for device, inputs, logits in model.seen)
-
-
-@pytest.mark.gpu
-@two_gpus
-def test_two_gpus_train_the_weights_one_gpu_does(
-    run_script: Callable[..., Path], data_overrides: tuple[str, ...]
-) -> None:
-    """Equal halves of each batch (the batch sizes are even): the mean of the two replicas' mean
-    losses is the batch's mean loss, so the weights match up to float summation order."""
-    common = (*data_overrides, "accelerator=gpu", "seed=0", "trainer.max_epochs=1")
-    common += ("data.batch_size=64",)
-    dp = run_script("train.py", *common, "strategy=dp", "devices=2")
-    single = run_script("train.py", *common, "devices=1")
-    dp_weights, single_weights = (
-        load_checkpoint(dp)["state_dict"],
-        load_checkpoint(single)["state_dict"],
-    )
-    assert dp_weights.keys() == single_weights.keys()
-    for key, value in single_weights.items():
-        torch.testing.assert_close(dp_weights[key], value, atol=1e-4, rtol=1e-4, msg=key)

@@ -1,16 +1,14 @@
-"""strategy=pipeline on CPU: stage splitting, checks before any process starts, and real runs.
+"""strategy=pipeline on CPU, end to end: real runs, checks before any process starts, predict,
+and the training semantics single-device Lightning gives for free (clipping, accumulation).
 
 Pipeline runs are real ``python train.py strategy=pipeline`` processes (gloo), one per stage,
 compared with one device on the same seed and data: 768 training images are 12 full batches of
 64, so the pipeline (which drops an incomplete last batch) and one device take the same steps.
+Stage splitting and the shapes refused in-process are in unit/test_pipeline.py.
 """
 
-import itertools
 import json
 import math
-import random
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,13 +16,12 @@ import lightning as L
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from torch import nn
 
+from helpers import quiet_trainer, run_python
 from trainkit.config import compose_config
 from trainkit.data.synthetic import write_mnist
-from trainkit.models import MLP
+from trainkit.parallel import ParallelDims
 from trainkit.preflight import preflight
-from trainkit.strategies.pipeline import PipelineConfigError, PipelineStrategy, balanced_split
 from trainkit.train import build
 
 N_TRAIN_FILE, VAL, N_TEST = 1000, 232, 251  # 768 training images: 12 full batches of 64
@@ -33,200 +30,10 @@ N_TRAIN_FILE, VAL, N_TEST = 1000, 232, 251  # 768 training images: 12 full batch
 # gradient sums (measured <= 3e-6 after an epoch of Adam); 1e-5 leaves room for that, no more.
 WEIGHT_ATOL = 1e-5
 HIDDEN3 = "model.net.hidden=[64,48,32]"  # 4 blocks: 3 stages at split points 1 and 2
-
-
-# --- stage splitting, in-process --------------------------------------------------------------
-
-
-def max_group(sizes: list[int], starts: list[int]) -> int:
-    bounds = [*starts, len(sizes)]
-    return max(sum(sizes[a:b]) for a, b in itertools.pairwise(bounds))
-
-
-def brute_force_best(sizes: list[int], stages: int) -> int:
-    cuts = itertools.combinations(range(1, len(sizes)), stages - 1)
-    return min(max_group(sizes, [0, *c]) for c in cuts)
-
-
-@pytest.mark.parametrize(
-    ("sizes", "stages", "expected"),
-    [
-        ([10, 1, 1, 10], 2, [0, 2]),
-        ([5, 5, 5, 5], 2, [0, 2]),
-        ([1, 1, 1, 1, 1, 1], 3, [0, 2, 4]),
-        ([3, 1, 1, 1, 3], 3, [0, 1, 4]),
-        ([1, 2, 3], 3, [0, 1, 2]),  # as many stages as blocks: one block each
-        ([7], 1, [0]),
-    ],
-)
-def test_balanced_split(sizes: list[int], stages: int, expected: list[int]) -> None:
-    assert balanced_split(sizes, stages) == expected
-
-
-def test_balanced_split_minimises_the_largest_stage() -> None:
-    rng = random.Random(0)
-    for _ in range(200):
-        n = rng.randint(1, 8)
-        sizes = [rng.randint(1, 20) for _ in range(n)]
-        stages = rng.randint(1, n)
-        starts = balanced_split(sizes, stages)
-        assert len(starts) == stages and starts[0] == 0
-        assert starts == sorted(set(starts)) and starts[-1] < n  # no empty stage
-        assert max_group(sizes, starts) == brute_force_best(sizes, stages), (sizes, stages)
-
-
-class Classifier(nn.Module):
-    """What the strategy reads of a LightningModule: ``net`` (or another attribute)."""
-
-    def __init__(self, net: nn.Module) -> None:
-        super().__init__()
-        self.net = net
-
-
-def mlp(hidden: tuple[int, ...] = (512, 256)) -> Classifier:
-    return Classifier(MLP(784, hidden, 10))
-
-
-def test_stage_starts_balanced_by_parameter_count() -> None:
-    # blocks of 784*64+64, 64*48+48, 48*32+32, 32*10+10 parameters: the first block is a stage
-    assert PipelineStrategy(stages=2).stage_starts(mlp((64, 48, 32))) == [0, 1]
-    assert PipelineStrategy(stages=4).stage_starts(mlp((64, 48, 32))) == [0, 1, 2, 3]
-
-
-@pytest.mark.parametrize(("points", "starts"), [([1], [0, 1]), ([2], [0, 2])])
-def test_stage_starts_at_split_points(points: list[int], starts: list[int]) -> None:
-    assert PipelineStrategy(stages=2, split_points=points).stage_starts(mlp()) == starts
-
-
-def test_stage_starts_at_split_points_three_stages() -> None:
-    strategy = PipelineStrategy(stages=3, split_points=[1, 3])
-    assert strategy.stage_starts(mlp((64, 48, 32))) == [0, 1, 3]
-
-
-@pytest.mark.parametrize(
-    ("stages", "points"),
-    [
-        (2, [0]),  # stage 1 would be empty
-        (2, [3]),  # past the last block (3 blocks: 0, 1, 2)
-        (2, [-1]),
-        (2, [1, 2]),  # too many for 2 stages
-        (3, [1]),  # too few for 3 stages
-        (3, [2, 1]),  # not increasing
-        (3, [1, 1]),  # an empty stage
-    ],
-)
-def test_bad_split_points_are_refused(stages: int, points: list[int]) -> None:
-    strategy = PipelineStrategy(stages=stages, split_points=points)
-    with pytest.raises(PipelineConfigError, match=r"strategy\.split_points="):
-        strategy.stage_starts(mlp())
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"schedule": "foo"}, r"strategy\.schedule='foo': use one of gpipe, 1f1b, interleaved"),
-        ({"stages": 1}, r"strategy\.stages=1"),
-        ({"microbatches": 0}, r"strategy\.microbatches=0"),
-        ({"microbatch_size": 0}, r"strategy\.microbatch_size=0"),
-        ({"virtual_stages": 2}, r"virtual_stages=2 with strategy\.schedule=gpipe.*interleaved"),
-        ({"schedule": "interleaved", "virtual_stages": 0}, r"strategy\.virtual_stages=0"),
-    ],
-)
-def test_bad_options_are_refused_when_built(kwargs: dict, message: str) -> None:
-    with pytest.raises(PipelineConfigError, match=message):
-        PipelineStrategy(**kwargs)
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "model", "devices", "batch_size", "num_nodes", "message"),
-    [
-        ({}, mlp(), 2, 30, 1, r"data\.batch_size=30 .*strategy\.microbatches=4"),
-        ({"microbatches": 3}, mlp(), 2, 64, 1, r"data\.batch_size=64 .*strategy\.microbatches=3"),
-        ({"stages": 4}, mlp(), 4, 64, 1, r"strategy\.stages=4 but the model has 3 blocks"),
-        ({}, mlp(), 3, 64, 1, r"devices x num_nodes \(3 x 1\) must be a multiple of 2"),
-        ({}, mlp(), 1, 64, 1, r"devices x num_nodes \(1 x 1\) must be a multiple of 2"),
-        ({"stages": 3}, mlp((8, 8)), 2, 64, 2, r"\(2 x 2\) must be a multiple of 3"),
-        (
-            {"stages": 3, "schedule": "1f1b", "microbatches": 2},
-            mlp(),
-            3,
-            64,
-            1,
-            r"strategy\.schedule=1f1b needs microbatches >= stages \(3\), got 2",
-        ),
-        (
-            {"microbatch_size": 24},
-            mlp(),
-            2,
-            64,
-            1,
-            r"data\.batch_size=64 .*strategy\.microbatch_size=24",
-        ),
-        (
-            {"schedule": "interleaved"},
-            mlp(),
-            2,
-            64,
-            1,
-            r"stages x virtual_stages = 4 but the model has 3 blocks",
-        ),
-        (
-            {"schedule": "interleaved", "microbatches": 7},
-            mlp((8, 8, 8)),
-            2,
-            63,
-            1,
-            r"interleaved .*7 micro-batches is not a multiple of 3 rounds",
-        ),
-        ({}, Classifier(nn.Linear(784, 10)), 2, 64, 1, r"`net` .*nn\.Sequential.*got Linear"),
-        ({"module": "body"}, mlp(), 2, 64, 1, r"`body` .*nn\.Sequential.*got NoneType"),
-    ],
-)
-def test_check_run_refuses_what_cannot_run(
-    kwargs: dict, model: nn.Module, devices: int, batch_size: int, num_nodes: int, message: str
-) -> None:
-    with pytest.raises(PipelineConfigError, match=message):
-        PipelineStrategy(**kwargs).check_run(model, devices, batch_size, num_nodes)
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "devices"),
-    [
-        ({}, 2),
-        ({"schedule": "1f1b"}, 2),
-        ({"microbatches": 1}, 2),
-        ({"stages": 3, "split_points": [1, 2], "schedule": "1f1b", "microbatches": 4}, 3),
-        ({}, 4),  # 2 stages x 2 data-parallel replicas
-        ({"microbatch_size": 16}, 2),
-        ({"schedule": "interleaved", "microbatches": 8}, 2),
-        ({"schedule": "interleaved", "virtual_stages": 3, "microbatches": 2}, 2),
-    ],
-)
-def test_check_run_accepts_what_runs(kwargs: dict, devices: int) -> None:
-    PipelineStrategy(**kwargs).check_run(mlp((64, 48, 32, 16, 8)), devices, 64, 1)
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "batch_size", "expected"),
-    [
-        ({"microbatches": 4}, 64, 4),
-        ({"microbatch_size": 16}, 64, 4),
-        ({"microbatch_size": 8}, 64, 8),
-    ],
-)
-def test_microbatch_size_sets_the_number_of_microbatches(
-    kwargs: dict, batch_size: int, expected: int
-) -> None:
-    assert PipelineStrategy(**kwargs).microbatches_for(batch_size) == expected
-
-
-def test_interleaved_chunks_cover_the_model_in_order() -> None:
-    """stages x virtual_stages chunks; chunk c is trained by process c % stages."""
-    strategy = PipelineStrategy(stages=2, schedule="interleaved", split_points=[1, 2, 3])
-    model = mlp((64, 48, 32))
-    strategy._starts = strategy.stage_starts(model)
-    assert strategy._starts == [0, 1, 2, 3]
-    assert [strategy._owner(b) for b in range(4)] == [0, 1, 0, 1]
+# The tests that read the module's runs (nine train.py runs), and those that read the clipping
+# runs: each group on one worker, which makes its runs once.
+shares_runs = pytest.mark.xdist_group(name="pipeline_runs")
+shares_clip_runs = pytest.mark.xdist_group(name="pipeline_clip_runs")
 
 
 # --- real runs ---------------------------------------------------------------------------------
@@ -300,6 +107,7 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str
     return {k: (a[k].float() - b[k].float()).abs().max().item() for k in a}
 
 
+@shares_runs
 @pytest.mark.parametrize(
     ("name", "reference"),
     [("gpipe", "single"), ("pipe3", "single3"), ("interleaved", "single3")],
@@ -310,6 +118,7 @@ def test_pipeline_weights_equal_single_device(runs: dict, name: str, reference: 
     assert max(diffs.values()) < WEIGHT_ATOL, diffs
 
 
+@shares_runs
 def test_stages_times_replicas_equal_single_device(runs: dict) -> None:
     """Each stage's gradients averaged over 2 replicas: sums in another order than one device's
     mean over the global batch, amplified a little by Adam, hence the looser tolerance."""
@@ -321,6 +130,7 @@ def test_stages_times_replicas_equal_single_device(runs: dict) -> None:
     ]
 
 
+@shares_runs
 def test_one_microbatch_is_exactly_single_device(runs: dict) -> None:
     """One micro-batch is plain model parallelism: the same sums in the same order."""
     single, piped = weights(runs["single"]), weights(runs["mb1"])
@@ -329,6 +139,7 @@ def test_one_microbatch_is_exactly_single_device(runs: dict) -> None:
         assert torch.equal(single[key], piped[key]), key
 
 
+@shares_runs
 def test_three_stages_run_on_three_processes(runs: dict) -> None:
     run_dir = runs["pipe3"]
     logs = sorted(p.name for p in run_dir.glob("*.log"))
@@ -336,15 +147,16 @@ def test_three_stages_run_on_three_processes(runs: dict) -> None:
     assert "3 process(es) per node" in (run_dir / "train_ddp_process_2.log").read_text()
 
 
+@shares_runs
 @pytest.mark.usefixtures("restore_seed_state")
 def test_training_moved_the_weights(runs: dict, base: tuple[str, ...], tmp_path: Path) -> None:
     """The zero_grad trap: were the schedule's gradients zeroed, the weights would stay at init.
 
     The initial weights are rebuilt in-process as train.py builds them (seed, then build)."""
     cfg = compose_config("train", tmp_path, [*base, *PIPE2, "trainer.max_epochs=1"])
-    preflight(cfg)
+    dims = preflight(cfg)
     L.seed_everything(cfg.seed, workers=True)
-    _, model, _ = build(cfg)
+    _, model, _ = build(cfg, dims)
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
     for name in ("single", "gpipe", "mb1"):
         diffs = max_diff(init, weights(runs[name]))
@@ -354,6 +166,7 @@ def test_training_moved_the_weights(runs: dict, base: tuple[str, ...], tmp_path:
         assert metrics(runs[name])["fit"]["train/loss"] < 2.2  # below chance, ln 10 = 2.30
 
 
+@shares_runs
 def test_pipeline_logs_the_single_device_loss(runs: dict) -> None:
     """The loss and logits come from the last stage: broadcast, every rank logs the same."""
     single = metrics(runs["single"])["fit"]
@@ -365,6 +178,7 @@ def test_pipeline_logs_the_single_device_loss(runs: dict) -> None:
         assert fit["val/acc"] == pytest.approx(single["val/acc"], abs=1e-6)
 
 
+@shares_runs
 def test_every_rank_logs_and_rank_zero_writes_tensorboard(runs: dict) -> None:
     run_dir = runs["gpipe"]
     logs = sorted(p.name for p in run_dir.glob("*.log"))
@@ -378,6 +192,7 @@ def test_every_rank_logs_and_rank_zero_writes_tensorboard(runs: dict) -> None:
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["best.ckpt", "last.ckpt"]
 
 
+@shares_runs
 @pytest.mark.parametrize(("name", "reference"), [("gpipe", "single"), ("pipe3", "single3")])
 def test_checkpoint_holds_the_full_model(runs: dict, name: str, reference: str) -> None:
     single = checkpoint(runs[reference], "best")
@@ -392,6 +207,7 @@ def test_checkpoint_holds_the_full_model(runs: dict, name: str, reference: str) 
     assert all(s["exp_avg"].abs().sum() > 0 for s in state.values()), name
 
 
+@shares_runs
 def test_pipeline_test_metrics_equal_single_device_eval(
     runs: dict, run_script: Callable[..., Path]
 ) -> None:
@@ -406,6 +222,7 @@ def test_pipeline_test_metrics_equal_single_device_eval(
     assert piped["test/loss"] == pytest.approx(evaluated["test/loss"], rel=1e-6)
 
 
+@shares_runs
 def test_resume_is_exact(runs: dict) -> None:
     """One epoch, then resumed to two, ends where two straight epochs end: the optimizer state of
     both stages was in the checkpoint."""
@@ -422,7 +239,7 @@ def test_resume_is_exact(runs: dict) -> None:
 
 
 @pytest.mark.parametrize(
-    ("overrides", "message"),
+    ("extra", "message"),
     [
         (
             ("data.batch_size=30",),
@@ -436,15 +253,15 @@ def test_resume_is_exact(runs: dict) -> None:
     ],
 )
 def test_bad_pipeline_run_fails_before_any_process(
-    run_process, pipe_mnist: Path, tmp_path: Path, overrides: tuple[str, ...], message: str
+    pipe_mnist: Path, tmp_path: Path, extra: tuple[str, ...], message: str
 ) -> None:
-    proc = run_process(
+    proc = run_python(
         "train.py",
         f"data.root={pipe_mnist}",
         "data.download=false",
         "accelerator=cpu",
         *PIPE2,
-        *overrides,
+        *extra,
         log_dir=tmp_path,
     )
     assert proc.returncode != 0
@@ -464,14 +281,15 @@ import lightning as L
 import torch
 
 from trainkit.config import compose_config
+from trainkit.parallel import ParallelDims
 from trainkit.preflight import preflight
 from trainkit.train import build
 
 out = Path(sys.argv[1])
 cfg = compose_config("train", out, sys.argv[2:])
-preflight(cfg)
+dims = preflight(cfg)
 L.seed_everything(cfg.seed, workers=True)
-datamodule, model, trainer = build(cfg)
+datamodule, model, trainer = build(cfg, dims)
 trainer.fit(model, datamodule=datamodule)
 predictions = torch.cat(trainer.predict(model, datamodule=datamodule))
 if trainer.global_rank == 0:
@@ -480,7 +298,7 @@ if trainer.global_rank == 0:
 
 
 def test_predict_after_fit_uses_every_stage_trained_weights(
-    base: tuple[str, ...], tmp_path: Path, repo_root: Path
+    base: tuple[str, ...], tmp_path: Path
 ) -> None:
     """Lightning's ddp launcher re-runs the script for rank 1, so predict runs in real processes.
 
@@ -488,23 +306,61 @@ def test_predict_after_fit_uses_every_stage_trained_weights(
     (the weights it then holds equal last.ckpt) and predict what one device predicts with them."""
     script = tmp_path / "predict.py"
     script.write_text(PREDICT_SCRIPT)
-    overrides = (*base, *PIPE2, "trainer.max_epochs=1", "++trainer.limit_train_batches=4")
-    proc = subprocess.run(
-        [sys.executable, str(script), str(tmp_path), *overrides],
-        cwd=repo_root,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    overrides = (*base, *PIPE2, "trainer.max_epochs=1", "trainer.limit_train_batches=4")
+    proc = run_python(str(script), str(tmp_path), *overrides, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = torch.load(tmp_path / "predict.pt", weights_only=True)
     saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
     assert max(max_diff(saved, result["state_dict"]).values()) == 0
 
     cfg = compose_config("train", tmp_path / "single", [*base, "accelerator=cpu"])
-    datamodule, model, _ = build(cfg)
+    datamodule, model, _ = build(cfg, ParallelDims.from_config(cfg))
     model.load_state_dict(result["state_dict"])
-    one_device = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    one_device = quiet_trainer(accelerator="cpu", devices=1)
     expected = torch.cat(one_device.predict(model, datamodule=datamodule))
     assert len(expected) == N_TEST
     assert torch.equal(result["predictions"], expected)
+
+
+# --- clipping and accumulation ------------------------------------------------------------------
+# Training semantics that single-device Lightning gives for free: gradient clipping by the global
+# norm over all stages, and gradient accumulation. 768 training images = 12 full batches of 64; the
+# single-device reference runs 1 thread, as each pipeline rank does, so float sums happen in the
+# same order.
+
+CLIP_AND_ACCUMULATE = ("trainer.gradient_clip_val=0.05", "trainer.accumulate_grad_batches=3")
+
+
+@pytest.fixture(scope="module")
+def clip_runs(run_script: Callable[..., Path], tmp_path_factory) -> dict[str, Path]:
+    root = write_mnist(tmp_path_factory.mktemp("clip-mnist"), 1000, 100, seed=5)
+    common = (
+        f"data.root={root}",
+        "data.val_size=232",
+        "data.download=false",
+        "data.batch_size=64",
+        "accelerator=cpu",
+        "trainer.max_epochs=1",
+    )
+    commands = {
+        "single": ("threads=1", *CLIP_AND_ACCUMULATE),
+        "pipeline": ("strategy=pipeline", "devices=2", *CLIP_AND_ACCUMULATE),
+        "single_unclipped": ("threads=1", "trainer.accumulate_grad_batches=3"),
+    }
+    return {name: run_script("train.py", *common, *extra) for name, extra in commands.items()}
+
+
+@shares_clip_runs
+def test_clipped_accumulated_pipeline_equals_single_device(clip_runs: dict[str, Path]) -> None:
+    single, pipeline = checkpoint(clip_runs["single"]), checkpoint(clip_runs["pipeline"])
+    assert single["global_step"] == pipeline["global_step"] == 4  # 12 batches / 3 accumulated
+    diffs = max_diff(single["state_dict"], pipeline["state_dict"])
+    assert max(diffs.values()) < WEIGHT_ATOL
+
+
+@shares_clip_runs
+def test_clipping_was_active(clip_runs: dict[str, Path]) -> None:
+    """Otherwise the test above could not tell a global norm from a per-stage one."""
+    clipped, unclipped = checkpoint(clip_runs["single"]), checkpoint(clip_runs["single_unclipped"])
+    diffs = max_diff(clipped["state_dict"], unclipped["state_dict"])
+    assert max(diffs.values()) > 100 * WEIGHT_ATOL

@@ -1,7 +1,7 @@
 """Fast, in-process checks of the pieces sweeps rely on: job directory names, the command a ddp
 child rank runs inside a sweep job, the HParams that TensorBoard tabulates, and the SLURM launcher.
 
-No subprocess and no training here: the end-to-end sweeps are in the slow tests.
+No subprocess and no training here: the end-to-end sweeps are in e2e/test_sweep.py.
 """
 
 import hashlib
@@ -32,8 +32,8 @@ from torch.utils.tensorboard.summary import hparams
 
 from trainkit import job_dirname
 from trainkit.config import CONF_DIR, compose_config
+from trainkit.launch import ENTRY_POINT_ENV, job_command
 from trainkit.loggers import flat_hparams, log_final
-from trainkit.strategies.ddp import ENTRY_POINT_ENV, job_command
 
 
 def compose_with_hydra(overrides: Sequence[str]) -> DictConfig:

@@ -6,7 +6,6 @@ import json
 import math
 import shutil
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Callable
@@ -16,16 +15,20 @@ import pytest
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from helpers import shares_trained_run, start_python
+
 LR = 2e-3
 EPOCHS = 2
+# The tests that read the module's ddp run: one worker makes it.
+shares_run_dir = pytest.mark.xdist_group(name="dashboards_run")
 
 
 @pytest.fixture(scope="module")
-def run_dir(run_script: Callable[..., Path], train_overrides: tuple[str, ...]) -> Path:
+def run_dir(run_script: Callable[..., Path], overrides: tuple[str, ...]) -> Path:
     """2 epochs of ddp on 2 ranks: memory is gathered from both; perf/ logged every 2 steps."""
     return run_script(
         "train.py",
-        *train_overrides,
+        *overrides,
         *("strategy=ddp", "devices=2", "data.batch_size=50", f"model.optimizer.lr={LR}"),
         *(f"trainer.max_epochs={EPOCHS}", "trainer.log_every_n_steps=2"),
         "callbacks.training_monitor.grad_norm=true",
@@ -53,6 +56,7 @@ SCALARS = [
 ]  # fmt: skip
 
 
+@shares_run_dir
 def test_every_scalar_is_written(events: EventAccumulator) -> None:
     missing = set(SCALARS) - set(events.Tags()["scalars"])
     assert not missing
@@ -60,6 +64,7 @@ def test_every_scalar_is_written(events: EventAccumulator) -> None:
         assert all(math.isfinite(v) for v in values(events, tag)), tag
 
 
+@shares_run_dir
 def test_scalars_are_sane(events: EventAccumulator) -> None:
     for tag in ("train/loss", "val/loss", "test/loss", "train/loss_step"):
         assert all(v > 0 for v in values(events, tag)), tag
@@ -79,6 +84,7 @@ def test_scalars_are_sane(events: EventAccumulator) -> None:
     assert all(v > 0 for v in values(events, "grad/norm"))
 
 
+@shares_run_dir
 def test_validation_images(events: EventAccumulator) -> None:
     """Both images after each validation epoch (none for the sanity check), at the step of its
     ``val/acc_best``."""
@@ -93,6 +99,7 @@ def test_validation_images(events: EventAccumulator) -> None:
     assert matrix.size == (40 + 10 * 28, 40 + 10 * 28)  # 10 classes
 
 
+@shares_run_dir
 def test_config_is_in_the_text_tab(events: EventAccumulator) -> None:
     (entry,) = events.Tensors("config/text_summary")
     text = entry.tensor_proto.string_val[0].decode()
@@ -106,18 +113,16 @@ def get_json(url: str, body: dict | None = None):
         return json.loads(response.read())
 
 
+@shares_run_dir
 def test_tensorboard_serves_scalars_and_hparams(
     run_dir: Path, events: EventAccumulator, free_port: int
 ) -> None:
     port = free_port
-    server = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "tensorboard.main", "--logdir", str(run_dir)),
-            *("--host", "127.0.0.1", "--port", str(port), "--load_fast=false"),
-        ],
+    server = start_python(
+        *("-m", "tensorboard.main", "--logdir", str(run_dir)),
+        *("--host", "127.0.0.1", "--port", str(port), "--load_fast=false"),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
-        text=True,
     )
     base = f"http://127.0.0.1:{port}/data"
     try:
@@ -144,14 +149,15 @@ def test_tensorboard_serves_scalars_and_hparams(
 
 
 def test_profile_writes_a_chrome_trace(
-    run_script: Callable[..., Path], train_overrides: tuple[str, ...]
+    run_script: Callable[..., Path], overrides: tuple[str, ...]
 ) -> None:
-    run = run_script("train.py", *train_overrides, "debug=profile", "data.batch_size=50")
+    run = run_script("train.py", *overrides, "debug=profile", "data.batch_size=50")
     trace = run / "profile" / "train_steps.pt.trace.json"
     events = json.loads(trace.read_text())["traceEvents"]
     assert any("aten::" in event.get("name", "") for event in events)  # real operator events
 
 
+@shares_trained_run
 def test_screenshots_target(repo_root: Path, tmp_path: Path, trained_run: Path) -> None:
     """Headless-Chromium screenshots of the scalars, images and hparams pages, or a clear skip."""
     proc = subprocess.run(

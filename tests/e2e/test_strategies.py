@@ -1,4 +1,6 @@
-"""Strategies as config on CPU: auto, ddp (2 and 3 processes), ddp_spawn, precision, devices.
+"""Strategies as config on CPU, end to end: auto, ddp (2 and 3 processes), ddp_spawn, devices,
+two nodes under torchrun. What is checked in-process (timeouts, precisions, refused counts) is in
+unit/test_strategies.py.
 
 Distributed runs are real ``python train.py`` processes (gloo). The test set has an odd size, so
 exact distributed evaluation is checked where padding would show: 251 images on 2 and 3 ranks.
@@ -6,21 +8,20 @@ exact distributed evaluation is checked where padding would show: 251 images on 
 
 import json
 import os
+import subprocess
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-from hydra.utils import instantiate
 
-from trainkit.config import compose_config
+from helpers import run_python, start_python
 from trainkit.data.synthetic import write_mnist
-from trainkit.preflight import ConfigError, preflight
-from trainkit.train import build
 
 N_TRAIN_FILE, VAL, N_TEST = 1001, 201, 251  # 800 training images: 12.5 batches of 64
 WEIGHT_ATOL = 1e-5  # float sums in another order, amplified a little by Adam over 13 steps
+# The tests that read the module's runs (five train.py runs): one worker makes them.
+shares_runs = pytest.mark.xdist_group(name="strategy_runs")
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +64,7 @@ def weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
 
 
+@shares_runs
 @pytest.mark.parametrize("name", ["ddp2", "ddp3", "spawn2", "auto2"])
 def test_distributed_test_metrics_equal_single_device_eval(
     runs: dict, name: str, run_script: Callable[..., Path], tmp_path: Path
@@ -77,19 +79,7 @@ def test_distributed_test_metrics_equal_single_device_eval(
     assert distributed["test/loss"] == pytest.approx(evaluated["test/loss"], rel=1e-6)
 
 
-@pytest.mark.parametrize("devices", [2, 3])
-def test_eval_on_several_ranks_equals_one(
-    runs: dict, devices: int, run_script: Callable[..., Path]
-) -> None:
-    best = runs["single"] / "checkpoints" / "best.ckpt"
-    one = metrics(run_script("eval.py", f"ckpt_path={best}", "accelerator=cpu"))["test"]
-    many = metrics(
-        run_script("eval.py", f"ckpt_path={best}", "accelerator=cpu", f"devices={devices}")
-    )["test"]
-    assert many["test/acc"] == one["test/acc"]
-    assert many["test/loss"] == pytest.approx(one["test/loss"], rel=1e-6)
-
-
+@shares_runs
 @pytest.mark.parametrize("name", ["ddp2", "spawn2", "auto2"])
 def test_data_parallel_weights_equal_single_device(runs: dict, name: str) -> None:
     """Same seed, same data order, same global batch: the same weights after an epoch."""
@@ -102,6 +92,7 @@ def test_data_parallel_weights_equal_single_device(runs: dict, name: str) -> Non
     assert metrics(runs[name])["fit"]["train/loss"] < 2.2
 
 
+@shares_runs
 def test_only_rank_zero_writes_outputs(runs: dict) -> None:
     run_dir = runs["ddp2"]
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["best.ckpt", "last.ckpt"]
@@ -113,6 +104,7 @@ def test_only_rank_zero_writes_outputs(runs: dict) -> None:
     assert "Error" not in (run_dir / "train_ddp_process_1.log").read_text()
 
 
+@shares_runs
 def test_threads_are_divided_among_ranks_and_logged(runs: dict) -> None:
     cores = os.cpu_count() or 1
     for name, processes in (("ddp2", 2), ("ddp3", 3)):
@@ -122,20 +114,11 @@ def test_threads_are_divided_among_ranks_and_logged(runs: dict) -> None:
         assert expected in (runs[name] / "train_ddp_process_1.log").read_text()
 
 
-def test_ddp_timeout_is_minutes_and_configurable(tmp_path: Path) -> None:
-    cfg = compose_config("train", tmp_path, ["strategy=ddp"])
-    assert instantiate(cfg.strategy)._timeout == timedelta(seconds=180)
-    cfg = compose_config("train", tmp_path, ["strategy=ddp_spawn", "strategy.timeout.seconds=30"])
-    strategy = instantiate(cfg.strategy)
-    assert strategy._timeout == timedelta(seconds=30)
-    assert strategy._start_method == "spawn"
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
 def test_gpu_request_on_a_cpu_machine_fails_before_any_process(
-    run_process, base: tuple[str, ...], tmp_path: Path
+    base: tuple[str, ...], tmp_path: Path
 ) -> None:
-    proc = run_process("train.py", *base, "accelerator=gpu", "devices=2", log_dir=tmp_path)
+    proc = run_python("train.py", *base, "accelerator=gpu", "devices=2", log_dir=tmp_path)
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
     assert "no CUDA GPU is visible" in out and "accelerator=cpu" in out
@@ -143,76 +126,21 @@ def test_gpu_request_on_a_cpu_machine_fails_before_any_process(
     assert "train_ddp_process" not in " ".join(p.name for p in tmp_path.rglob("*"))
 
 
-@pytest.mark.parametrize("devices", [0, -2])
-def test_bad_device_count_is_refused(base: tuple[str, ...], tmp_path: Path, devices: int) -> None:
-    cfg = compose_config("train", tmp_path, [*base, f"devices={devices}"])
-    with pytest.raises(ConfigError, match=f"devices={devices}"):
-        preflight(cfg)
-
-
-PRECISION_STEPS = ("++trainer.max_steps=2", "++trainer.limit_val_batches=1", "logger=none")
-
-
-@pytest.mark.parametrize(
-    ("precision", "runs_as", "dtype"),
-    [
-        ("32-true", "32-true", torch.float32),
-        ("16-mixed", "bf16-mixed", torch.float32),
-        ("bf16-mixed", "bf16-mixed", torch.float32),
-        ("bf16-true", "bf16-true", torch.bfloat16),
-        ("64-true", "64-true", torch.float64),
-    ],
-)
-@pytest.mark.usefixtures("restore_seed_state")
-def test_precision_trains_two_steps_on_cpu(
-    base: tuple[str, ...], tmp_path: Path, caplog, precision: str, runs_as: str, dtype
-) -> None:
-    cfg = compose_config("train", tmp_path, [*base, f"precision={precision}", *PRECISION_STEPS])
-    preflight(cfg)
-    datamodule, model, trainer = build(cfg)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    trainer.fit(model, datamodule=datamodule)
-
-    assert trainer.precision == runs_as
-    assert trainer.global_step == 2
-    assert next(model.parameters()).dtype == dtype
-    after = model.state_dict()
-    assert all(torch.isfinite(v).all() for v in after.values())
-    assert any(not torch.equal(before[k].to(after[k].dtype), after[k]) for k in after)
-    if precision != runs_as:
-        assert f"precision={precision} runs as {runs_as} on CPU" in caplog.text
-
-
-def test_precision_16_true_is_refused_on_cpu(base: tuple[str, ...], tmp_path: Path) -> None:
-    cfg = compose_config("train", tmp_path, [*base, "precision=16-true"])
-    with pytest.raises(ConfigError, match=r"precision=16-true is refused on CPU.*bf16"):
-        preflight(cfg)
-
-
 def test_two_nodes_with_torchrun_on_loopback(
-    base: tuple[str, ...], tmp_path: Path, repo_root: Path, free_port: int
+    base: tuple[str, ...], tmp_path: Path, free_port: int
 ) -> None:
     """num_nodes=2: two torchrun "nodes" on this machine, one process each, one run directory
     (shared, as on a cluster filesystem), one text log per rank."""
-    import subprocess
-    import sys
-
     port, run_dir = free_port, tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k not in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")}
     nodes = [
-        subprocess.Popen(
-            [
-                *(sys.executable, "-m", "torch.distributed.run", "--nnodes=2"),
-                *("--nproc-per-node=1", f"--node-rank={rank}", "--master-addr=127.0.0.1"),
-                *(f"--master-port={port}", "train.py", *base, "strategy=ddp", "devices=1"),
-                *("num_nodes=2", "data.batch_size=32"),
-                *(f"paths.log_dir={tmp_path / 'logs'}", f"hydra.run.dir={run_dir}"),
-            ],
-            cwd=repo_root,
-            env=env,
+        start_python(
+            *("-m", "torch.distributed.run", "--nnodes=2"),
+            *("--nproc-per-node=1", f"--node-rank={rank}", "--master-addr=127.0.0.1"),
+            *(f"--master-port={port}", "train.py", *base, "strategy=ddp", "devices=1"),
+            *("num_nodes=2", "data.batch_size=32"),
+            *(f"paths.log_dir={tmp_path / 'logs'}", f"hydra.run.dir={run_dir}"),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            text=True,
         )
         for rank in (0, 1)
     ]

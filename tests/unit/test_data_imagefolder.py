@@ -11,7 +11,7 @@ from PIL import Image
 from torch import Tensor
 from torch.utils.data import Subset
 
-from image_tree import (
+from helpers import (
     CLASSES,
     LEVEL,
     write_class,

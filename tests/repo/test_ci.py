@@ -3,17 +3,17 @@ markers, hooks. GitHub cannot run here, so what can be checked offline is checke
 
 import re
 import shlex
-from pathlib import Path
 
 import pytest
 import yaml
+
+from helpers import ROOT
 
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-ROOT = Path(__file__).resolve().parents[1]
 WORKFLOW = yaml.safe_load((ROOT / ".github" / "workflows" / "ci.yml").read_text())
 PRE_COMMIT = yaml.safe_load((ROOT / ".pre-commit-config.yaml").read_text())
 MAKE_TARGETS = set(re.findall(r"^([a-z]+):", (ROOT / "Makefile").read_text(), re.M))

@@ -22,7 +22,8 @@ from trainkit.data.synthetic import write_cifar10
 from trainkit.preflight import preflight
 from trainkit.train import build
 
-pytestmark = pytest.mark.slow  # long end-to-end runs: CI's `slow` job
+# long end-to-end runs (CI's `slow` job); every test reads the module's runs: one worker makes them
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group(name="pipeline_resnet_runs")]
 
 FLOAT64_ATOL = 1e-12  # measured: <= 4e-16 after 3 steps
 PIPE = ("strategy=pipeline", "devices=2")
@@ -35,8 +36,8 @@ def base(tmp_path_factory) -> tuple[str, ...]:
         *("model=resnet50", "model.net.norm=group", "model.optimizer.lr=0.01"),
         *("data=cifar10", f"data.root={root}", "data.val_size=16", "data.download=false"),
         *("data.batch_size=16", "data.augment=false", "accelerator=cpu", "trainer.max_epochs=1"),
-        *("++trainer.limit_train_batches=3", "++trainer.limit_val_batches=1"),
-        "++trainer.num_sanity_val_steps=0",
+        *("trainer.limit_train_batches=3", "trainer.limit_val_batches=1"),
+        "trainer.num_sanity_val_steps=0",
     )
 
 
@@ -44,7 +45,7 @@ def base(tmp_path_factory) -> tuple[str, ...]:
 def runs(run_script: Callable[..., Path], base: tuple[str, ...]) -> dict[str, Path]:
     f64 = (*base, "precision=64-true")
     # plain model parallelism (one micro-batch) and 2 stages x 2 replicas are checked on the MLP
-    # (tests/test_pipeline.py); here the split of six very uneven blocks by FLOPs, in float64
+    # (e2e/test_pipeline.py); here the split of six very uneven blocks by FLOPs, in float64
     commands = {
         "single64": (*f64, "threads=1"),
         "gpipe64": (*f64, *PIPE, "strategy.schedule=gpipe"),
@@ -76,9 +77,9 @@ def test_resnet_training_moved_every_weight(
 ) -> None:
     """Without this, 'equal to one device' would also hold for weights that never changed."""
     cfg = compose_config("train", tmp_path, [*base, *PIPE])
-    preflight(cfg)
+    dims = preflight(cfg)
     L.seed_everything(cfg.seed, workers=True)
-    _, model, _ = build(cfg)
+    _, model, _ = build(cfg, dims)
     init = model.state_dict()
     for name in ("gpipe64", "interleaved64"):
         trained = last(runs[name])["state_dict"]

@@ -8,8 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from readme_blocks import README, ROOT, bash_block_after, run_train_command
-from trainkit.data.synthetic import write_cifar10
+from helpers import README, ROOT, bash_block_after, run_train_command
+from trainkit.data.synthetic import write_cifar10, write_mnist
+
+SECTIONS = (
+    "### Strategies, devices and precision",
+    "### Pipeline (model parallel)",
+    "### Sweeps",
+)
+# The tests that read the module's quickstart run: one worker makes it.
+shares_quickstart = pytest.mark.xdist_group(name="readme_quickstart")
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +39,7 @@ def quickstart_run(tmp_path_factory) -> Path:
     return run_dir
 
 
+@shares_quickstart
 def test_offline_quickstart_trains(quickstart_run: Path) -> None:
     assert (quickstart_run / "checkpoints" / "best.ckpt").is_file()
     assert (quickstart_run / "checkpoints" / "last.ckpt").is_file()
@@ -38,9 +47,10 @@ def test_offline_quickstart_trains(quickstart_run: Path) -> None:
     assert (quickstart_run / "config.yaml").is_file()
 
 
+@shares_quickstart
 def test_readme_commands_run(quickstart_run: Path, tmp_path: Path) -> None:
     """The "Running things" block (its ckpt_path line resumes the quickstart's run); the
-    strategy, pipeline and sweep blocks are in test_readme_strategies.py."""
+    strategy, pipeline and sweep blocks are test_readme_section_runs below."""
     data_root = quickstart_run.parents[3] / "synthetic"
     write_cifar10(data_root, n_per_batch=80, n_test=50)  # beside the MNIST files: one data.root
     commands = bash_block_after("## Running things")
@@ -51,6 +61,7 @@ def test_readme_commands_run(quickstart_run: Path, tmp_path: Path) -> None:
         run_train_command(command, data_root, tmp_path / "logs", "data.batch_size=32")
 
 
+@shares_quickstart
 def test_readme_eval_command(quickstart_run: Path, tmp_path: Path) -> None:
     (command,) = [line for line in bash_block_after("Evaluate a checkpoint") if "eval" in line]
     ckpt = quickstart_run / "checkpoints" / "best.ckpt"
@@ -61,6 +72,23 @@ def test_readme_eval_command(quickstart_run: Path, tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     (eval_dir,) = (tmp_path / "logs" / "eval" / "runs").iterdir()
     assert str(ckpt) in (eval_dir / "metrics.json").read_text()
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("readme-data")
+    write_mnist(root, 1000, 250)
+    write_cifar10(root, n_per_batch=80, n_test=50)
+    return root
+
+
+@pytest.mark.slow  # long end-to-end runs: CI's `slow` job
+@pytest.mark.parametrize("section", SECTIONS)
+def test_readme_section_runs(section: str, data_root: Path, tmp_path: Path) -> None:
+    commands = bash_block_after(section)
+    assert commands
+    for command in commands:
+        run_train_command(command, data_root, tmp_path / "logs")
 
 
 def table_rows(after: str) -> dict[str, str]:

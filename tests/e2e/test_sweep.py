@@ -1,9 +1,10 @@
 """Hydra sweeps with every strategy, as real ``python train.py -m ...`` processes.
 
 Upstream, Lightning's ddp launcher re-runs the whole sweep in each child and leaks its variables
-into the next job (DESIGN.md). Each sweep here is checked job by job: the process group every rank
-really joined (world size, ranks, pids), the overrides every rank ran, the job's own directory,
-and its final weights against the same job run alone.
+into the next job (docs/design.md, "The ddp child under Hydra multirun"). Each sweep here is
+checked job by job: the process group every rank really joined (world size, ranks, pids), the
+overrides every rank ran, the job's own directory, and its final weights against the same job run
+alone.
 """
 
 import itertools
@@ -19,12 +20,16 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.backend.event_processing.plugin_event_multiplexer import EventMultiplexer
 from tensorboard.plugins.hparams import plugin_data_pb2
 
+from helpers import run_python
+
 pytestmark = pytest.mark.slow  # long end-to-end runs: CI's `slow` job
 
 BATCH = (
     "data.batch_size=100"  # 800 training images: 8 full batches, so every strategy sees them all
 )
 DDP_SWEEP = ("-m", "strategy=ddp", "devices=1,2", "model.optimizer.lr=1e-3,3e-3", BATCH)
+# The tests that read the module's ddp sweep (or its jobs run alone): one worker makes them.
+shares_ddp_sweep = pytest.mark.xdist_group(name="ddp_sweep")
 
 
 # --- reading a sweep back ----------------------------------------------------------------------
@@ -71,7 +76,7 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 def own_overrides(job: dict) -> list[str]:
-    """A job's overrides without the log directory, which run_script/run_process add themselves."""
+    """A job's overrides without the log directory, which run_script/run_python add themselves."""
     return [o for o in job["overrides"] if not o.startswith("paths.log_dir=")]
 
 
@@ -86,12 +91,12 @@ def check_processes(job: dict, world_size: int) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def sweep_runner(run_process, train_overrides: tuple[str, ...], tmp_path_factory):
-    """``sweep_runner(*overrides, ok=True) -> (sweep dir, process)``, in a fresh log directory."""
+def sweep_runner(overrides: tuple[str, ...], tmp_path_factory):
+    """``sweep_runner(*extra, ok=True) -> (sweep dir, process)``, in a fresh log directory."""
 
-    def run(*overrides: str, ok: bool = True):
+    def run(*extra: str, ok: bool = True):
         log_dir = tmp_path_factory.mktemp("sweep-logs")
-        proc = run_process("train.py", *overrides, *train_overrides, log_dir=log_dir)
+        proc = run_python("train.py", *extra, *overrides, log_dir=log_dir)
         if ok:
             assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
         return the_sweep(log_dir), proc
@@ -113,6 +118,7 @@ def alone(ddp_sweep: Path, run_script: Callable[..., Path]) -> dict[int, Path]:
     return {job["num"]: run_script("train.py", *own_overrides(job)) for job in jobs(ddp_sweep)}
 
 
+@shares_ddp_sweep
 def test_ddp_sweep_runs_every_job_with_its_own_processes(ddp_sweep: Path) -> None:
     records = jobs(ddp_sweep)
     combos = {(value(j["overrides"], "devices"), value(j["overrides"], "model.optimizer.lr"))
@@ -137,6 +143,7 @@ def test_ddp_sweep_runs_every_job_with_its_own_processes(ddp_sweep: Path) -> Non
     assert (summary["completed"], summary["failed"]) == (4, 0)
 
 
+@shares_ddp_sweep
 def test_each_ddp_job_equals_the_job_run_alone(ddp_sweep: Path, alone: dict[int, Path]) -> None:
     """Same processes, data, seed and threads: bit for bit the weights of the job run alone.
     (Upstream, the devices=2 jobs trained in one process on half the data.)"""
@@ -149,6 +156,7 @@ def test_each_ddp_job_equals_the_job_run_alone(ddp_sweep: Path, alone: dict[int,
     assert max_diff(by_num[0], by_num[1]) > 1e-3
 
 
+@shares_ddp_sweep
 def test_sweep_runs_are_side_by_side_in_tensorboard(ddp_sweep: Path) -> None:
     """One logdir, the sweep directory: runs named by their overrides, each with its config and
     final metrics in the HParams tab."""
@@ -186,6 +194,7 @@ def test_sweep_runs_are_side_by_side_in_tensorboard(ddp_sweep: Path) -> None:
 # --- ddp_spawn, dp and pipeline in one sweep -----------------------------------------------------
 
 
+@shares_ddp_sweep
 def test_spawn_dp_and_pipeline_jobs_in_one_sweep(sweep_runner, alone: dict[int, Path]) -> None:
     """Strategies that start their processes differently, one after another in one sweep process.
 
@@ -262,6 +271,7 @@ def test_optuna_trials_with_ddp(sweep_runner) -> None:
     assert results["best_value"] == max(job["return_value"] for job in records)
 
 
+@shares_ddp_sweep
 def test_joblib_runs_ddp_jobs_in_parallel(sweep_runner, alone: dict[int, Path]) -> None:
     """Two ddp jobs at once in two joblib workers, each on its own free port; each gives the
     weights of the same job run alone."""

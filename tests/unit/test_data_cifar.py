@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from helpers import quiet_trainer
 from trainkit.data import CIFAR10DataModule
 from trainkit.data.cifar import TEST_BATCH, TRAIN_BATCHES, random_crop_flip, read_batch
 from trainkit.data.synthetic import write_cifar10
@@ -335,17 +336,13 @@ class Recorder(L.LightningModule):
 
 def fit_and_record(dm: CIFAR10DataModule, root: Path) -> dict[str, list[Tensor]]:
     model = Recorder()
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=1,
         max_epochs=1,
         limit_train_batches=3,
         limit_val_batches=1,
         num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         default_root_dir=root,
     )
     trainer.fit(model, datamodule=dm)

@@ -1,0 +1,172 @@
+"""Job launching under Hydra: ddp ranks that run exactly this job, and jobs that leave nothing
+behind for the next one in the same process.
+
+Lightning's ddp launcher starts ranks > 0 by re-running ``sys.argv`` and leaves the variables it
+exports (``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_PORT``...) in the launching process; under Hydra
+multirun that is wrong twice over (docs/design.md, "The ddp child under Hydra multirun"). Here:
+
+- ``JobScriptLauncher`` starts each child as a plain run of exactly this job: its own overrides,
+  its own directory, ``hydra.mode=RUN``. The script is the one the sweep started from, also when a
+  launcher (joblib, submitit) runs the job in another process.
+- ``isolated_job`` wraps one job: afterwards its children are reaped (a failed child fails the
+  job), the process group is destroyed and the environment is put back as it was.
+- A child that dies ends its own job, not the sweep: the watcher stops the job's other children;
+  only outside a sweep does it also stop this process, as Lightning's does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch.distributed as dist
+from lightning.fabric.strategies.launchers.subprocess_script import (
+    _basic_subprocess_cmd,
+    _ChildProcessObserver,
+    _set_num_threads_if_needed,
+)
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+log = logging.getLogger(__name__)
+
+# Set by trainkit.sweep.JobReporter in the process that starts the sweep: the script to re-run.
+ENTRY_POINT_ENV = "TRAINKIT_ENTRY_POINT"
+# Overrides a child must not inherit: they describe the sweep, not the job.
+_SWEEP_ONLY = (
+    "hydra.run.",
+    "hydra.sweep.",
+    "hydra.mode",
+    "hydra.job.name",
+    "hydra.output_subdir",
+    "hydra.launcher",
+    "hydra.sweeper",
+    "hydra/launcher",
+    "hydra/sweeper",
+)
+_children: list[subprocess.Popen] = []  # this process's ranks > 0, reaped by isolated_job
+
+
+def in_multirun() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def _quoted(path: str) -> str:
+    """A path as a Hydra override value: sweep directories named by overrides hold '=' and ','.
+
+    In Hydra's quoted strings a backslash escapes only a quote or the closing quote: double the
+    backslashes just before those, then escape the quotes."""
+    path = re.sub(r'(\\+)(?="|$)', lambda m: m.group(1) * 2, path)
+    return '"' + path.replace('"', '\\"') + '"'
+
+
+def job_command(local_rank: int) -> list[str]:
+    """The command that runs exactly this Hydra job (not its sweep) as rank ``local_rank``."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return list(_basic_subprocess_cmd())
+    hc = HydraConfig.get()
+    script = os.environ.get(ENTRY_POINT_ENV) or os.path.abspath(sys.argv[0])
+    command = [sys.executable, script, "--config-name", hc.job.config_name]
+    for source in hc.runtime.config_sources:
+        if source.provider == "main" and source.schema == "file":
+            command += ["--config-path", source.path]
+        elif source.provider == "command-line" and source.schema == "file":
+            command += ["--config-dir", source.path]
+    command += [o for o in hc.overrides.hydra if not o.lstrip("+~").startswith(_SWEEP_ONLY)]
+    command += list(hc.overrides.task)
+    return [
+        *command,
+        f"hydra.run.dir={_quoted(hc.runtime.output_dir)}",
+        f"hydra.job.name={hc.job.name}_ddp_process_{local_rank}",
+        "hydra.output_subdir=null",
+        "hydra.mode=RUN",
+    ]
+
+
+class _JobObserver(_ChildProcessObserver):
+    """Lightning's watcher, except that in a sweep it stops the job's children, not the sweep."""
+
+    def __init__(self, child_processes: list[subprocess.Popen], in_sweep: bool) -> None:
+        super().__init__(main_pid=os.getpid(), child_processes=child_processes)
+        self._in_sweep = in_sweep
+
+    def _terminate_all(self) -> None:
+        if not self._in_sweep:
+            return super()._terminate_all()
+        for proc in self._child_processes:
+            proc.send_signal(self._termination_signal)
+        return None
+
+
+class JobScriptLauncher(_SubprocessScriptLauncher):
+    """Lightning's script launcher with children that run this job only (see the module doc)."""
+
+    def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        self.cluster_environment.validate_settings(
+            num_devices=self.num_processes, num_nodes=self.num_nodes
+        )
+        if not self.cluster_environment.creates_processes_externally:
+            self._call_children_scripts()
+            _JobObserver(self.procs, in_sweep=in_multirun()).start()
+        _set_num_threads_if_needed(num_processes=self.num_processes)
+        return function(*args, **kwargs)
+
+    def _call_children_scripts(self) -> None:
+        self._check_can_spawn_children()
+        env = self.cluster_environment
+        os.environ["MASTER_ADDR"] = env.main_address
+        os.environ["MASTER_PORT"] = str(env.main_port)
+        os.environ["NODE_RANK"] = str(env.node_rank())
+        os.environ["LOCAL_RANK"] = str(env.local_rank())
+        os.environ["WORLD_SIZE"] = str(self.num_processes * self.num_nodes)
+        for local_rank in range(1, self.num_processes):
+            child_env = {**os.environ, "LOCAL_RANK": str(local_rank)}
+            proc = subprocess.Popen(job_command(local_rank), env=child_env)
+            self.procs.append(proc)
+            _children.append(proc)
+
+
+class RankFailedError(RuntimeError):
+    """A rank this process started exited with an error although this rank finished."""
+
+
+@contextlib.contextmanager
+def isolated_job(child_timeout_s: float = 120) -> Iterator[None]:
+    """Run one job so that the next one in this process starts clean (see the module doc)."""
+    environ = dict(os.environ)
+    _children.clear()
+    failed = False
+    try:
+        yield
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        children, codes = list(_children), []
+        _children.clear()
+        for proc in children:
+            try:
+                codes.append(proc.wait(timeout=5 if failed else child_timeout_s))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                codes.append(proc.wait())
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)
+    bad = {rank: code for rank, code in enumerate(codes, start=1) if code != 0}
+    if bad:
+        raise RankFailedError(
+            f"rank(s) {sorted(bad)} of this job exited with {sorted(set(bad.values()))}: see "
+            f"their logs (*_ddp_process_<rank>.log) in the job's directory"
+        )

@@ -1,0 +1,103 @@
+"""Distributed evaluation equals one device's, for every datamodule and entry point.
+
+Per datamodule, three real runs: ``train.py strategy=ddp devices=3`` (its validation and its test at
+the end on 3 ranks), then ``eval.py`` with validate, test and predict on 1 and on 2 ranks. Every
+evaluation set has a size that neither 2 nor 3 divides, so an uneven or padded shard shows.
+"""
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import write_image, write_tree
+from trainkit.data.synthetic import write_cifar10, write_mnist
+
+STAGES = "stages=[validate,test,predict]"
+SHORT = ("accelerator=cpu", "seed=0", "trainer.max_epochs=1", "logger=csv", "data.batch_size=8")
+
+
+def mnist(root: Path) -> tuple[str, ...]:
+    write_mnist(root, n_train=200, n_test=49)  # test 49; val 35 of the 200
+    return ("data=mnist", f"data.root={root}", "data.val_size=35", "data.download=false")
+
+
+def cifar10(root: Path) -> tuple[str, ...]:
+    write_cifar10(root, n_per_batch=20, n_test=25)  # test 25; val 35 of the 100
+    return (
+        "data=cifar10",
+        f"data.root={root}",
+        "data.val_size=35",
+        "data.download=false",
+        "model.net.in_features=3072",
+    )
+
+
+def imagefolder(root: Path) -> tuple[str, ...]:
+    write_tree(root, {"train": 8, "test": 4})  # 3 classes: test 13 with the extra image below
+    write_image(root / "test" / "apple" / "extra.png", "RGB", (20, 20), level=40, seed=99)
+    return (
+        "data=imagefolder",
+        f"data.root={root}",
+        "data.val_size=7",  # of the 24 training images
+        "data.image_size=16",
+        "data.num_workers=0",
+        "model.net.in_features=768",
+    )
+
+
+DATASETS = {"mnist": mnist, "cifar10": cifar10, "imagefolder": imagefolder}
+
+
+def metrics(run_dir: Path) -> dict:
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+def predictions(run_dir: Path) -> torch.Tensor:
+    return torch.load(run_dir / "predictions.pt", weights_only=True)["predictions"]
+
+
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(n, marks=pytest.mark.xdist_group(f"eval-{n}")) for n in DATASETS],
+)
+def runs(request, run_script: Callable[..., Path], tmp_path_factory) -> dict[str, Path]:
+    """The ddp x3 training run and the eval.py runs on 1 and 2 ranks of one datamodule."""
+    name = request.param
+    data = DATASETS[name](tmp_path_factory.mktemp(name))
+    log_dir = tmp_path_factory.mktemp(f"{name}-logs")
+    train = run_script("train.py", *SHORT, *data, "strategy=ddp", "devices=3", log_dir=log_dir)
+    best = train / "checkpoints" / "best.ckpt"
+    evals = {
+        n: run_script("eval.py", f"ckpt_path={best}", "accelerator=cpu", f"devices={n}", STAGES)
+        for n in (1, 2)
+    }
+    return {"train": train, **evals}
+
+
+def test_validation_and_test_on_three_ranks_equal_one_device(runs: dict[str, Path]) -> None:
+    trained, one = metrics(runs["train"]), metrics(runs[1])
+    # one epoch: best.ckpt holds the weights the run's last validation saw
+    assert one["validate"] == pytest.approx(
+        {k: v for k, v in trained["fit"].items() if k.startswith("val/")}, rel=1e-5
+    )
+    assert one["test"] == pytest.approx(trained["test"], rel=1e-5)
+
+
+def test_eval_on_two_ranks_equals_one_device(runs: dict[str, Path]) -> None:
+    one, two = metrics(runs[1]), metrics(runs[2])
+    for stage in ("validate", "test"):
+        assert two[stage] == pytest.approx(one[stage], rel=1e-5), stage
+    assert set(one["validate"]) == {"val/acc", "val/loss"}
+    assert set(one["test"]) == {"test/acc", "test/loss"}
+
+
+def test_predictions_on_two_ranks_are_one_devices_in_dataset_order(
+    runs: dict[str, Path],
+) -> None:
+    one, two = predictions(runs[1]), predictions(runs[2])
+    assert len(one) in (49, 25, 13)  # every test sample once, none padded
+    assert len(one.unique()) > 1  # else a wrong order would go unseen
+    assert torch.equal(one, two)

@@ -1,0 +1,100 @@
+"""strategy=dp end to end: ``python train.py strategy=dp`` as real processes, on CPU and, where
+there are two GPUs, for real. Its mechanics, in-process, are in unit/test_dp.py."""
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from hydra.utils import instantiate
+
+from helpers import run_python
+from trainkit.config import compose_config
+
+CPU_WARNING = "strategy=dp on CPU: torch.nn.DataParallel only splits batches across GPUs"
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+# The tests that read the module's two CPU runs: one worker makes them.
+shares_cpu_runs = pytest.mark.xdist_group(name="dp_cpu_runs")
+
+
+# --- the real recipe: python train.py strategy=dp ------------------------------------------------
+
+
+def load_checkpoint(run_dir: Path) -> dict:
+    path = run_dir / "checkpoints" / "last.ckpt"
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def read_metrics(run_dir: Path) -> dict:
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def cpu_runs(overrides: tuple[str, ...], tmp_path_factory) -> dict:
+    """One epoch with strategy=dp devices=2 and one with the default single device, same seed."""
+    log_dir = tmp_path_factory.mktemp("dp-logs")
+    common = (*overrides, "seed=0", "trainer.max_epochs=1")
+    runs = {}
+    for name, extra in (("dp", ("strategy=dp", "devices=2")), ("single", ())):
+        before = set(log_dir.glob("train/runs/*"))
+        proc = run_python("train.py", *common, *extra, log_dir=log_dir)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        [run_dir] = set(log_dir.glob("train/runs/*")) - before
+        runs[name] = (run_dir, proc.stdout + proc.stderr)
+    return runs
+
+
+@shares_cpu_runs
+def test_dp_run_on_cpu_says_it_is_one_device(cpu_runs: dict) -> None:
+    dp_output, single_output = cpu_runs["dp"][1], cpu_runs["single"][1]
+    assert f"{CPU_WARNING}; devices=2 trains as one process on one device" in dp_output
+    assert CPU_WARNING not in single_output
+
+
+@shares_cpu_runs
+def test_dp_run_on_cpu_equals_the_single_device_run(cpu_runs: dict) -> None:
+    dp, single = load_checkpoint(cpu_runs["dp"][0]), load_checkpoint(cpu_runs["single"][0])
+    assert dp["state_dict"].keys() == single["state_dict"].keys()
+    assert not any(key.startswith("module.") for key in dp["state_dict"])
+    for key, value in single["state_dict"].items():
+        torch.testing.assert_close(dp["state_dict"][key], value, atol=1e-6, rtol=0, msg=key)
+    assert dp["global_step"] == single["global_step"] > 0
+
+
+@shares_cpu_runs
+def test_dp_checkpoint_evaluates_with_the_default_strategy(
+    cpu_runs: dict, run_script: Callable[..., Path], tmp_path: Path
+) -> None:
+    run_dir = cpu_runs["dp"][0]
+    model = instantiate(compose_config("train", tmp_path, ["model.num_classes=10"]).model)
+    model.load_state_dict(load_checkpoint(run_dir)["state_dict"], strict=True)
+
+    best = run_dir / "checkpoints" / "best.ckpt"
+    evaluated = read_metrics(run_script("eval.py", f"ckpt_path={best}", "accelerator=cpu"))["test"]
+    trained = read_metrics(run_dir)["test"]
+    assert evaluated["test/acc"] == trained["test/acc"]
+    assert evaluated["test/loss"] == pytest.approx(trained["test/loss"], rel=1e-6)
+
+
+# --- real DataParallel on two GPUs ---------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_two_gpus_train_the_weights_one_gpu_does(
+    run_script: Callable[..., Path], overrides: tuple[str, ...]
+) -> None:
+    """Equal halves of each batch (the batch sizes are even): the mean of the two replicas' mean
+    losses is the batch's mean loss, so the weights match up to float summation order."""
+    common = (*overrides, "accelerator=gpu", "seed=0", "trainer.max_epochs=1")
+    common += ("data.batch_size=64",)
+    dp = run_script("train.py", *common, "strategy=dp", "devices=2")
+    single = run_script("train.py", *common, "devices=1")
+    dp_weights, single_weights = (
+        load_checkpoint(dp)["state_dict"],
+        load_checkpoint(single)["state_dict"],
+    )
+    assert dp_weights.keys() == single_weights.keys()
+    for key, value in single_weights.items():
+        torch.testing.assert_close(dp_weights[key], value, atol=1e-4, rtol=1e-4, msg=key)

@@ -1,0 +1,269 @@
+"""What the tests share besides fixtures (those are in conftest.py), in one place:
+
+- processes: ``run_python`` (a finished ``python ...``) and ``start_python`` (a running one);
+- ``quiet_trainer``: an in-process ``L.Trainer`` that writes and prints nothing;
+- ``shares_trained_run``: the xdist group of the tests that read conftest's ``trained_run``;
+- ``SignalAt``: a callback that sends a real signal at a given step (``helpers.SignalAt`` as a
+  ``+callbacks.*._target_`` of a train.py subprocess: ``run_python`` puts tests/ on its path);
+- image-folder trees of real PNG and JPEG files;
+- copies of the project (rename, walkthroughs);
+- the README's bash blocks, and running their ``python train.py`` lines on test data.
+"""
+
+import io
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import pytest
+from PIL import Image
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+
+# --- processes ---------------------------------------------------------------------------------
+
+# Exported by an in-process run (Lightning's seed_everything, the thread count): a subprocess must
+# not inherit them, it chooses its own.
+INHERITED_ENV = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS", "OMP_NUM_THREADS")
+
+
+def _command(argv: tuple[str, ...], log_dir: Path | None) -> list[str]:
+    log = (f"paths.log_dir={log_dir}",) if log_dir is not None else ()
+    return [sys.executable, *argv, *log]
+
+
+def _env(extra: dict[str, str] | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in INHERITED_ENV}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
+    return {**env, **(extra or {})}
+
+
+def run_python(
+    *argv: str,
+    log_dir: Path | None = None,
+    env: dict[str, str] | None = None,
+    cwd: Path = ROOT,
+    timeout: float = 600,
+) -> subprocess.CompletedProcess:
+    """``python <argv>``: a script and its arguments (``"train.py", *overrides``), ``"-m", module,
+    ...`` or ``"-c", code, ...``; the finished process, whatever its exit code, output as text.
+
+    Runs in ``cwd`` (the repository root by default); ``paths.log_dir=<log_dir>`` is appended when
+    given; ``env`` adds to (or replaces in) this environment, less what an in-process run exported
+    (``INHERITED_ENV``), with tests/ first on ``PYTHONPATH``.
+    """
+    return subprocess.run(
+        _command(argv, log_dir),
+        cwd=cwd,
+        env=_env(env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def start_python(
+    *argv: str,
+    log_dir: Path | None = None,
+    env: dict[str, str] | None = None,
+    cwd: Path = ROOT,
+    **popen,
+) -> subprocess.Popen:
+    """``run_python``'s command, started and not waited for: for a test that signals or kills it.
+    ``popen`` goes to ``subprocess.Popen`` (``stdout=...``); text mode."""
+    return subprocess.Popen(_command(argv, log_dir), cwd=cwd, env=_env(env), text=True, **popen)
+
+
+# --- an in-process Trainer -----------------------------------------------------------------------
+
+QUIET = {
+    "logger": False,
+    "enable_checkpointing": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+}
+
+
+def quiet_trainer(**kwargs) -> L.Trainer:
+    """``L.Trainer(**kwargs)`` with no logger, checkpoints, progress bar or model summary
+    (``kwargs`` may turn any of them back on)."""
+    return L.Trainer(**{**QUIET, **kwargs})
+
+
+# --- conftest's trained run ----------------------------------------------------------------------
+
+# The overrides of conftest's session-wide ``trained_run`` after the test data (``overrides``).
+TRAINED_RUN = ("seed=0", "trainer.max_epochs=1")
+# `make test` runs with --dist loadgroup: the tests of one xdist group run on one worker, so the
+# session's trained run is made once. Every test that reads it carries this mark.
+shares_trained_run = pytest.mark.xdist_group(name="trained_run")
+
+
+# --- a real signal at a known step ---------------------------------------------------------------
+
+
+class SignalAt(L.Callback):
+    """Sends ``signal`` to this process when global step ``step`` ends on rank ``rank``; as a
+    scheduler or Ctrl-C would, but at a step the test knows."""
+
+    def __init__(self, step: int, signal: str = "SIGTERM", rank: int = 0) -> None:
+        self.step, self.signal, self.rank = step, signal, rank
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            os.kill(os.getpid(), getattr(signal, self.signal))
+
+
+# --- image-folder trees --------------------------------------------------------------------------
+# Real PNG and JPEG files written with PIL. Every image of a class is grey noise around the class's
+# level, so a label can be read back from the pixels after any resize or crop; RGBA images carry a
+# random alpha, which must be dropped.
+
+CLASSES = ("cherry", "apple", "banana")  # written in this order; their labels follow sorted order
+LEVEL = {"apple": 40, "banana": 120, "cherry": 200, "durian": 160}
+NOISE = 12
+# (suffix, mode, (width, height)): every class folder gets these in turn
+KINDS = (
+    ("png", "L", (40, 48)),
+    ("jpg", "RGB", (50, 36)),
+    ("png", "RGBA", (64, 64)),
+    ("jpeg", "L", (33, 70)),
+    ("jpg", "RGB", (48, 48)),
+)
+
+
+def image_array(mode: str, size: tuple[int, int], level: int, rng: np.random.Generator):
+    width, height = size
+    channels = {"L": 1, "RGB": 3, "RGBA": 4}[mode]
+    noise = rng.integers(-NOISE, NOISE + 1, size=(height, width, 1))  # grey: same in R, G, B
+    array = np.clip(level + noise, 0, 255).astype(np.uint8).repeat(channels, axis=2)
+    if mode == "RGBA":
+        array[..., 3] = rng.integers(0, 256, size=(height, width))
+    return array[..., 0] if mode == "L" else array
+
+
+def write_image(path: Path, mode: str, size: tuple[int, int], level: int, seed: int) -> Path:
+    array = image_array(mode, size, level, np.random.default_rng(seed))
+    image = Image.fromarray(array, mode=mode)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    image.save(path, format="PNG" if path.suffix == ".png" else "JPEG", quality=95)
+    return path
+
+
+def write_class(folder: Path, level: int, n: int, seed: int) -> list[Path]:
+    paths = []
+    for i in range(n):
+        suffix, mode, size = KINDS[i % len(KINDS)]
+        paths.append(write_image(folder / f"img{i:02d}.{suffix}", mode, size, level, seed + i))
+    return paths
+
+
+def write_tree(
+    root: Path, splits: dict[str, int], classes: tuple[str, ...] = CLASSES, seed: int = 0
+) -> dict[str, list[Path]]:
+    """``root/<split>/<class>/img*.{png,jpg,jpeg}``, ``n`` images per class; split "" puts the
+    class folders in root itself. Returns each split's files."""
+    files = {}
+    for s, (split, n) in enumerate(splits.items()):
+        files[split] = []
+        for c, name in enumerate(classes):
+            folder = root / split / name if split else root / name
+            files[split] += write_class(folder, LEVEL[name], n, seed=seed + 1000 * s + 100 * c)
+    return files
+
+
+def jpeg_bytes(seed: int = 0, size: int = 40) -> bytes:
+    array = np.random.default_rng(seed).integers(0, 256, size=(size, size, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(array).save(buffer, format="JPEG", quality=90)
+    return buffer.getvalue()
+
+
+def write_truncated_jpeg(path: Path) -> Path:
+    """A real JPEG cut in half: the header opens, the pixels do not decode."""
+    payload = jpeg_bytes()
+    path.write_bytes(payload[: len(payload) // 2])
+    return path
+
+
+def write_corrupt_file(path: Path) -> Path:
+    """Random bytes under an image name."""
+    path.write_bytes(np.random.default_rng(1).bytes(700))
+    return path
+
+
+# --- copies of the project -----------------------------------------------------------------------
+# For tests that edit the project (rename, walkthroughs). A copy has no virtualenv, data, logs or
+# caches; ``run_in`` runs its code with its src/ first on PYTHONPATH, before the editable install
+# of the original.
+
+SKIP_ANYWHERE = {".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache"}
+SKIP_TOP_LEVEL = {"data", "logs", "outputs", "multirun"}
+
+
+def copy_project(dst: Path) -> Path:
+    def ignore(directory: str, names: list[str]) -> set[str]:
+        top = Path(directory) == ROOT
+        return {
+            n
+            for n in names
+            if n in SKIP_ANYWHERE or n.endswith(".egg-info") or (top and n in SKIP_TOP_LEVEL)
+        }
+
+    shutil.copytree(ROOT, dst, ignore=ignore)
+    return dst
+
+
+def run_in(
+    project: Path, *argv: str, timeout: float = 600, **env: str
+) -> subprocess.CompletedProcess:
+    """``python <argv>`` in ``project``; fails the test with the output when it exits non-zero."""
+    proc = run_python(
+        *argv, cwd=project, env={"PYTHONPATH": str(project / "src"), **env}, timeout=timeout
+    )
+    assert proc.returncode == 0, (
+        f"`python {' '.join(argv)}` failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    )
+    return proc
+
+
+# --- the README's commands -----------------------------------------------------------------------
+
+README = (ROOT / "README.md").read_text()
+FAST = [
+    "data.val_size=200",
+    "trainer.max_epochs=1",
+    "trainer.limit_train_batches=2",
+    "trainer.limit_val_batches=1",
+    "trainer.limit_test_batches=1",
+]
+
+
+def bash_block_after(heading: str) -> list[str]:
+    """The command lines of the first ```bash block after ``heading``, comments stripped."""
+    section = README[README.index(heading) :]
+    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    return [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
+
+
+def run_train_command(command: str, data_root: Path, log_dir: Path, *extra: str) -> None:
+    """``python train.py ...`` as written, on ``data_root`` with a few steps (and ``extra``)
+    appended."""
+    argv = shlex.split(command)
+    assert argv[:2] == ["python", "train.py"], command
+    proc = run_python(
+        *argv[1:],
+        f"data.root={data_root}",
+        *FAST,
+        *extra,
+        env={"TRAINKIT_LOG_DIR": str(log_dir)},
+    )
+    assert proc.returncode == 0, f"`{command}` failed:\n{proc.stderr[-3000:]}"

@@ -1,0 +1,100 @@
+"""The benchmark's derived figures on hand-made results: rounds merged, scaling, ratios against
+their goals, the default matrix, per-process batches. Real cells in real processes are in
+e2e/test_bench.py."""
+
+import pytest
+
+from trainkit.bench.cells import DEFAULT_MATRIX, Cell, merge_rounds
+from trainkit.bench.report import add_scaling, markdown, ratios
+
+
+def test_rounds_merge_every_epoch() -> None:
+    launch = {"cell": "a", "commands": [["x"]], "peak_mem_mb": [10.0, 30.0], "batch_size": 256}
+    merged = merge_rounds(
+        [
+            {**launch, "samples_per_s": [1.0, 2.0], "first_step_s": [5.0], "median_step_s": [0.5]},
+            {
+                **launch,
+                **{"samples_per_s": [3.0], "first_step_s": [7.0], "median_step_s": [0.7]},
+                "peak_mem_mb": [20.0, 5.0],
+            },
+        ]
+    )
+    assert merged["samples_per_s"] == [1.0, 2.0, 3.0]
+    assert (merged["median"], merged["min"], merged["max"]) == (2.0, 1.0, 3.0)
+    assert merged["first_step_s"] == 6.0 and merged["peak_mem_mb"] == [20.0, 30.0]
+    assert merged["median_step_s"] == 0.5  # the lower middle launch's, not an average
+    assert merged["step_samples_per_s"] == 256 / 0.5
+    assert len(merged["commands"]) == 2
+    failed = merge_rounds([{**launch, "samples_per_s": [1.0]}, {**launch, "error": "boom"}])
+    assert failed["error"] == "boom"
+
+
+def test_default_matrix_names_are_unique_and_override_safe() -> None:
+    names = [c.name for c in DEFAULT_MATRIX]
+    assert len(set(names)) == len(names)
+    assert all(set(name) <= set("abcdefghijklmnopqrstuvwxyz0123456789-_") for name in names)
+
+
+def _cell(name: str, workload: str, runner: str, devices: int, median: float, **kw) -> dict:
+    return {
+        **{"cell": name, "workload": workload, "runner": runner, "devices": devices},
+        **{"precision": "32-true", "variant": "", "strategy": "auto", "batch_size": 256},
+        **{"median": median, "min": median, "max": median, "first_step_s": 1.0},
+        **{"step_samples_per_s": median * 1.1, "median_step_s": 0.01},
+        **{"peak_mem_mb": [100.0] * devices, **kw},
+    }
+
+
+def test_scaling_is_against_the_same_runner_on_one_device() -> None:
+    cells = [
+        _cell("a", "mlp", "template", 1, 100.0),
+        _cell("b", "mlp", "template", 2, 150.0, strategy="ddp"),
+        _cell("c", "mlp", "plain", 1, 200.0),
+        _cell("d", "mlp", "plain", 2, 100.0, strategy="ddp"),
+        _cell("e", "resnet50", "template", 2, 10.0, strategy="ddp"),  # no one-device base
+    ]
+    add_scaling(cells)
+    assert cells[1]["speedup_vs_1_device"] == 1.5 and cells[1]["scaling_efficiency"] == 0.75
+    assert cells[3]["speedup_vs_1_device"] == 0.5 and cells[3]["scaling_efficiency"] == 0.25
+    assert "scaling_efficiency" not in cells[4]
+
+
+def test_ratio_goals_and_failed_cells() -> None:
+    top, bottom = "mlp-template-auto-1dev-32-true", "mlp-plain-auto-1dev-32-true"
+    cells = [
+        _cell(top, "mlp", "template", 1, 90.0),
+        _cell(bottom, "mlp", "plain", 1, 100.0),
+        {**_cell("mlp-template-ddp-2dev-32-true", "mlp", "template", 2, 0.0), "error": "boom"},
+    ]
+    del cells[2]["median"]
+    found = ratios(cells)
+    assert found == [
+        {
+            "ratio": "template vs plain loop, mlp",
+            "value": 0.9,
+            "by_median_step": pytest.approx(0.9),
+            "goal": 0.95,
+            "met": False,
+        }
+    ]
+    report = {
+        "machine": {"cpu": "x", "cores": 2, "gpus": [], "torch": "t", "lightning": "l"}
+        | {"python": "p"},
+        "settings": {
+            **{"threads": 1, "seed": 0},
+            "workloads": {"mlp": {"rounds": 2, "repeats": 3, "steps": 60}},
+        },
+        "cells": cells,
+        "ratios": found,
+    }
+    table = markdown(report)
+    assert "**0.90x** | 0.90x | >= 0.95x (missed)" in table
+    assert "| failed |" in table
+
+
+def test_per_process_batch() -> None:
+    assert Cell("mlp", "template", "ddp", 2).per_process_batch(256) == 128
+    assert Cell("mlp", "plain", "ddp", 2).per_process_batch(256) == 128
+    assert Cell("mlp", "template", "dp", 2).per_process_batch(256) == 256  # dp splits it itself
+    assert Cell("mlp", "template", "pipeline", 2).per_process_batch(256) == 256  # one replica

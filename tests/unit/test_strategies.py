@@ -1,0 +1,73 @@
+"""Strategies as config, in-process: the ddp timeout, device counts and precisions refused before
+any process starts, and two steps under each precision on CPU. Real multi-process runs are in
+e2e/test_strategies.py."""
+
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+from hydra.utils import instantiate
+
+from trainkit.config import compose_config
+from trainkit.errors import ConfigError
+from trainkit.preflight import preflight
+from trainkit.train import build
+
+
+def test_ddp_timeout_is_minutes_and_configurable(tmp_path: Path) -> None:
+    cfg = compose_config("train", tmp_path, ["strategy=ddp"])
+    assert instantiate(cfg.strategy)._timeout == timedelta(seconds=180)
+    cfg = compose_config("train", tmp_path, ["strategy=ddp_spawn", "strategy.timeout.seconds=30"])
+    strategy = instantiate(cfg.strategy)
+    assert strategy._timeout == timedelta(seconds=30)
+    assert strategy._start_method == "spawn"
+
+
+@pytest.mark.parametrize("devices", [0, -2])
+def test_bad_device_count_is_refused(
+    overrides: tuple[str, ...], tmp_path: Path, devices: int
+) -> None:
+    cfg = compose_config("train", tmp_path, [*overrides, f"devices={devices}"])
+    with pytest.raises(ConfigError, match=f"devices={devices}"):
+        preflight(cfg)
+
+
+PRECISION_STEPS = ("trainer.max_steps=2", "trainer.limit_val_batches=1", "logger=none")
+
+
+@pytest.mark.parametrize(
+    ("precision", "runs_as", "dtype"),
+    [
+        ("32-true", "32-true", torch.float32),
+        ("16-mixed", "bf16-mixed", torch.float32),
+        ("bf16-mixed", "bf16-mixed", torch.float32),
+        ("bf16-true", "bf16-true", torch.bfloat16),
+        ("64-true", "64-true", torch.float64),
+    ],
+)
+@pytest.mark.usefixtures("restore_seed_state")
+def test_precision_trains_two_steps_on_cpu(
+    overrides: tuple[str, ...], tmp_path: Path, caplog, precision: str, runs_as: str, dtype
+) -> None:
+    cfg = compose_config(
+        "train", tmp_path, [*overrides, f"precision={precision}", *PRECISION_STEPS]
+    )
+    datamodule, model, trainer = build(cfg, preflight(cfg))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer.fit(model, datamodule=datamodule)
+
+    assert trainer.precision == runs_as
+    assert trainer.global_step == 2
+    assert next(model.parameters()).dtype == dtype
+    after = model.state_dict()
+    assert all(torch.isfinite(v).all() for v in after.values())
+    assert any(not torch.equal(before[k].to(after[k].dtype), after[k]) for k in after)
+    if precision != runs_as:
+        assert f"precision={precision} runs as {runs_as} on CPU" in caplog.text
+
+
+def test_precision_16_true_is_refused_on_cpu(overrides: tuple[str, ...], tmp_path: Path) -> None:
+    cfg = compose_config("train", tmp_path, [*overrides, "precision=16-true"])
+    with pytest.raises(ConfigError, match=r"precision=16-true is refused on CPU.*bf16"):
+        preflight(cfg)
