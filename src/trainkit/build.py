@@ -53,12 +53,14 @@ def build_trainer(
     dims: ParallelDims,
     model: L.LightningModule,
     callbacks: Sequence[L.Callback] = (),
+    training: bool = True,
 ) -> L.Trainer:
     """The Trainer of ``cfg.trainer`` with the run's strategy, loggers, callbacks
-    (``cfg.callbacks``, then ``callbacks``) and plugins. A strategy with a ``check_run`` sees the
-    model and the batch size first: shapes it cannot run are refused before any process starts."""
+    (``cfg.callbacks``, then ``callbacks``) and plugins. To train, a strategy with a ``check_run``
+    sees the model and the batch size first: shapes it cannot run are refused before any process
+    starts."""
     strategy = build_strategy(cfg, dims)
-    if hasattr(strategy, "check_run"):
+    if training and hasattr(strategy, "check_run"):
         strategy.check_run(model, dims.devices, cfg.data.batch_size, dims.num_nodes)
     return instantiate(
         cfg.trainer,

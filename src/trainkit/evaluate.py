@@ -71,19 +71,20 @@ def run(cfg: DictConfig) -> dict[str, dict[str, float]]:
 
 
 def _evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
-    check_stages(list(cfg.stages))
+    stages = [cfg.stages] if isinstance(cfg.stages, str) else list(cfg.stages)
+    check_stages(stages)
     cfg = with_checkpoint_config(cfg)
-    dims = preflight(cfg)
+    dims = preflight(cfg, training=False)
     datamodule: L.LightningDataModule = instantiate(cfg.data)
     model: L.LightningModule = instantiate(cfg.model)
     output_dir = Path(cfg.paths.output_dir)
     writer = PredictionWriter(str(output_dir / PREDICTIONS_FILE))
-    callbacks = [writer] if "predict" in cfg.stages else []
-    trainer = build_trainer(cfg, dims, model, callbacks=callbacks)
+    callbacks = [writer] if "predict" in stages else []
+    trainer = build_trainer(cfg, dims, model, callbacks=callbacks, training=False)
     prepare_data_once(datamodule, dims)
 
     results: dict[str, dict[str, float]] = {}
-    for stage in cfg.stages:
+    for stage in stages:
         run_stage = getattr(trainer, stage)
         if stage == "predict":
             run_stage(

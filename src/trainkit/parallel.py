@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from hydra.utils import get_class
+from hydra.utils import get_object
 from omegaconf import DictConfig
 
 from trainkit.errors import ConfigError
@@ -43,10 +43,11 @@ def device_count(devices: Any, accelerator: str) -> int:
     return len(devices)
 
 
-def strategy_class(strategy_cfg: DictConfig) -> type | None:
-    """The class a ``strategy`` option builds, without building it; None for Lightning's names."""
+def strategy_class(strategy_cfg: DictConfig) -> Any:
+    """The class (or factory) a ``strategy`` option builds, without building it; None for
+    Lightning's names."""
     target = strategy_cfg.get("_target_")
-    return get_class(target) if target else None
+    return get_object(target) if target else None
 
 
 def strategy_flag(strategy_cfg: DictConfig, name: str) -> bool:
@@ -110,10 +111,10 @@ class ParallelDims:
                 f"--nproc-per-node={self.devices} train.py ..., or -m launcher=slurm; on one "
                 f"machine use num_nodes=1"
             )
-        if world is not None and int(world) != self.num_nodes * self.devices:
+        if world is not None and int(world) != self.world_size:
             raise ConfigError(
-                f"torchrun started {world} processes but num_nodes={self.num_nodes} x "
-                f"devices={self.devices} is {self.num_nodes * self.devices}: pass "
+                f"torchrun started {world} processes but this run has {self.world_size} "
+                f"(num_nodes={self.num_nodes} x {self.processes_per_node} per node): pass "
                 f"num_nodes=<--nnodes> devices=<--nproc-per-node>"
             )
 

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from trainkit.errors import ConfigError
 from trainkit.parallel import ParallelDims, strategy_flag
@@ -94,13 +94,12 @@ def check_positive(cfg: DictConfig) -> None:
 def resolve_drop_last(cfg: DictConfig) -> None:
     """``data.drop_last``: null becomes what the strategy requires (a pipeline fixes its shapes
     at the first step, so it requires full batches); an explicit ``false`` there is refused."""
-    data = cfg.get("data")
-    if data is None or "drop_last" not in data:
+    data = cfg.data
+    if "drop_last" not in data:  # a datamodule without the option asks the strategy itself
         return
     required = strategy_flag(cfg.strategy, "requires_full_batches")
     if data.drop_last is None:
-        with open_dict(cfg):
-            data.drop_last = required
+        data.drop_last = required
     elif required and not data.drop_last:
         raise ConfigError(
             "data.drop_last=false with a strategy that fixes its shapes after the first step "
@@ -109,13 +108,15 @@ def resolve_drop_last(cfg: DictConfig) -> None:
         )
 
 
-def preflight(cfg: DictConfig) -> ParallelDims:
-    """Validates the run's shape and applies process settings; returns its parallel layout."""
+def preflight(cfg: DictConfig, training: bool = True) -> ParallelDims:
+    """Validates the run's shape and applies process settings; returns its parallel layout.
+    ``training=False`` (eval.py) skips what only training needs: full batches."""
     check_positive(cfg)
     if cfg.paths.get("output_dir"):
         check_new_output_dir(cfg.paths.output_dir)
     dims = ParallelDims.from_config(cfg)
     check_precision(cfg, dims.accelerator)
-    resolve_drop_last(cfg)
+    if training:
+        resolve_drop_last(cfg)
     set_threads(cfg, dims.processes_per_node)
     return dims

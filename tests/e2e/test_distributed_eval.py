@@ -1,8 +1,9 @@
 """Distributed evaluation equals one device's, for every datamodule and entry point.
 
 Per datamodule, three real runs: ``train.py strategy=ddp devices=3`` (its validation and its test at
-the end on 3 ranks), then ``eval.py`` with validate, test and predict on 1 and on 2 ranks. Every
-evaluation set has a size that neither 2 nor 3 divides, so an uneven or padded shard shows.
+the end on 3 ranks), then ``eval.py`` with validate, test and predict on 1 and on 2 ranks; on MNIST
+also eval.py under ``strategy=pipeline`` and ``strategy=dp``. Every evaluation set has a size that
+neither 2 nor 3 divides, so an uneven or padded shard shows.
 """
 
 import json
@@ -11,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
 from helpers import write_image, write_tree
 from trainkit.data.synthetic import write_cifar10, write_mnist
@@ -49,21 +52,36 @@ def imagefolder(root: Path) -> tuple[str, ...]:
 
 
 DATASETS = {"mnist": mnist, "cifar10": cifar10, "imagefolder": imagefolder}
+TEST_SIZE = {"mnist": 49, "cifar10": 25, "imagefolder": 13}
+# eval.py under other strategies, on MNIST: the checkpoint of a ddp run evaluates anywhere
+OTHER_STRATEGIES = {
+    "pipeline": ("strategy=pipeline", "devices=2"),
+    "dp": ("strategy=dp", "devices=2"),
+}
 
 
 def metrics(run_dir: Path) -> dict:
     return json.loads((run_dir / "metrics.json").read_text())
 
 
-def predictions(run_dir: Path) -> torch.Tensor:
-    return torch.load(run_dir / "predictions.pt", weights_only=True)["predictions"]
+def predictions(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "predictions.pt", weights_only=True)
+
+
+def labels_of_test_set(train_run: Path) -> torch.Tensor:
+    """The test set's labels in dataset order, read by the run's own datamodule in this process."""
+    datamodule = instantiate(OmegaConf.load(train_run / "config.yaml").data)
+    datamodule.setup("test")
+    if hasattr(datamodule, "splits"):  # in memory
+        return datamodule.splits["test"][1]
+    return torch.tensor(datamodule.datasets["test"].targets)
 
 
 @pytest.fixture(
     scope="module",
     params=[pytest.param(n, marks=pytest.mark.xdist_group(f"eval-{n}")) for n in DATASETS],
 )
-def runs(request, run_script: Callable[..., Path], tmp_path_factory) -> dict[str, Path]:
+def runs(request, run_script: Callable[..., Path], tmp_path_factory) -> dict:
     """The ddp x3 training run and the eval.py runs on 1 and 2 ranks of one datamodule."""
     name = request.param
     data = DATASETS[name](tmp_path_factory.mktemp(name))
@@ -74,10 +92,14 @@ def runs(request, run_script: Callable[..., Path], tmp_path_factory) -> dict[str
         n: run_script("eval.py", f"ckpt_path={best}", "accelerator=cpu", f"devices={n}", STAGES)
         for n in (1, 2)
     }
-    return {"train": train, **evals}
+    others = {
+        k: run_script("eval.py", f"ckpt_path={best}", "accelerator=cpu", *v, "stages=[test]")
+        for k, v in (OTHER_STRATEGIES.items() if name == "mnist" else ())
+    }
+    return {"name": name, "train": train, **evals, **others}
 
 
-def test_validation_and_test_on_three_ranks_equal_one_device(runs: dict[str, Path]) -> None:
+def test_validation_and_test_on_three_ranks_equal_one_device(runs: dict) -> None:
     trained, one = metrics(runs["train"]), metrics(runs[1])
     # one epoch: best.ckpt holds the weights the run's last validation saw
     assert one["validate"] == pytest.approx(
@@ -86,7 +108,7 @@ def test_validation_and_test_on_three_ranks_equal_one_device(runs: dict[str, Pat
     assert one["test"] == pytest.approx(trained["test"], rel=1e-5)
 
 
-def test_eval_on_two_ranks_equals_one_device(runs: dict[str, Path]) -> None:
+def test_eval_on_two_ranks_equals_one_device(runs: dict) -> None:
     one, two = metrics(runs[1]), metrics(runs[2])
     for stage in ("validate", "test"):
         assert two[stage] == pytest.approx(one[stage], rel=1e-5), stage
@@ -95,9 +117,23 @@ def test_eval_on_two_ranks_equals_one_device(runs: dict[str, Path]) -> None:
 
 
 def test_predictions_on_two_ranks_are_one_devices_in_dataset_order(
-    runs: dict[str, Path],
+    runs: dict,
 ) -> None:
     one, two = predictions(runs[1]), predictions(runs[2])
-    assert len(one) in (49, 25, 13)  # every test sample once, none padded
-    assert len(one.unique()) > 1  # else a wrong order would go unseen
-    assert torch.equal(one, two)
+    n = TEST_SIZE[runs["name"]]
+    assert torch.equal(one["indices"], torch.arange(n))  # every test sample once, none padded
+    assert torch.equal(two["indices"], one["indices"])
+    assert torch.equal(two["predictions"], one["predictions"])
+    # in dataset order: scored against the labels in that order, they give the run's test/acc
+    labels = labels_of_test_set(runs["train"])
+    accuracy = (one["predictions"] == labels).float().mean().item()
+    assert accuracy == pytest.approx(metrics(runs[1])["test"]["test/acc"], abs=1e-6)
+    assert len(one["predictions"].unique()) > 1  # else a wrong order could still score the same
+
+
+def test_eval_under_pipeline_and_dp_equals_one_device(runs: dict) -> None:
+    if runs["name"] != "mnist":
+        pytest.skip("checked on MNIST only")
+    one = metrics(runs[1])["test"]
+    for name in OTHER_STRATEGIES:
+        assert metrics(runs[name])["test"] == pytest.approx(one, rel=1e-5), name

@@ -400,3 +400,16 @@ def test_trainer_arguments_work_as_typed(built) -> None:
     assert trainer.accumulate_grad_batches == 3
     assert (trainer.gradient_clip_val, trainer.gradient_clip_algorithm) == (0.5, "value")
     assert trainer.num_sanity_val_steps == 0
+
+
+@pytest.mark.parametrize(("strategy", "drop_last"), [("auto", False), ("pipeline", True)])
+def test_a_datamodule_without_drop_last_asks_the_strategy(
+    built, mnist_root: Path, strategy: str, drop_last: bool
+) -> None:
+    """A datamodule built without the option (a fork's own, whose YAML lacks the key) still gets
+    the full batches a pipeline needs: it asks the strategy's ``requires_full_batches``."""
+    _, _, _, trainer = built(f"strategy={strategy}", "devices=2")
+    datamodule = MNISTDataModule(str(mnist_root))
+    datamodule.trainer = trainer  # as trainer.fit attaches it
+    assert datamodule.drop_last(train=True) is drop_last
+    assert datamodule.drop_last(train=False) is False

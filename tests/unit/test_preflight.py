@@ -42,7 +42,9 @@ def test_refused_with_the_key_and_the_fix(compose, override: str, message: str) 
 
 def test_sizes_that_disagree_with_torchrun_are_refused(compose, monkeypatch) -> None:
     monkeypatch.setenv("WORLD_SIZE", "4")
-    with pytest.raises(ConfigError, match=r"torchrun started 4 processes but num_nodes=1 x devi"):
+    with pytest.raises(
+        ConfigError, match=r"torchrun started 4 processes but this run has 2 \(num_nodes=1 x 2"
+    ):
         preflight(compose("devices=2"))
 
 

@@ -87,7 +87,7 @@ class CIFAR10DataModule(InMemoryDataModule):
         download: bool = True,
         crop_padding: int = 4,
         augment: bool = True,
-        drop_last: bool | None = False,
+        drop_last: bool | None = None,
     ) -> None:
         super().__init__(
             root, batch_size, eval_batch_size, val_size, split_seed, seed, download, drop_last

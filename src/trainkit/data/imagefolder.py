@@ -135,7 +135,7 @@ class ImageFolderDataModule(ShardedDataModule):
         seed: int | None = 0,
         mean: tuple[float, ...] = IMAGENET_MEAN,
         std: tuple[float, ...] = IMAGENET_STD,
-        drop_last: bool | None = False,
+        drop_last: bool | None = None,
     ) -> None:
         super().__init__(root, batch_size, eval_batch_size, val_size, split_seed, seed, drop_last)
         if bad_files not in BAD_FILES:

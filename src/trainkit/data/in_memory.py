@@ -90,7 +90,7 @@ class InMemoryDataModule(ShardedDataModule):
         split_seed: int,
         seed: int | None,
         download: bool,
-        drop_last: bool | None = False,
+        drop_last: bool | None = None,
     ) -> None:
         super().__init__(root, batch_size, eval_batch_size, val_size, split_seed, seed, drop_last)
         self.download = download

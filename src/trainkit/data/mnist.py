@@ -32,7 +32,7 @@ class MNISTDataModule(InMemoryDataModule):
         split_seed: int = 0,
         seed: int | None = 0,
         download: bool = True,
-        drop_last: bool | None = False,
+        drop_last: bool | None = None,
     ) -> None:
         super().__init__(
             root, batch_size, eval_batch_size, val_size, split_seed, seed, download, drop_last

@@ -98,7 +98,7 @@ class ShardedDataModule(L.LightningDataModule):
         val_size: int | float,
         split_seed: int,
         seed: int | None,
-        drop_last: bool | None = False,
+        drop_last: bool | None = None,
     ) -> None:
         super().__init__()
         if batch_size <= 0 or (eval_batch_size is not None and eval_batch_size <= 0):
@@ -113,8 +113,7 @@ class ShardedDataModule(L.LightningDataModule):
         self.val_size, self.split_seed = val_size, split_seed
         # seed=null leaves the global RNGs unseeded; the shard order needs a seed all ranks share
         self.seed = 0 if seed is None else seed
-        # training drops an incomplete last batch; null in the config: what the strategy requires
-        self.train_drop_last = bool(drop_last)
+        self.train_drop_last = drop_last  # None: what the strategy requires
 
     def split_train(self, n: int) -> tuple[Tensor, Tensor]:
         """(train indices, val indices) of a training set of ``n`` samples."""
@@ -136,6 +135,11 @@ class ShardedDataModule(L.LightningDataModule):
         return self.batch_size if train else self.eval_batch_size
 
     def drop_last(self, train: bool) -> bool:
+        """Training drops an incomplete last batch when asked, or when the strategy fixes its
+        shapes at the first step (``requires_full_batches``: the pipeline)."""
+        if self.train_drop_last is None:
+            strategy = self.trainer.strategy if self.trainer else None
+            return train and bool(getattr(strategy, "requires_full_batches", False))
         return train and self.train_drop_last
 
     def _loader(self, split: str, train: bool):

@@ -3,6 +3,9 @@ overrides, started by ``trainkit.launch.JobScriptLauncher``."""
 
 from __future__ import annotations
 
+from datetime import timedelta
+from typing import Any
+
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 
@@ -16,6 +19,10 @@ class DDPStrategy(LightningDDPStrategy):
     meet at a barrier and close their process group first. Left to interpreter exit, one rank's
     gloo threads could see the other's connections drop and abort it ("terminate called without
     an active exception", seen under load)."""
+
+    def __init__(self, *args: Any, timeout: timedelta = timedelta(seconds=180), **kwargs: Any):
+        # a stuck rank fails after 3 minutes, not torch's 30 (conf/strategy/ddp.yaml says so too)
+        super().__init__(*args, timeout=timeout, **kwargs)
 
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
