@@ -5,13 +5,12 @@ import logging
 from pathlib import Path
 
 import lightning as L
-import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from trainkit.build import build_trainer, prepare_data_once
 from trainkit.callbacks import PredictionWriter
-from trainkit.callbacks.run_config import CONFIG_KEY
+from trainkit.callbacks.run_config import read_checkpoint_config
 from trainkit.errors import ConfigError
 from trainkit.launch import isolated_job
 from trainkit.preflight import preflight
@@ -21,23 +20,6 @@ log = logging.getLogger(__name__)
 
 STAGES = ("validate", "test", "predict")
 PREDICTIONS_FILE = "predictions.pt"
-
-
-def read_checkpoint_config(ckpt_path: str | Path) -> DictConfig:
-    """The resolved training config stored in a trainkit checkpoint; clear errors otherwise."""
-    path = Path(ckpt_path).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"ckpt_path={ckpt_path} does not exist. Pass a checkpoint written by train.py, e.g. "
-            f"ckpt_path=logs/train/runs/<run>/checkpoints/best.ckpt"
-        )
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    if CONFIG_KEY not in checkpoint:
-        raise ValueError(
-            f"{path} has no '{CONFIG_KEY}': it was not written by trainkit's train.py, so the "
-            f"model cannot be rebuilt from it. Evaluate a checkpoint from a trainkit run."
-        )
-    return OmegaConf.create(checkpoint[CONFIG_KEY])
 
 
 def check_stages(stages: list[str]) -> None:
@@ -52,7 +34,7 @@ def check_stages(stages: list[str]) -> None:
 def with_checkpoint_config(cfg: DictConfig) -> DictConfig:
     """The eval config completed by the checkpoint's: its model, its data (``cfg.data``'s non-null
     keys override), and its precision unless ``precision`` is given."""
-    trained = read_checkpoint_config(cfg.ckpt_path)
+    trained = OmegaConf.create(read_checkpoint_config(cfg.ckpt_path))
     data = trained.data
     for key, value in (cfg.get("data") or {}).items():
         if value is not None:

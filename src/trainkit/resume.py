@@ -7,10 +7,9 @@ every run has a new directory, where Lightning's own ``"last"`` would find nothi
 
 from pathlib import Path
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
-from trainkit.callbacks.run_config import CONFIG_KEY
+from trainkit.callbacks.run_config import read_checkpoint_config
 from trainkit.errors import ConfigError
 
 
@@ -38,26 +37,12 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
             )
     else:
         path = Path(cfg.ckpt_path).expanduser()
-        if not path.is_file():
-            raise ConfigError(
-                f"ckpt_path={cfg.ckpt_path} does not exist: give a checkpoint file, e.g. "
-                f"logs/train/runs/<run>/checkpoints/last.ckpt, or ckpt_path=last"
-            )
     check_same_model(path, cfg)
     return str(path)
 
 
 def check_same_model(path: Path, cfg: DictConfig) -> None:
-    try:  # mmap: reads the small config entry, not every tensor
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as err:
-        raise ConfigError(f"ckpt_path={path} is not a readable checkpoint ({err})") from err
-    if CONFIG_KEY not in checkpoint:
-        raise ConfigError(
-            f"ckpt_path={path} was not written by trainkit's train.py (no '{CONFIG_KEY}'): "
-            f"resume from a trainkit checkpoint, or load foreign weights in your model's code"
-        )
-    theirs = checkpoint[CONFIG_KEY].get("model", {}).get("net")
+    theirs = read_checkpoint_config(path).get("model", {}).get("net")
     net = OmegaConf.masked_copy(cfg.model.net, [k for k in cfg.model.net if k != "num_classes"])
     ours = OmegaConf.to_container(net, resolve=True)
     theirs = {k: v for k, v in (theirs or {}).items() if k != "num_classes"}

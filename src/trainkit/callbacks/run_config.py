@@ -1,9 +1,35 @@
+from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 import yaml
 
+from trainkit.errors import ConfigError
+
 CONFIG_KEY = "trainkit_config"
+
+
+def read_checkpoint_config(ckpt_path: str | Path) -> dict[str, Any]:
+    """The resolved config a trainkit checkpoint carries (train.py's resume, eval.py's rebuild);
+    a one-line ConfigError that names the fix when there is none."""
+    path = Path(ckpt_path).expanduser()
+    if not path.is_file():
+        raise ConfigError(
+            f"ckpt_path={ckpt_path} does not exist: give a checkpoint file written by train.py, "
+            f"e.g. logs/train/runs/<run>/checkpoints/last.ckpt (train.py also takes ckpt_path=last)"
+        )
+    try:  # mmap: reads the small config entry, not every tensor
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:
+        raise ConfigError(f"ckpt_path={path} is not a readable checkpoint ({err})") from err
+    if CONFIG_KEY not in checkpoint:
+        raise ConfigError(
+            f"ckpt_path={path} has no '{CONFIG_KEY}': it was not written by trainkit's train.py, "
+            f"so the run cannot be rebuilt from it. Use a trainkit checkpoint, or load foreign "
+            f"weights in your model's code"
+        )
+    return checkpoint[CONFIG_KEY]
 
 
 class RunConfig(L.Callback):
