@@ -10,6 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainkit.errors import ConfigError
 from trainkit.parallel import ParallelDims, strategy_flag
+from trainkit.runtime import BF16_FLAGS, cpu_flags, has_bf16_units
 
 log = logging.getLogger(__name__)
 
@@ -17,8 +18,21 @@ CPU_PRECISIONS = ("32-true", "32", "64-true", "64", "bf16-mixed", "bf16-true")
 
 
 def check_precision(cfg: DictConfig, accelerator: str) -> None:
-    """On CPU, says what really runs: 16-mixed becomes bf16-mixed, 16-true is refused."""
+    """On CPU, says what really runs: 16-mixed becomes bf16-mixed, 16-true is refused, and bf16
+    without bf16 units is slow (docs/design.md, "Half precision on CPU")."""
     precision = str(cfg.precision)
+    if (
+        accelerator == "cpu"
+        and precision.startswith("bf16")
+        and has_bf16_units(cpu_flags()) is False
+    ):
+        log.warning(
+            "precision=%s on a CPU without bf16 units (no %s): bf16 is emulated here and will "
+            "likely run slower than 32-true (measured 0.14x on such a CPU); use 32-true unless "
+            "you need bf16 numerics.",
+            precision,
+            "/".join(BF16_FLAGS),
+        )
     if accelerator != "cpu" or precision in CPU_PRECISIONS:
         return
     if precision in ("16-mixed", "16"):

@@ -6,6 +6,7 @@ import ctypes.util
 import logging
 import socket
 import sys
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,26 @@ def tune_malloc(mmap_threshold: int = 32 << 20, trim_threshold: int = 64 << 20) 
         return False
     log.debug("glibc malloc: mmap threshold %d, trim threshold %d", mmap_threshold, trim_threshold)
     return bool(ok)
+
+
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 units that run bf16 matrix work natively
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (Linux /proc/cpuinfo); empty where they cannot be read."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def has_bf16_units(flags: set[str]) -> bool | None:
+    """Whether a CPU with ``flags`` has bf16 units; None when its flags are unknown."""
+    return any(f in flags for f in BF16_FLAGS) if flags else None
 
 
 def free_port() -> int:

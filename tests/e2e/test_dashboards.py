@@ -48,6 +48,22 @@ def values(events: EventAccumulator, tag: str) -> list[float]:
     return [e.value for e in events.Scalars(tag)]
 
 
+def test_speed_is_logged_every_epoch_however_short(
+    run_script: Callable[..., Path], overrides: tuple[str, ...]
+) -> None:
+    """2 epochs of 21 steps, fewer than log_every_n_steps (50): each epoch still logs its speed,
+    at its last step."""
+    run = run_script(
+        "train.py", *overrides, "data.batch_size=39", "trainer.max_epochs=2", "logger=tensorboard"
+    )  # 800 training samples: 21 batches of 39 (the last one short)
+    acc = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    speeds = acc.Scalars("perf/samples_per_s")
+    assert [e.step for e in speeds] == [21, 42]
+    assert all(e.value > 0 for e in speeds)
+    assert [e.step for e in acc.Scalars("perf/step_s")] == [21, 42]
+
+
 SCALARS = [
     "train/loss_step", "train/loss", "train/acc", "val/loss", "val/acc", "val/acc_best",
     "test/loss", "test/acc", "lr/Adam", "perf/samples_per_s", "perf/step_s", "perf/data_wait_s",

@@ -4,6 +4,7 @@ fix, from the checks that run before data is read or a process starts (``preflig
 the end-to-end refusals (before ddp starts, nothing overwritten) in e2e/test_reliability.py;
 pipeline shapes in unit/test_pipeline.py; ImageFolder trees in unit/test_data_imagefolder.py."""
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from trainkit.errors import ConfigError
 from trainkit.evaluate import check_stages
 from trainkit.preflight import preflight
 from trainkit.resume import resolve_ckpt_path
+from trainkit.runtime import cpu_flags, has_bf16_units
 
 
 @pytest.mark.parametrize(
@@ -92,3 +94,21 @@ def test_drop_last_false_under_the_pipeline_is_refused(compose) -> None:
 def test_eval_stages_are_checked(stages: list[str]) -> None:
     with pytest.raises(ConfigError, match=r"stages=.*give one or more of validate, test, predict"):
         check_stages(stages)
+
+
+def test_bf16_units_are_read_from_the_cpu_flags() -> None:
+    assert has_bf16_units({"fpu", "avx2", "avx512_bf16"}) is True
+    assert has_bf16_units({"fpu", "amx_bf16"}) is True
+    assert has_bf16_units({"fpu", "avx2", "avx512f"}) is False
+    assert has_bf16_units(set()) is None  # unknown: no warning
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true", "32-true"])
+def test_bf16_on_a_cpu_without_bf16_units_says_it_will_be_slow(compose, caplog, precision) -> None:
+    """One line, for bf16 only, and only where this machine's CPU lacks the units."""
+    with caplog.at_level(logging.WARNING, logger="trainkit.preflight"):
+        preflight(compose(f"precision={precision}"))
+    warned = [r.getMessage() for r in caplog.records if "without bf16 units" in r.getMessage()]
+    expected = precision.startswith("bf16") and has_bf16_units(cpu_flags()) is False
+    assert len(warned) == int(expected)
+    assert all("slower than 32-true" in m and "\n" not in m for m in warned)

@@ -26,6 +26,7 @@ import torch
 from trainkit.bench import cells as matrix
 from trainkit.bench.report import add_scaling, markdown, ratios, write_all
 from trainkit.config import ROOT_DIR
+from trainkit.runtime import cpu_flags, has_bf16_units
 
 
 def machine() -> dict[str, object]:
@@ -43,6 +44,7 @@ def machine() -> dict[str, object]:
     return {
         "cpu": cpu,
         "cores": os.cpu_count(),
+        "cpu_bf16_units": has_bf16_units(cpu_flags()),  # without them bf16 cells run emulated
         "gpus": gpus,
         "torch": torch.__version__,
         "lightning": L.__version__,

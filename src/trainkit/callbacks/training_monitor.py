@@ -25,15 +25,16 @@ def rss_mb() -> float:
 class TrainingMonitor(L.Callback):
     """The scalars that say how fast and how big a run is, at almost no cost.
 
-    Every ``log_every_n_steps`` steps (from rank 0, no collective), over the steps since the last
-    time: ``perf/samples_per_s`` (all data-parallel ranks), ``perf/step_s`` (a step without its
-    wait) and ``perf/data_wait_s`` (from the end of one step to the start of the next: loading
-    and moving the batch). At each epoch end, gathered from every
-    rank: ``memory/rss_mb/rank<N>`` (CPU) or ``memory/cuda_peak_mb/rank<N>`` (GPU, peak since the
-    last epoch). At each epoch start: ``lr/<optimizer>`` (``/<group>`` when it has several; also
-    without a logger, unlike Lightning's LearningRateMonitor, which refuses to run then). After
-    each validation: ``<monitor>_best``. With ``grad_norm``: ``grad/norm``, the
-    2-norm of this rank's gradients (under pipeline, of rank 0's stage only).
+    Every ``log_every_n_steps`` steps, and at the last step of an epoch that logged none (from
+    rank 0, no collective), over the steps since the last time: ``perf/samples_per_s`` (all
+    data-parallel ranks), ``perf/step_s`` (a step without its wait) and ``perf/data_wait_s``
+    (from the end of one step to the start of the next: loading and moving the batch). At each
+    epoch end, gathered from every rank: ``memory/rss_mb/rank<N>`` (CPU) or
+    ``memory/cuda_peak_mb/rank<N>`` (GPU, peak since the last epoch). At each epoch start:
+    ``lr/<optimizer>`` (``/<group>`` when it has several; also without a logger, unlike
+    Lightning's LearningRateMonitor, which refuses to run then). After each validation:
+    ``<monitor>_best``. With ``grad_norm``: ``grad/norm``, the 2-norm of this rank's gradients
+    (under pipeline, of rank 0's stage only).
     """
 
     def __init__(self, monitor: str | None = None, mode: str = "max", grad_norm: bool = False):
@@ -46,6 +47,7 @@ class TrainingMonitor(L.Callback):
         self._samples = self._steps = 0
         self._window_start: float | None = None  # end of the step that last logged
         self._last_end: float | None = None
+        self._epoch_logged = False
 
     def _log(self, trainer: L.Trainer, metrics: dict[str, float]) -> None:
         if trainer.is_global_zero:
@@ -71,19 +73,22 @@ class TrainingMonitor(L.Callback):
             self._wait_s += time.perf_counter() - self._last_end
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch: Any, batch_idx: int) -> None:
-        """Times whole windows of ``log_every_n_steps`` steps: on a GPU only their last step
-        waits for its kernels (a sync every step would stop the CPU from running ahead)."""
-        logs = trainer.global_step % trainer.log_every_n_steps == 0
+        """Times whole windows of steps, from the end of the epoch's first step (its warm-up) to
+        each ``log_every_n_steps`` step, and to the epoch's last step when no window ended
+        earlier in the epoch: every epoch logs its speed, however short. On a GPU only a window's
+        last step waits for its kernels (a sync every step would stop the CPU from running
+        ahead)."""
         if self._window_start is not None:
             self._samples += len(batch[0]) if isinstance(batch, (list, tuple)) else 0
             self._steps += 1
-        if logs and pl_module.device.type == "cuda":
+        last_of_epoch = batch_idx + 1 >= trainer.num_training_batches
+        logs = trainer.global_step % trainer.log_every_n_steps == 0
+        ends_window = self._steps > 0 and (logs or (last_of_epoch and not self._epoch_logged))
+        if ends_window and pl_module.device.type == "cuda":
             torch.cuda.synchronize(pl_module.device)
         now = time.perf_counter()
         self._last_end = now
-        if not logs:
-            return
-        if self._steps:
+        if ends_window:
             seconds = now - self._window_start
             _, replicas = data_shard(trainer.strategy)
             self._log(
@@ -94,8 +99,10 @@ class TrainingMonitor(L.Callback):
                     "perf/data_wait_s": self._wait_s / self._steps,
                 },
             )
-        self._wait_s, self._samples, self._steps = 0.0, 0, 0
-        self._window_start = now  # the epoch's first steps, up to here, are its warm-up
+            self._epoch_logged = True
+        if ends_window or self._window_start is None:
+            self._wait_s, self._samples, self._steps = 0.0, 0, 0
+            self._window_start = now
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if not self.grad_norm or trainer.global_step % trainer.log_every_n_steps:
