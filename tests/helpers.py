@@ -3,14 +3,16 @@
 - processes: ``run_python`` (a finished ``python ...``) and ``start_python`` (a running one);
 - ``quiet_trainer``: an in-process ``L.Trainer`` that writes and prints nothing;
 - ``shares_trained_run``: the xdist group of the tests that read conftest's ``trained_run``;
-- ``SignalAt``: a callback that sends a real signal at a given step (``helpers.SignalAt`` as a
-  ``+callbacks.*._target_`` of a train.py subprocess: ``run_python`` puts tests/ on its path);
+- ``SignalAt``: a callback that sends a real signal at a given step, ``CollectiveCount`` one that
+  counts a rank's collectives (as ``+callbacks.*._target_`` of a train.py subprocess:
+  ``run_python`` puts tests/ on its path);
 - image-folder trees of real PNG and JPEG files;
 - copies of the project (rename, walkthroughs);
 - the README's bash blocks, and running their ``python train.py`` lines on test data.
 """
 
 import io
+import json
 import os
 import re
 import shlex
@@ -18,11 +20,13 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import lightning as L
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 TESTS = Path(__file__).resolve().parent
@@ -120,6 +124,30 @@ class SignalAt(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if trainer.global_step == self.step and trainer.global_rank == self.rank:
             os.kill(os.getpid(), getattr(signal, self.signal))
+
+
+class CollectiveCount(L.Callback):
+    """Counts this rank's collectives (the profiler's ``gloo:<name>`` events) over the training
+    steps ``start`` to ``start + steps - 1``, validation excluded; writes them to
+    ``<out>.rank<r>.json``."""
+
+    def __init__(self, out: str, start: int = 2, steps: int = 10) -> None:
+        self.out, self.start, self.steps = out, start, steps
+        self.profiler: torch.profiler.profile | None = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if trainer.global_step == self.start:
+            self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            self.profiler.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if self.profiler is None or trainer.global_step < self.start + self.steps:
+            return
+        self.profiler.__exit__(None, None, None)
+        names = [e.name for e in self.profiler.events() if e.name.startswith("gloo:")]
+        self.profiler = None
+        counts = {"steps": self.steps, **Counter(names)}
+        Path(f"{self.out}.rank{trainer.global_rank}.json").write_text(json.dumps(counts))
 
 
 # --- image-folder trees --------------------------------------------------------------------------

@@ -45,9 +45,12 @@ def base(odd_mnist: Path) -> tuple[str, ...]:
 def runs(run_script: Callable[..., Path], base: tuple[str, ...], tmp_path_factory) -> dict:
     """One epoch under each strategy, global batch 64 everywhere it divides."""
     log_dir = tmp_path_factory.mktemp("strategy-logs")
+    count = "+callbacks.collective_count"
+    out = log_dir / "collectives"
+    counted = (f"{count}._target_=helpers.CollectiveCount", f"{count}.out={out}")
     commands = {
         "single": ("data.batch_size=64",),
-        "ddp2": ("strategy=ddp", "devices=2", "data.batch_size=32"),
+        "ddp2": ("strategy=ddp", "devices=2", "data.batch_size=32", *counted),
         "ddp3": ("strategy=ddp", "devices=3", "data.batch_size=32"),
         "spawn2": ("strategy=ddp_spawn", "devices=2", "data.batch_size=32"),
         "auto2": ("strategy=auto", "devices=2", "data.batch_size=32"),
@@ -102,6 +105,16 @@ def test_only_rank_zero_writes_outputs(runs: dict) -> None:
     logs = sorted(p.name for p in run_dir.glob("*.log"))
     assert logs == ["train.log", "train_ddp_process_1.log"]  # per-rank text logs, no collision
     assert "Error" not in (run_dir / "train_ddp_process_1.log").read_text()
+
+
+@shares_runs
+def test_ddp_steps_run_no_collective_but_the_gradient_all_reduce(runs: dict) -> None:
+    """Lightning's loop broadcasts a stop flag at every step; ours leaves stop signals to
+    Preemption's all-reduce every 10th step."""
+    for rank in (0, 1):
+        counts = json.loads((runs["ddp2"].parents[2] / f"collectives.rank{rank}.json").read_text())
+        # steps 2-11: one bucket of gradients per step, and Preemption's agreement at step 10
+        assert counts == {"steps": 10, "gloo:all_reduce": 11}, counts
 
 
 @shares_runs
