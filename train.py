@@ -3,6 +3,7 @@
 import hydra
 from omegaconf import DictConfig
 
+import trainkit.startup  # noqa: F401  first: before Lightning imports torchmetrics
 from trainkit.train import run
 
 

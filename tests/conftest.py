@@ -9,6 +9,7 @@ import pytest
 import torch
 from omegaconf import DictConfig
 
+import trainkit.startup  # noqa: F401  first: before Lightning imports torchmetrics
 from helpers import INHERITED_ENV, ROOT, TRAINED_RUN, run_python
 from trainkit import runtime
 from trainkit.config import compose_config

@@ -6,6 +6,8 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
+import trainkit.resolvers  # noqa: F401  registers the resolvers that conf/ uses
+
 ROOT_DIR = Path(__file__).resolve().parents[2]
 CONF_DIR = ROOT_DIR / "conf"
 

@@ -8,6 +8,7 @@ import lightning as L
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+import trainkit.resolvers  # noqa: F401  registers the resolvers that conf/ uses
 from trainkit.build import build_trainer, prepare_data_once
 from trainkit.callbacks import PredictionWriter
 from trainkit.callbacks.run_config import read_checkpoint_config

@@ -7,7 +7,6 @@ from typing import Any
 
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
-from torch.utils.tensorboard.summary import hparams
 
 # Config subtrees that describe where and how a run is recorded, not what it trains.
 NOT_HPARAMS = ("hydra", "paths", "callbacks", "logger")
@@ -43,6 +42,8 @@ def log_final(
     start: it does not with ``default_hp_metric=False`` (conf/logger/tensorboard.yaml)."""
     if rank_zero_only.rank != 0:
         return
+    from torch.utils.tensorboard.summary import hparams  # the writer's stack: only with its logger
+
     for tag, value in metrics.items():
         logger.experiment.add_scalar(tag, value, step)
     writer = logger.experiment._get_file_writer()

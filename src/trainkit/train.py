@@ -12,6 +12,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
+import trainkit.resolvers  # noqa: F401  registers the resolvers that conf/ uses
 from trainkit.build import build_trainer, prepare_data_once
 from trainkit.callbacks import NonFiniteLossStop, Preemption, ProcessInfo, RunConfig
 from trainkit.callbacks.preemption import Preempted

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from trainkit.data import MNISTDataModule
-from trainkit.data.in_memory import InMemoryLoader, normalize_images
+from trainkit.data.decode import normalize_images
+from trainkit.data.in_memory import InMemoryLoader
 from trainkit.data.mnist import MNIST_FILES
 from trainkit.data.sharding import ShardSampler
 from trainkit.data.synthetic import write_mnist

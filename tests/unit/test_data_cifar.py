@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from helpers import quiet_trainer
 from trainkit.data import CIFAR10DataModule
-from trainkit.data.cifar import TEST_BATCH, TRAIN_BATCHES, random_crop_flip, read_batch
+from trainkit.data.decode import TEST_BATCH, TRAIN_BATCHES, random_crop_flip, read_batch
 from trainkit.data.synthetic import write_cifar10
 
 N_PER_BATCH, N_TEST, VAL_SIZE = 12, 10, 8

@@ -30,10 +30,10 @@ from tensorboard.plugins.hparams import metadata as hparams_metadata
 from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
 from torch.utils.tensorboard.summary import hparams
 
-from trainkit import job_dirname
 from trainkit.config import CONF_DIR, compose_config
 from trainkit.launch import ENTRY_POINT_ENV, job_command
 from trainkit.loggers import flat_hparams, log_final
+from trainkit.resolvers import job_dirname
 
 
 def compose_with_hydra(overrides: Sequence[str]) -> DictConfig:

@@ -149,10 +149,16 @@ def plain_command(cell: Cell, work: Workload, s: Settings, cell_dir: Path) -> li
     cfg = compose_config(
         "train", cell_dir / "config", [*work.overrides, f"data.root='{s.data_roots[work.name]}'"]
     )
-    cfg.model.num_classes = get_class(cfg.data._target_).num_classes
+    datamodule = get_class(cfg.data._target_)
+    cfg.model.num_classes = datamodule.num_classes
     cfg.data.batch_size = cell.per_process_batch(work.batch_size)
+    augment = cfg.data.get("augment", False)  # CIFAR-10: random crop and flip
     spec = {
-        "data": OmegaConf.to_container(cfg.data, resolve=True),
+        "data": {
+            **{"datamodule": datamodule.__name__, "root": cfg.data.root},
+            **{"mean": datamodule.mean, "std": datamodule.std},
+            "crop_padding": cfg.data.crop_padding if augment else None,
+        },
         "net": OmegaConf.to_container(cfg.model.net, resolve=True),
         "optimizer": OmegaConf.to_container(cfg.model.optimizer, resolve=True),
         "batch_size": cfg.data.batch_size,

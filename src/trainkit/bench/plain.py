@@ -2,10 +2,13 @@
 
     python -m trainkit.bench.plain spec.json
 
-Same model and optimizer configs as the template, the datamodule's own decoded tensors and batch
-transforms, the same clock; no Lightning, no logging, no checkpoints.
+Same model and optimizer configs as the template, the datamodules' own file readers and batch
+transforms, the same clock; no Lightning, Hydra or torchmetrics, no logging, no checkpoints. It
+imports only torch, the data readers and the model, so its launch to first step is the floor that
+the template's is compared with.
 """
 
+import importlib
 import json
 import os
 import sys
@@ -14,12 +17,23 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from hydra.utils import instantiate
-from omegaconf import OmegaConf
 
 from trainkit.bench.clock import StepClock, write_record
-from trainkit.data.in_memory import normalize_images
+from trainkit.data.decode import normalize_images, random_crop_flip, read_cifar10, read_mnist
 from trainkit.runtime import tune_malloc
+
+# The training images of each datamodule's files, as the datamodule reads them.
+READERS = {
+    "MNISTDataModule": lambda root: read_mnist(root, train=True),
+    "CIFAR10DataModule": lambda root: read_cifar10(root / "cifar-10-batches-py", train=True),
+}
+
+
+def build(config: dict, **kwargs):
+    """A ``_target_`` config's object, as Hydra's instantiate would build it (flat configs only)."""
+    module, name = config["_target_"].rsplit(".", 1)
+    args = {k: v for k, v in config.items() if not k.startswith("_")}
+    return getattr(importlib.import_module(module), name)(**args, **kwargs)
 
 
 def train(rank: int, spec: dict) -> None:
@@ -32,15 +46,14 @@ def train(rank: int, spec: dict) -> None:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]))
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, rank=rank, world_size=world)
-    dm = instantiate(OmegaConf.create(spec["data"]))
-    dm.setup("fit")
-    images, labels = dm.splits["train"]
+    data = spec["data"]
+    images, labels = READERS[data["datamodule"]](Path(data["root"]))
 
     torch.manual_seed(spec["seed"])
-    model = instantiate(OmegaConf.create(spec["net"])).to(device)
+    model = build(spec["net"]).to(device)
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model)
-    optimizer = instantiate(OmegaConf.create(spec["optimizer"]))(params=model.parameters())
+    optimizer = build(spec["optimizer"], params=model.parameters())
 
     clock = StepClock(spec["warmup"], spec["steps"])
     for epoch in range(spec["epochs"]):
@@ -49,7 +62,9 @@ def train(rank: int, spec: dict) -> None:
         for step, idx in enumerate(batches):
             clock.step_start(step)
             x, y = images[idx].to(device), labels[idx].to(device)
-            x = normalize_images(dm.augment(x), dm.mean, dm.std)
+            if data["crop_padding"] is not None:
+                x = random_crop_flip(x, data["crop_padding"])
+            x = normalize_images(x, data["mean"], data["std"])
             loss = F.cross_entropy(model(x), y)
             optimizer.zero_grad()
             loss.backward()

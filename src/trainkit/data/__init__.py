@@ -1,7 +1,20 @@
-"""LightningDataModules on torchvision's real datasets and on-disk formats."""
+"""LightningDataModules on torchvision's real datasets and on-disk formats.
 
-from trainkit.data.cifar import CIFAR10DataModule
-from trainkit.data.imagefolder import ImageFolderDataModule
-from trainkit.data.mnist import MNISTDataModule
+Each loads on first use (``trainkit.data.MNISTDataModule`` in a config imports mnist.py only), so
+``trainkit.data.decode`` stays importable without Lightning, for the benchmark's plain loop.
+"""
 
-__all__ = ["CIFAR10DataModule", "ImageFolderDataModule", "MNISTDataModule"]
+import importlib
+
+_MODULES = {
+    "CIFAR10DataModule": "cifar",
+    "ImageFolderDataModule": "imagefolder",
+    "MNISTDataModule": "mnist",
+}
+__all__ = list(_MODULES)
+
+
+def __getattr__(name: str):
+    if name not in _MODULES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_MODULES[name]}"), name)

@@ -1,66 +1,16 @@
-import pickle
 from pathlib import Path
 
-import numpy as np
-import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torchvision.datasets import CIFAR10
 
+from trainkit.data.decode import (
+    TEST_BATCH,
+    TRAIN_BATCHES,
+    random_crop_flip,
+    read_cifar10,
+    read_label_names,
+)
 from trainkit.data.in_memory import InMemoryDataModule
-
-TRAIN_BATCHES = tuple(f"data_batch_{i}" for i in range(1, 6))
-TEST_BATCH = "test_batch"
-
-
-class _ArrayUnpickler(pickle.Unpickler):
-    """Unpickles the CIFAR batch dicts and nothing else: numpy arrays, lists, strings, numbers.
-
-    The format is a pickle, and a pickle can run any code; this refuses every other global.
-    """
-
-    ALLOWED = {
-        ("numpy", "ndarray"),
-        ("numpy", "dtype"),
-        ("numpy.core.multiarray", "_reconstruct"),
-        ("numpy._core.multiarray", "_reconstruct"),
-        ("_codecs", "encode"),
-    }
-
-    def find_class(self, module: str, name: str):
-        if (module, name) not in self.ALLOWED:
-            raise pickle.UnpicklingError(f"refusing {module}.{name} in a CIFAR batch file")
-        return super().find_class(module, name)
-
-
-def read_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    """One CIFAR-10 python batch: (N, 3, 32, 32) uint8 images and (N,) int64 labels."""
-    with open(path, "rb") as f:
-        entry = _ArrayUnpickler(f, encoding="latin1").load()
-    try:
-        data = np.asarray(entry["data"], dtype=np.uint8)
-        labels = np.asarray(entry.get("labels", entry.get("fine_labels")), dtype=np.int64)
-        return data.reshape(-1, 3, 32, 32), labels
-    except (KeyError, TypeError, ValueError) as err:
-        raise ValueError(
-            f"{path} is not a CIFAR-10 python batch (a dict with 'data': N x 3072 uint8 and "
-            f"'labels'): {err}"
-        ) from err
-
-
-def random_crop_flip(images: Tensor, padding: int) -> Tensor:
-    """Per-sample random crop (zero padding) and horizontal flip of a (B, C, H, W) batch at once."""
-    b, _, h, w = images.shape
-    padded = F.pad(images, (padding,) * 4)
-    dy = torch.randint(0, 2 * padding + 1, (b, 1), device=images.device)
-    dx = torch.randint(0, 2 * padding + 1, (b, 1), device=images.device)
-    rows = (dy + torch.arange(h, device=images.device))[:, None, :, None]  # (B, 1, H, 1)
-    cols = (dx + torch.arange(w, device=images.device))[:, None, None, :]  # (B, 1, 1, W)
-    batch = torch.arange(b, device=images.device)[:, None, None, None]
-    channel = torch.arange(images.shape[1], device=images.device)[None, :, None, None]
-    cropped = padded[batch, channel, rows, cols]
-    flip = torch.rand(b, device=images.device) < 0.5
-    return torch.where(flip[:, None, None, None], cropped.flip(-1), cropped)
 
 
 class CIFAR10DataModule(InMemoryDataModule):
@@ -127,14 +77,9 @@ class CIFAR10DataModule(InMemoryDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.splits:
             return
-        parts = [read_batch(self.batch_dir / name) for name in TRAIN_BATCHES]
-        images = torch.from_numpy(np.concatenate([p[0] for p in parts]))
-        labels = torch.from_numpy(np.concatenate([p[1] for p in parts]))
-        test_images, test_labels = read_batch(self.batch_dir / TEST_BATCH)
-        with open(self.batch_dir / "batches.meta", "rb") as f:
-            self.classes = list(_ArrayUnpickler(f, encoding="latin1").load()["label_names"])
-        test = (torch.from_numpy(test_images), torch.from_numpy(test_labels))
-        self.set_splits(images, labels, test=test)
+        images, labels = read_cifar10(self.batch_dir, train=True)
+        self.classes = read_label_names(self.batch_dir)
+        self.set_splits(images, labels, test=read_cifar10(self.batch_dir, train=False))
 
     def augment(self, images: Tensor) -> Tensor:
         if not self.use_augment:

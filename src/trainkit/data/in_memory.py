@@ -6,9 +6,9 @@ memory a batch is one gather; each rank gathers from its own shard (sharding.py)
 
 from collections.abc import Iterator, Sequence
 
-import torch
 from torch import Tensor
 
+from trainkit.data.decode import normalize_images
 from trainkit.data.sharding import ShardedDataModule, ShardSampler
 
 
@@ -60,16 +60,6 @@ class InMemoryLoader:
     def __len__(self) -> int:
         n = len(self.sampler)
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
-
-
-def normalize_images(images: Tensor, mean: Sequence[float], std: Sequence[float]) -> Tensor:
-    """uint8 (B, H, W) or (B, C, H, W) -> float (B, C, H, W) scaled to [0, 1] then standardised."""
-    if images.dim() == 3:
-        images = images.unsqueeze(1)
-    x = images.float().div_(255)
-    m = torch.tensor(mean, device=x.device).view(1, -1, 1, 1)
-    s = torch.tensor(std, device=x.device).view(1, -1, 1, 1)
-    return x.sub_(m).div_(s)
 
 
 class InMemoryDataModule(ShardedDataModule):

@@ -3,6 +3,7 @@ from pathlib import Path
 
 from torchvision.datasets import MNIST
 
+from trainkit.data.decode import read_mnist
 from trainkit.data.in_memory import InMemoryDataModule
 
 MNIST_FILES = (
@@ -72,6 +73,5 @@ class MNISTDataModule(InMemoryDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.splits:
             return
-        train = MNIST(str(self.root), train=True, download=False)
-        test = MNIST(str(self.root), train=False, download=False)
-        self.set_splits(train.data, train.targets, test=(test.data, test.targets))
+        images, labels = read_mnist(self.root, train=True)
+        self.set_splits(images, labels, test=read_mnist(self.root, train=False))

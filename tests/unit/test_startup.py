@@ -1,0 +1,51 @@
+"""What a process imports before its first step, in fresh interpreters (imports are per process)."""
+
+import json
+
+from helpers import run_python
+
+# Prints which optional stacks the code before it left imported, then checks that scipy.signal
+# still imports for real afterwards and that no module kept the stand-in.
+REPORT = """
+import json, sys, types
+loaded = {m: m in sys.modules for m in ("scipy.signal", "torch.utils.tensorboard", "optuna",
+                                         "joblib", "submitit")}
+import scipy.signal
+real = sys.modules["scipy.signal"]
+stale = [name for name, mod in list(sys.modules.items())
+         if any(isinstance(v, types.ModuleType) and v.__name__ == "scipy.signal" and v is not real
+                for v in vars(mod).values())]
+print(json.dumps({"loaded": loaded, "hamming": float(real.windows.hamming(3)[1]), "stale": stale}))
+"""
+
+
+def imports_after(code: str) -> dict:
+    proc = run_python("-c", code + REPORT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_the_recipe_imports_no_optional_stack_until_it_is_chosen() -> None:
+    report = imports_after("import trainkit.startup, trainkit.train, trainkit.evaluate")
+    assert not any(report["loaded"].values()), report["loaded"]
+    assert report["hamming"] == 1.0 and report["stale"] == []  # scipy.signal works when wanted
+
+
+def test_without_startup_torchmetrics_imports_scipy_signal() -> None:
+    """What trainkit.startup is for (torchmetrics#3457); when this fails, upstream fixed it and the
+    placeholder can go."""
+    assert imports_after("import lightning")["loaded"]["scipy.signal"]
+
+
+def test_the_plain_benchmark_loop_imports_only_torch_and_the_data() -> None:
+    """Its launch to first step is the floor the template's is compared with."""
+    code = """
+import json, sys
+from trainkit.bench import plain
+plain.build({"_target_": "trainkit.models.MLP", "in_features": 4, "hidden": [8], "num_classes": 2})
+heavy = ("lightning", "hydra", "omegaconf", "torchmetrics", "scipy", "matplotlib", "tensorboard")
+print(json.dumps([m for m in heavy if m in sys.modules]))
+"""
+    proc = run_python("-c", code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
