@@ -5,7 +5,7 @@ e2e/test_bench.py."""
 import pytest
 
 from trainkit.bench.cells import DEFAULT_MATRIX, Cell, merge_rounds
-from trainkit.bench.report import add_scaling, markdown, ratios
+from trainkit.bench.report import add_scaling, launches, markdown, ratios
 
 
 def test_rounds_merge_every_epoch() -> None:
@@ -74,8 +74,16 @@ def test_ratio_goals_and_failed_cells() -> None:
             "ratio": "template vs plain loop, mlp",
             "value": 0.9,
             "by_median_step": pytest.approx(0.9),
-            "goal": 0.95,
+            "goal": 0.97,
             "met": False,
+        }
+    ]
+    cells[0]["first_step_s"], cells[1]["first_step_s"] = 6.0, 5.0
+    launch_rows = launches(cells, import_torch_s=2.5)  # the ddp pair failed: one row
+    assert launch_rows == [
+        {
+            **{"launch": "mlp, one process", "template_s": 6.0, "plain_s": 5.0},
+            **{"vs_plain": pytest.approx(1.2), "vs_import_torch": pytest.approx(2.4)},
         }
     ]
     report = {
@@ -87,9 +95,12 @@ def test_ratio_goals_and_failed_cells() -> None:
         },
         "cells": cells,
         "ratios": found,
+        "import_torch_s": 2.5,
+        "launches": launch_rows,
     }
     table = markdown(report)
-    assert "**0.90x** | 0.90x | >= 0.95x (missed)" in table
+    assert "**0.90x** | 0.90x | >= 0.97x (missed)" in table
+    assert "| mlp, one process | 6.00 s | 5.00 s | 1.20x | **2.40x** (goal <= 2.0x) |" in table
     assert "| failed |" in table
 
 

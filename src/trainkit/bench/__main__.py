@@ -24,7 +24,7 @@ import lightning as L
 import torch
 
 from trainkit.bench import cells as matrix
-from trainkit.bench.report import add_scaling, markdown, ratios, write_all
+from trainkit.bench.report import add_scaling, launches, markdown, ratios, write_all
 from trainkit.config import ROOT_DIR
 from trainkit.runtime import cpu_flags, has_bf16_units
 
@@ -109,9 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     settings = matrix.Settings(threads=args.threads)
     for name in dict.fromkeys(c.workload for c in cells):
         settings.data_roots[name] = matrix.WORKLOADS[name].write_data(args.out / "data")
-    launches: dict[str, list[dict]] = {c.name: [] for c in cells}
+    runs: dict[str, list[dict]] = {c.name: [] for c in cells}
     rounds = max(matrix.WORKLOADS[c.workload].rounds for c in cells)
+    import_torch = []
     for r in range(rounds):
+        import_torch.append(matrix.import_torch_seconds())
         for i, cell in enumerate(cells, 1):
             if r >= matrix.WORKLOADS[cell.workload].rounds:
                 continue
@@ -119,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
             rate = result.get("samples_per_s")
             summary = f"{statistics.median(rate):,.1f} samples/s" if rate else "FAILED"
             print(f"round {r + 1}/{rounds}, {i}/{len(cells)} {cell.name}: {summary}", flush=True)
-            launches[cell.name].append(result)
-    results = [matrix.merge_rounds(launches[c.name]) for c in cells]
+            runs[cell.name].append(result)
+    results = [matrix.merge_rounds(runs[c.name]) for c in cells]
     add_scaling(results)
     report = {
         "machine": machine(),
@@ -128,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
             n: dataclasses.asdict(matrix.WORKLOADS[n]) for n in settings.data_roots}},
         "cells": results,
         "ratios": ratios(results),
+        "import_torch_s": statistics.median(import_torch),
+        "launches": launches(results, statistics.median(import_torch)),
     }  # fmt: skip
     if args.loading:
         from trainkit.bench.loading import bench_imagefolder

@@ -173,6 +173,13 @@ def plain_command(cell: Cell, work: Workload, s: Settings, cell_dir: Path) -> li
     return [sys.executable, "-m", "trainkit.bench.plain", str(spec_path)]
 
 
+def import_torch_seconds() -> float:
+    """Wall time of ``python -c "import torch"``: the floor under every launch to first step."""
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import torch"], check=True)
+    return time.perf_counter() - start
+
+
 def run_cell(cell: Cell, s: Settings, cell_dir: Path) -> dict[str, object]:
     """Runs one cell in fresh processes; its figures, or the reason it failed."""
     work = WORKLOADS[cell.workload]
