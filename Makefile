@@ -4,7 +4,8 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 ARGS   ?=
-PYTEST_ARGS ?= -n 2 --dist loadgroup  # 2 workers; tests of one xdist_group (a shared run) on one
+# 2 workers; tests of one xdist_group (a shared run) on one; the 20 slowest tests listed
+PYTEST_ARGS ?= -n 2 --dist loadgroup --durations=20
 LOGDIR ?= logs
 PORT   ?= 6006
 OUT    ?= docs/img
