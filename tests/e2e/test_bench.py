@@ -12,6 +12,7 @@ from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from helpers import run_python
+from trainkit.bench.report import PLAIN_RGB, TEMPLATE_RGB
 
 pytestmark = pytest.mark.slow  # long end-to-end runs: CI's `slow` job
 
@@ -119,7 +120,9 @@ def test_csv_markdown_png(bench_run: Path, results: dict) -> None:
     assert table.count("\n| mlp |") == len(CELLS)
     assert "template vs plain loop, mlp" in table
     with Image.open(bench_run / "results.png") as png:
-        assert png.format == "PNG" and png.width > 300 and png.height > 200
+        assert png.format == "PNG" and png.width > 300 and png.height > 24 * len(CELLS)
+        colors = {rgb for _, rgb in png.convert("RGB").getcolors(maxcolors=1 << 20)}
+    assert {PLAIN_RGB, TEMPLATE_RGB} <= colors  # a bar for the plain and the template cells
 
 
 @shares_bench_run

@@ -196,29 +196,41 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_png(path: Path, cells: list[dict]) -> None:
-    """One horizontal bar chart per workload: median samples/s with the min-max range."""
-    import matplotlib
+# The chart's colours: plain references gray, template cells blue.
+PLAIN_RGB, TEMPLATE_RGB = (128, 128, 128), (31, 119, 180)
 
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
+
+def write_png(path: Path, cells: list[dict]) -> None:
+    """One horizontal bar chart per workload: median samples/s, with a line for the min-max range.
+
+    Drawn with Pillow, not matplotlib: installed, matplotlib is imported by torchmetrics in every
+    training process (torchmetrics#3457), about half a second of each launch here."""
+    from PIL import Image, ImageDraw, ImageFont
 
     done = [c for c in cells if "median" in c]
     workloads = list(dict.fromkeys(c["workload"] for c in done))
-    fig, axes = plt.subplots(len(workloads), 1, figsize=(9, 1.0 + 0.42 * len(done)), squeeze=False)
-    for ax, workload in zip(axes[:, 0], workloads, strict=True):
+    row, title, pad, labels, bars = 24, 30, 12, 340, 480
+    height = pad + sum(title + row * sum(c["workload"] == w for c in done) + pad for w in workloads)
+    image = Image.new("RGB", (labels + bars + 100, height), "white")
+    draw, font = ImageDraw.Draw(image), ImageFont.load_default(size=12)
+    y = pad
+    for workload in workloads:
         rows = [c for c in done if c["workload"] == workload]
-        medians = [c["median"] for c in rows]
-        spread = [[c["median"] - c["min"] for c in rows], [c["max"] - c["median"] for c in rows]]
-        colors = ["tab:gray" if c["runner"] == "plain" else "tab:blue" for c in rows]
-        ax.barh(range(len(rows)), medians, xerr=spread, color=colors, capsize=3)
-        ax.set_yticks(range(len(rows)), [_label(c) for c in rows], fontsize=8)
-        ax.invert_yaxis()
-        ax.set_title(f"{workload}: samples/s (median, min-max); gray: plain PyTorch", fontsize=9)
-        ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        heading = f"{workload}: samples/s (median, min-max); gray: plain PyTorch"
+        draw.text((pad, y + title // 2), heading, fill="black", font=font, anchor="lm")
+        y += title
+        scale = bars / max(c["max"] for c in rows)
+        for c in rows:
+            middle = y + row // 2
+            color = PLAIN_RGB if c["runner"] == "plain" else TEMPLATE_RGB
+            draw.text((pad, middle), _label(c), fill="black", font=font, anchor="lm")
+            draw.rectangle((labels, y + 4, labels + c["median"] * scale, y + row - 4), fill=color)
+            low, high = labels + c["min"] * scale, labels + c["max"] * scale
+            draw.line((low, middle, high, middle), fill="black")
+            draw.text((high + 6, middle), _num(c["median"]), fill="black", font=font, anchor="lm")
+            y += row
+        y += pad
+    image.save(path)
 
 
 def write_tensorboard(logdir: Path, report: dict) -> None:
