@@ -33,13 +33,15 @@ def check_stages(stages: list[str]) -> None:
 
 
 def with_checkpoint_config(cfg: DictConfig) -> DictConfig:
-    """The eval config completed by the checkpoint's: its model, its data (``cfg.data``'s non-null
-    keys override), and its precision unless ``precision`` is given."""
+    """The eval config completed by the checkpoint's: its model (compiled as ``compile`` says),
+    its data (``cfg.data``'s non-null keys override), its precision unless ``precision`` is
+    given."""
     trained = OmegaConf.create(read_checkpoint_config(cfg.ckpt_path))
     data = trained.data
     for key, value in (cfg.get("data") or {}).items():
         if value is not None:
             data[key] = value
+    trained.model.compile = cfg.compile  # a compiled forward is this run's choice, not the weights'
     with open_dict(cfg):
         cfg.model, cfg.data = trained.model, data
         if cfg.precision is None:

@@ -51,7 +51,7 @@ def test_every_cell_measured(results: dict) -> None:
     for c in cells.values():
         assert len(c["samples_per_s"]) == REPEATS, c
         assert 0 < c["min"] <= c["median"] <= c["max"]
-        assert 0 < c["first_step_s"] < 300
+        assert 0 < c["first_step_s"] < 300 and 0 < c["warmup_s"] < 300
         assert len(c["peak_mem_mb"]) == c["devices"]  # one figure per rank
         assert all(50 < mb < 20_000 for mb in c["peak_mem_mb"])
         assert c["threads"] == 1

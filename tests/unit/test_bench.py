@@ -5,17 +5,22 @@ e2e/test_bench.py."""
 import pytest
 
 from trainkit.bench.cells import DEFAULT_MATRIX, Cell, merge_rounds
-from trainkit.bench.report import add_scaling, launches, markdown, ratios
+from trainkit.bench.report import add_scaling, compile_warmup_s, launches, markdown, ratios
 
 
 def test_rounds_merge_every_epoch() -> None:
     launch = {"cell": "a", "commands": [["x"]], "peak_mem_mb": [10.0, 30.0], "batch_size": 256}
     merged = merge_rounds(
         [
-            {**launch, "samples_per_s": [1.0, 2.0], "first_step_s": [5.0], "median_step_s": [0.5]},
+            {
+                **launch,
+                **{"samples_per_s": [1.0, 2.0], "first_step_s": [5.0], "median_step_s": [0.5]},
+                "warmup_s": [1.0],
+            },
             {
                 **launch,
                 **{"samples_per_s": [3.0], "first_step_s": [7.0], "median_step_s": [0.7]},
+                "warmup_s": [2.0],
                 "peak_mem_mb": [20.0, 5.0],
             },
         ]
@@ -23,6 +28,7 @@ def test_rounds_merge_every_epoch() -> None:
     assert merged["samples_per_s"] == [1.0, 2.0, 3.0]
     assert (merged["median"], merged["min"], merged["max"]) == (2.0, 1.0, 3.0)
     assert merged["first_step_s"] == 6.0 and merged["peak_mem_mb"] == [20.0, 30.0]
+    assert merged["warmup_s"] == 1.5
     assert merged["median_step_s"] == 0.5  # the lower middle launch's, not an average
     assert merged["step_samples_per_s"] == 256 / 0.5
     assert len(merged["commands"]) == 2
@@ -109,3 +115,10 @@ def test_per_process_batch() -> None:
     assert Cell("mlp", "plain", "ddp", 2).per_process_batch(256) == 128
     assert Cell("mlp", "template", "dp", 2).per_process_batch(256) == 256  # dp splits it itself
     assert Cell("mlp", "template", "pipeline", 2).per_process_batch(256) == 256  # one replica
+
+
+def test_compile_warmup_is_against_the_eager_cell() -> None:
+    eager = {"cell": "mlp-template-auto-1dev-32-true", "warmup_s": 0.5}
+    compiled = {"cell": "mlp-template-auto-1dev-32-true-compile", "warmup_s": 20.5}
+    assert compile_warmup_s([eager, compiled]) == 20.0
+    assert compile_warmup_s([eager]) is None

@@ -24,7 +24,14 @@ import lightning as L
 import torch
 
 from trainkit.bench import cells as matrix
-from trainkit.bench.report import add_scaling, launches, markdown, ratios, write_all
+from trainkit.bench.report import (
+    add_scaling,
+    compile_warmup_s,
+    launches,
+    markdown,
+    ratios,
+    write_all,
+)
 from trainkit.config import ROOT_DIR
 from trainkit.runtime import cpu_flags, has_bf16_units
 
@@ -132,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         "ratios": ratios(results),
         "import_torch_s": statistics.median(import_torch),
         "launches": launches(results, statistics.median(import_torch)),
+        "compile_warmup_s": compile_warmup_s(results),
     }  # fmt: skip
     if args.loading:
         from trainkit.bench.loading import bench_imagefolder

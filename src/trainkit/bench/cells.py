@@ -99,6 +99,7 @@ DEFAULT_MATRIX: tuple[Cell, ...] = (
     Cell("mlp", "template"),
     Cell("mlp", "template", extra=LOGGING_OFF, variant="no logging"),
     Cell("mlp", "template", precision="bf16-mixed"),
+    Cell("mlp", "template", extra=("compile=true",), variant="compile"),
     Cell("mlp", "template", "dp", 2),
     Cell("mlp", "plain", "ddp", 2),
     Cell("mlp", "template", "ddp", 2),
@@ -208,6 +209,7 @@ def run_cell(cell: Cell, s: Settings, cell_dir: Path) -> dict[str, object]:
         "samples_per_s": rates,
         "median_step_s": [records[0]["median_step_s"]],
         "first_step_s": [records[0]["first_step_at"] - launched_at],
+        "warmup_s": [records[0]["warmup_s"]],
         "peak_mem_mb": [r["peak_mem_mb"] for r in records],
     }
 
@@ -229,5 +231,6 @@ def merge_rounds(rounds: list[dict]) -> dict[str, object]:
         "median_step_s": step,  # one launch's median step (the lower middle one), not a blend
         "step_samples_per_s": rounds[0]["batch_size"] / step,
         "first_step_s": statistics.median(t for r in rounds for t in r["first_step_s"]),
+        "warmup_s": statistics.median(t for r in rounds for t in r["warmup_s"]),
         "peak_mem_mb": [max(mb) for mb in zip(*(r["peak_mem_mb"] for r in rounds), strict=True)],
     }

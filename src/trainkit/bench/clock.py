@@ -27,6 +27,7 @@ class StepClock:
     def __init__(self, warmup: int, steps: int) -> None:
         self.warmup, self.last = warmup, warmup + steps - 1
         self.first_step_at: float | None = None  # wall clock, comparable with the launcher's
+        self.warmup_s: float | None = None  # the first epoch's untimed steps (a compile lands here)
         self.epochs: list[float] = []
         self._start: float | None = None
         self._end: float | None = None
@@ -40,6 +41,8 @@ class StepClock:
         if step == self.warmup:
             _sync()
             self._start = time.perf_counter()
+            if self.warmup_s is None and self.first_step_at is not None:
+                self.warmup_s = time.time() - self.first_step_at
         if self.warmup <= step <= self.last:
             now = time.perf_counter()
             if self._step_start is not None:
@@ -67,6 +70,7 @@ class StepClock:
             "samples_per_s": [rate * replicas for rate in self.epochs],
             "median_step_s": statistics.median(self.step_times) if self.step_times else None,
             "first_step_at": self.first_step_at,
+            "warmup_s": self.warmup_s,
             "peak_mem_mb": peak_memory_mb(device),
         }
 

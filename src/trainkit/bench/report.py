@@ -7,6 +7,9 @@ from pathlib import Path
 
 from trainkit.bench.cells import LOGGING_OFF, Cell, pipeline
 
+COMPILED = Cell("mlp", "template", extra=("compile=true",), variant="compile")
+EAGER = Cell("mlp", "template")
+
 # (what, numerator, denominator, goal): the ratios a run reports when both of its cells ran
 RATIOS: tuple[tuple[str, Cell, Cell, float | None], ...] = (
     ("template vs plain loop, mlp", Cell("mlp", "template"), Cell("mlp", "plain"), 0.97),
@@ -28,6 +31,7 @@ RATIOS: tuple[tuple[str, Cell, Cell, float | None], ...] = (
         Cell("mlp", "template"),
         None,
     ),
+    ("compile=true vs eager, mlp", COMPILED, EAGER, None),
     ("pipeline gpipe mb=2 vs mb=1, mlp", pipeline("mlp", 2), pipeline("mlp", 1), None),
     ("pipeline gpipe mb=4 vs mb=1, mlp", pipeline("mlp", 4), pipeline("mlp", 1), None),
     (
@@ -73,6 +77,15 @@ def launches(cells: list[dict], import_torch_s: float) -> list[dict]:
                 }
             )
     return found
+
+
+def compile_warmup_s(cells: list[dict]) -> float | None:
+    """Seconds that ``compile=true`` adds to the first epoch's warm-up steps (where torch.compile
+    compiles), against the same eager cell; None unless both ran."""
+    by_name = {c["cell"]: c for c in cells if c.get("warmup_s") is not None}
+    if COMPILED.name in by_name and EAGER.name in by_name:
+        return by_name[COMPILED.name]["warmup_s"] - by_name[EAGER.name]["warmup_s"]
+    return None
 
 
 def add_scaling(cells: list[dict]) -> None:
@@ -193,6 +206,12 @@ def markdown(report: dict) -> str:
             f"| {row['launch']} | {row['template_s']:.2f} s | {row['plain_s']:.2f} s "
             f"| {row['vs_plain']:.2f}x | **{row['vs_import_torch']:.2f}x** (goal <= 2.0x) |"
         )
+    if report.get("compile_warmup_s") is not None:
+        lines += [
+            "",
+            f"compile=true: the warm-up steps took {report['compile_warmup_s']:.1f} s longer than "
+            "eager (torch.compile compiling each block's forward and backward).",
+        ]
     return "\n".join(lines) + "\n"
 
 

@@ -1,3 +1,4 @@
+import logging
 from collections.abc import Callable
 
 import lightning as L
@@ -5,6 +6,8 @@ import torch
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
+
+log = logging.getLogger(__name__)
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
 SchedulerFactory = Callable[..., torch.optim.lr_scheduler.LRScheduler]
@@ -36,6 +39,7 @@ class ImageClassifier(L.LightningModule):
         num_classes: int,
         scheduler: SchedulerFactory | None = None,
         scheduler_interval: str = "epoch",
+        compile: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["net", "optimizer", "scheduler"])
@@ -52,6 +56,17 @@ class ImageClassifier(L.LightningModule):
         # sample-weighted means synced at compute: exact for any world size and uneven shards
         self.val_loss = MeanMetric(nan_strategy="disable")
         self.test_loss = MeanMetric(nan_strategy="disable")
+        self.compile_blocks, self._compiled = compile, False
+
+    def configure_model(self) -> None:
+        """``compile=true``: each block of ``net`` compiled in place (``nn.Module.compile``), so the
+        checkpoint's keys do not change; Lightning calls this before a strategy wraps or splits the
+        model, so each pipeline stage runs its own blocks compiled."""
+        if self.compile_blocks and not self._compiled:
+            for block in self.net:
+                block.compile()
+            self._compiled = True
+            log.info("torch.compile: %d blocks of %s", len(self.net), type(self.net).__name__)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.net(x)
