@@ -1,0 +1,111 @@
+"""One CUDA GPU: the paths a CPU run cannot reach. Train and eval on cuda, 16-mixed with its
+gradient scaler, bf16-mixed, channels_last, the CUDA memory scalars, pinned ImageFolder batches
+and the benchmark's GPU cells. Skipped without CUDA; CI's gpu job runs them (the 2-GPU ones are in
+the test_dp.py files)."""
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from helpers import run_python, write_tree
+from trainkit.data.imagefolder import ImageFolderDataModule
+from trainkit.data.synthetic import write_cifar10
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+GPU = ("accelerator=gpu", "devices=1", "seed=0", "trainer.max_epochs=1")
+shares_runs = pytest.mark.xdist_group(name="gpu_runs")
+
+
+@pytest.fixture(scope="module")
+def gpu_runs(run_script: Callable[..., Path], overrides: tuple[str, ...], tmp_path_factory) -> dict:
+    base = tuple(o for o in overrides if not o.startswith("accelerator="))
+    log_dir = tmp_path_factory.mktemp("gpu-logs")
+    cifar = write_cifar10(tmp_path_factory.mktemp("gpu-cifar"), n_per_batch=8, n_test=8)
+    commands = {
+        "32-true": (*base, *GPU),
+        "16-mixed": (*base, *GPU, "precision=16-mixed"),
+        "bf16-mixed": (*base, *GPU, "precision=bf16-mixed"),
+        "channels_last": (
+            *("experiment=cifar10_resnet50", f"data.root={cifar}", "data.download=false"),
+            *("data.val_size=8", "data.batch_size=8", "model.net.channels_last=true", *GPU),
+        ),
+    }
+    runs = {k: run_script("train.py", *v, log_dir=log_dir) for k, v in commands.items()}
+    best = runs["32-true"] / "checkpoints" / "best.ckpt"
+    runs["eval"] = run_script("eval.py", f"ckpt_path={best}", "accelerator=gpu", log_dir=log_dir)
+    return runs
+
+
+def metrics(run_dir: Path) -> dict:
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+def checkpoint(run_dir: Path) -> dict:
+    path = run_dir / "checkpoints" / "last.ckpt"
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+@shares_runs
+def test_eval_on_the_gpu_equals_the_training_runs_test(gpu_runs: dict) -> None:
+    trained, evaluated = metrics(gpu_runs["32-true"]), metrics(gpu_runs["eval"])
+    assert evaluated["test"] == pytest.approx(trained["test"], rel=1e-4)
+    assert trained["fit"]["val/acc"] > 0.5  # it learned, on the GPU
+
+
+@shares_runs
+def test_16_mixed_runs_its_gradient_scaler_and_checkpoints_it(gpu_runs: dict) -> None:
+    saved = checkpoint(gpu_runs["16-mixed"])
+    assert "scale" in saved["MixedPrecision"]  # Lightning's MixedPrecision: the GradScaler's state
+    assert "16-mixed" in (gpu_runs["16-mixed"] / "config.yaml").read_text()
+    assert all(math.isfinite(v) for v in metrics(gpu_runs["16-mixed"])["test"].values())
+
+
+@shares_runs
+@pytest.mark.parametrize("name", ["bf16-mixed", "channels_last"])
+def test_runs_train_to_finite_metrics(gpu_runs: dict, name: str) -> None:
+    assert all(math.isfinite(v) for v in metrics(gpu_runs[name])["fit"].values())
+    weights = checkpoint(gpu_runs[name])["state_dict"]
+    assert all(torch.isfinite(t).all() for t in weights.values() if t.is_floating_point())
+
+
+@shares_runs
+def test_cuda_memory_scalars_reach_tensorboard(gpu_runs: dict) -> None:
+    logdir = gpu_runs["32-true"] / "tensorboard"
+    events = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    assert "memory/cuda_peak_mb/rank0" in tags and "memory/rss_mb/rank0" not in tags
+    assert all(e.value > 0 for e in events.Scalars("memory/cuda_peak_mb/rank0"))
+
+
+def test_imagefolder_batches_come_pinned(tmp_path: Path) -> None:
+    write_tree(tmp_path, {"train": 3, "val": 1, "test": 2})
+    datamodule = ImageFolderDataModule(
+        str(tmp_path), image_size=32, batch_size=4, num_workers=1, persistent_workers=False
+    )
+    datamodule.prepare_data()
+    datamodule.setup("fit")
+    loader = datamodule.train_dataloader()
+    images, labels = next(iter(loader))
+    assert loader.pin_memory and images.is_pinned() and labels.is_pinned()
+
+
+def test_the_benchmark_times_gpu_cells(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    cells = ("mlp-plain-auto-1dev-32-true", "mlp-template-auto-1dev-32-true")
+    args = ("--quick", "--rounds", "1", "--repeats", "1", "--out", str(out), "--cells", *cells)
+    proc = run_python("-m", "trainkit.bench", *args)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["machine"]["gpus"]
+    for cell in results["cells"]:
+        # peak allocated CUDA memory: a few MB for this MLP, where a CPU cell's RSS is hundreds
+        assert 0 < cell["peak_mem_mb"][0] < 200, cell
