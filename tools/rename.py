@@ -28,7 +28,7 @@ TEXT_NAMES = {"Makefile", "run", ".gitignore", ".pre-commit-config.yaml"}
 DEPENDENCIES = {
     "torch", "torchvision", "lightning", "pytorch_lightning", "hydra", "hydra_plugins",
     "omegaconf", "torchmetrics", "tensorboard", "optuna", "submitit", "joblib", "rich",
-    "matplotlib", "numpy", "PIL", "pytest", "tests", "conf", "train", "eval",
+    "numpy", "PIL", "pytest", "tests", "helpers", "conf", "train", "eval",
 }  # fmt: skip
 
 

@@ -14,11 +14,21 @@ from typing import Any
 import lightning as L
 from hydra.utils import instantiate
 from lightning.pytorch.plugins import TorchSyncBatchNorm
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 
 from trainkit.checkpoint_io import AtomicCheckpointIO
 from trainkit.parallel import ParallelDims
 from trainkit.strategies.ddp import DDPStrategy
+
+
+def model_config(cfg: DictConfig) -> DictConfig:
+    """``cfg.model`` with this run's top-level ``compile`` (a choice of the run, not of the
+    weights): set where the model's config has the key, or where compile=true asks for it."""
+    model = cfg.model
+    if "compile" in model or cfg.get("compile"):
+        with open_dict(model):
+            model.compile = bool(cfg.get("compile"))
+    return model
 
 
 def build_strategy(cfg: DictConfig, dims: ParallelDims) -> Any:

@@ -9,7 +9,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 import trainkit.resolvers  # noqa: F401  registers the resolvers that conf/ uses
-from trainkit.build import build_trainer, prepare_data_once
+from trainkit.build import build_trainer, model_config, prepare_data_once
 from trainkit.callbacks import PredictionWriter
 from trainkit.callbacks.run_config import read_checkpoint_config
 from trainkit.errors import ConfigError
@@ -33,15 +33,13 @@ def check_stages(stages: list[str]) -> None:
 
 
 def with_checkpoint_config(cfg: DictConfig) -> DictConfig:
-    """The eval config completed by the checkpoint's: its model (compiled as ``compile`` says),
-    its data (``cfg.data``'s non-null keys override), its precision unless ``precision`` is
-    given."""
+    """The eval config completed by the checkpoint's: its model, its data (``cfg.data``'s non-null
+    keys override), and its precision unless ``precision`` is given."""
     trained = OmegaConf.create(read_checkpoint_config(cfg.ckpt_path))
     data = trained.data
     for key, value in (cfg.get("data") or {}).items():
         if value is not None:
             data[key] = value
-    trained.model.compile = cfg.compile  # a compiled forward is this run's choice, not the weights'
     with open_dict(cfg):
         cfg.model, cfg.data = trained.model, data
         if cfg.precision is None:
@@ -61,7 +59,7 @@ def _evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
     cfg = with_checkpoint_config(cfg)
     dims = preflight(cfg, training=False)
     datamodule: L.LightningDataModule = instantiate(cfg.data)
-    model: L.LightningModule = instantiate(cfg.model)
+    model: L.LightningModule = instantiate(model_config(cfg))  # compiled as eval's compile says
     output_dir = Path(cfg.paths.output_dir)
     writer = PredictionWriter(str(output_dir / PREDICTIONS_FILE))
     callbacks = [writer] if "predict" in stages else []

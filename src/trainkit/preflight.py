@@ -122,6 +122,17 @@ def resolve_drop_last(cfg: DictConfig) -> None:
         )
 
 
+def check_compile(cfg: DictConfig, dims: ParallelDims) -> None:
+    """DataParallel's replicas copy a compiled block's call, which keeps running the original
+    block's weights (on the first GPU): compile=true cannot run under dp on several GPUs."""
+    replicated = dims.single_process and dims.accelerator == "gpu" and dims.devices > 1
+    if cfg.get("compile") and replicated:
+        raise ConfigError(
+            f"compile=true with strategy=dp on {dims.devices} GPUs: DataParallel's replicas would "
+            "run the original blocks' compiled forward. Use strategy=ddp, or compile=false"
+        )
+
+
 def preflight(cfg: DictConfig, training: bool = True) -> ParallelDims:
     """Validates the run's shape and applies process settings; returns its parallel layout.
     ``training=False`` (eval.py) skips what only training needs: full batches."""
@@ -130,6 +141,7 @@ def preflight(cfg: DictConfig, training: bool = True) -> ParallelDims:
         check_new_output_dir(cfg.paths.output_dir)
     dims = ParallelDims.from_config(cfg)
     check_precision(cfg, dims.accelerator)
+    check_compile(cfg, dims)
     if training:
         resolve_drop_last(cfg)
     set_threads(cfg, dims.processes_per_node)

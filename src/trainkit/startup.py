@@ -36,12 +36,23 @@ def import_torchmetrics() -> None:
     placeholder = _Placeholder()
     sys.meta_path.insert(0, placeholder)
     try:
+        import torchmetrics
+    except ImportError:  # something wanted more of scipy.signal: import it all, as usual
+        half_imported = [m for m in sys.modules if m.split(".")[0] == "torchmetrics"]
+        for name in half_imported:
+            del sys.modules[name]
+        _remove(placeholder)
         import torchmetrics  # noqa: F401
     finally:
+        _remove(placeholder)
+
+
+def _remove(placeholder: _Placeholder) -> None:
+    if placeholder in sys.meta_path:
         sys.meta_path.remove(placeholder)
-        if getattr(sys.modules.get("scipy.signal"), "__loader__", None) is placeholder:
-            del sys.modules["scipy.signal"]
-            vars(sys.modules["scipy"]).pop("signal", None)
+    if getattr(sys.modules.get("scipy.signal"), "__loader__", None) is placeholder:
+        del sys.modules["scipy.signal"]
+        vars(sys.modules["scipy"]).pop("signal", None)
 
 
 import_torchmetrics()

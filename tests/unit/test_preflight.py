@@ -11,9 +11,11 @@ import pytest
 import torch
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
+from trainkit.build import model_config
 from trainkit.errors import ConfigError
 from trainkit.evaluate import check_stages
-from trainkit.preflight import preflight
+from trainkit.parallel import ParallelDims
+from trainkit.preflight import check_compile, preflight
 from trainkit.resume import resolve_ckpt_path
 from trainkit.runtime import cpu_flags, has_bf16_units
 
@@ -112,3 +114,21 @@ def test_bf16_on_a_cpu_without_bf16_units_says_it_will_be_slow(compose, caplog, 
     expected = precision.startswith("bf16") and has_bf16_units(cpu_flags()) is False
     assert len(warned) == int(expected)
     assert all("slower than 32-true" in m and "\n" not in m for m in warned)
+
+
+def test_compile_under_dp_on_several_gpus_is_refused(compose) -> None:
+    cfg = compose("strategy=dp", "compile=true")
+    with pytest.raises(ConfigError, match="compile=true with strategy=dp on 2 GPUs"):
+        check_compile(cfg, ParallelDims("gpu", 2, 1, single_process=True))
+    check_compile(cfg, ParallelDims("cpu", 2, 1, single_process=True))  # dp on CPU: one device
+    check_compile(cfg, ParallelDims("gpu", 2, 1, single_process=False))  # ddp
+
+
+def test_compile_reaches_the_model_only_where_its_config_takes_it(compose) -> None:
+    assert model_config(compose("compile=true")).compile is True
+    assert model_config(compose()).compile is False
+    cfg = compose()
+    del cfg.model.compile  # a model of the user's whose config has no compile key
+    assert "compile" not in model_config(cfg)
+    cfg.compile = True  # asked for anyway: passed on, so the model says it does not take it
+    assert model_config(cfg).compile is True

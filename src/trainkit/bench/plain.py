@@ -4,8 +4,8 @@
 
 Same model and optimizer configs as the template, the datamodules' own file readers and batch
 transforms, the same clock; no Lightning, Hydra or torchmetrics, no logging, no checkpoints. It
-imports only torch, the data readers and the model, so its launch to first step is the floor that
-the template's is compared with.
+imports only torch, the data readers (torchvision's, for MNIST) and the model, so its launch to
+first step is the floor that the template's is compared with.
 """
 
 import importlib

@@ -48,6 +48,8 @@ class Preemption(L.Callback):
 
         for signum in (signal.SIGTERM, signal.SIGINT):
             self._previous[signum] = signal.signal(signum, note)
+        if trainer.received_sigterm:  # caught by Lightning's handler before training started
+            self.signum = signal.SIGTERM
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         signum = self.signum or 0
