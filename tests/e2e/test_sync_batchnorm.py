@@ -85,6 +85,16 @@ def _cases(world_size: int) -> dict[str, _Case]:
     }
 
 
+def _assert_rank_slices(spawned, references, case: str, key: str) -> None:
+    """Each rank's ``key`` at every step is its rows of the single-process reference."""
+    world_size, ranks = spawned
+    sizes = _cases(world_size)[case].sizes
+    for step, expected in enumerate(references[world_size][case][key]):
+        for rank, record in enumerate(ranks):
+            rows = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
+            _assert_close(record[case][key][step], expected[rows])
+
+
 def _run(bn: nn.Module, case: _Case, rows: slice, world_size: int) -> dict:
     """Training steps on ``rows`` of each global batch; parameter grads DDP-averaged if needed."""
     record: dict = {"outputs": [], "input_grads": [], "param_grads": []}
@@ -183,23 +193,13 @@ def test_running_stats_equal_global_batchnorm_on_every_rank(spawned, references,
 @shares_spawned
 @pytest.mark.parametrize("case", CASES)
 def test_outputs_are_the_rank_slices_of_global_batchnorm(spawned, references, case) -> None:
-    world_size, ranks = spawned
-    sizes = _cases(world_size)[case].sizes
-    for step, expected in enumerate(references[world_size][case]["outputs"]):
-        for rank, record in enumerate(ranks):
-            rows = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
-            _assert_close(record[case]["outputs"][step], expected[rows])
+    _assert_rank_slices(spawned, references, case, "outputs")
 
 
 @shares_spawned
 @pytest.mark.parametrize("case", CASES)
 def test_input_gradients_are_the_rank_slices_of_global_ones(spawned, references, case) -> None:
-    world_size, ranks = spawned
-    sizes = _cases(world_size)[case].sizes
-    for step, expected in enumerate(references[world_size][case]["input_grads"]):
-        for rank, record in enumerate(ranks):
-            rows = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
-            _assert_close(record[case]["input_grads"][step], expected[rows])
+    _assert_rank_slices(spawned, references, case, "input_grads")
 
 
 @shares_spawned

@@ -88,6 +88,10 @@ WORKLOADS = {
 LOGGING_OFF = ("logger=none", "~callbacks.training_monitor", "~callbacks.validation_images")
 
 
+MLP_TEMPLATE = Cell("mlp", "template")  # the default recipe, eager: the cell most ratios are about
+MLP_COMPILED = Cell("mlp", "template", extra=("compile=true",), variant="compile")
+
+
 def pipeline(workload: str, microbatches: int, schedule: str = "gpipe") -> Cell:
     extra = ("strategy.microbatches=" + str(microbatches), "strategy.schedule=" + schedule)
     variant = f"{schedule} mb={microbatches}"
@@ -96,10 +100,10 @@ def pipeline(workload: str, microbatches: int, schedule: str = "gpipe") -> Cell:
 
 DEFAULT_MATRIX: tuple[Cell, ...] = (
     Cell("mlp", "plain"),
-    Cell("mlp", "template"),
+    MLP_TEMPLATE,
     Cell("mlp", "template", extra=LOGGING_OFF, variant="no logging"),
     Cell("mlp", "template", precision="bf16-mixed"),
-    Cell("mlp", "template", extra=("compile=true",), variant="compile"),
+    MLP_COMPILED,
     Cell("mlp", "template", "dp", 2),
     Cell("mlp", "plain", "ddp", 2),
     Cell("mlp", "template", "ddp", 2),

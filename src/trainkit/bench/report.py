@@ -5,14 +5,11 @@ import csv
 import json
 from pathlib import Path
 
-from trainkit.bench.cells import LOGGING_OFF, Cell, pipeline
-
-COMPILED = Cell("mlp", "template", extra=("compile=true",), variant="compile")
-EAGER = Cell("mlp", "template")
+from trainkit.bench.cells import LOGGING_OFF, MLP_COMPILED, MLP_TEMPLATE, Cell, pipeline
 
 # (what, numerator, denominator, goal): the ratios a run reports when both of its cells ran
 RATIOS: tuple[tuple[str, Cell, Cell, float | None], ...] = (
-    ("template vs plain loop, mlp", Cell("mlp", "template"), Cell("mlp", "plain"), 0.97),
+    ("template vs plain loop, mlp", MLP_TEMPLATE, Cell("mlp", "plain"), 0.97),
     (
         "template ddp vs torch DDP, mlp",
         Cell("mlp", "template", "ddp", 2),
@@ -21,17 +18,17 @@ RATIOS: tuple[tuple[str, Cell, Cell, float | None], ...] = (
     ),
     (
         "default logging vs none, mlp",
-        Cell("mlp", "template"),
+        MLP_TEMPLATE,
         Cell("mlp", "template", extra=LOGGING_OFF, variant="no logging"),
         0.95,
     ),
     (
         "bf16-mixed vs 32-true, mlp",
         Cell("mlp", "template", precision="bf16-mixed"),
-        Cell("mlp", "template"),
+        MLP_TEMPLATE,
         None,
     ),
-    ("compile=true vs eager, mlp", COMPILED, EAGER, None),
+    ("compile=true vs eager, mlp", MLP_COMPILED, MLP_TEMPLATE, None),
     ("pipeline gpipe mb=2 vs mb=1, mlp", pipeline("mlp", 2), pipeline("mlp", 1), None),
     ("pipeline gpipe mb=4 vs mb=1, mlp", pipeline("mlp", 4), pipeline("mlp", 1), None),
     (
@@ -57,7 +54,7 @@ RATIOS: tuple[tuple[str, Cell, Cell, float | None], ...] = (
 
 # (what, template cell, plain cell): seconds from launch to the first training step, side by side
 LAUNCHES: tuple[tuple[str, Cell, Cell], ...] = (
-    ("mlp, one process", Cell("mlp", "template"), Cell("mlp", "plain")),
+    ("mlp, one process", MLP_TEMPLATE, Cell("mlp", "plain")),
     ("mlp, ddp x2", Cell("mlp", "template", "ddp", 2), Cell("mlp", "plain", "ddp", 2)),
 )
 
@@ -83,8 +80,8 @@ def compile_warmup_s(cells: list[dict]) -> float | None:
     """Seconds that ``compile=true`` adds to the first epoch's warm-up steps (where torch.compile
     compiles), against the same eager cell; None unless both ran."""
     by_name = {c["cell"]: c for c in cells if c.get("warmup_s") is not None}
-    if COMPILED.name in by_name and EAGER.name in by_name:
-        return by_name[COMPILED.name]["warmup_s"] - by_name[EAGER.name]["warmup_s"]
+    if MLP_COMPILED.name in by_name and MLP_TEMPLATE.name in by_name:
+        return by_name[MLP_COMPILED.name]["warmup_s"] - by_name[MLP_TEMPLATE.name]["warmup_s"]
     return None
 
 
