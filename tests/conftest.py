@@ -6,12 +6,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
 from omegaconf import DictConfig
 
 import trainkit.startup  # noqa: F401  first: before Lightning imports torchmetrics
-from helpers import INHERITED_ENV, ROOT, TRAINED_RUN, run_python
-from trainkit import runtime
+from helpers import ROOT, TRAINED_RUN, in_process_state, run_python
+from trainkit import evaluate, runtime, train
 from trainkit.config import compose_config
 from trainkit.data.synthetic import write_mnist
 
@@ -112,15 +111,33 @@ def trained_run(
 
 
 @pytest.fixture
-def restore_seed_state(monkeypatch: pytest.MonkeyPatch):
-    """In-process runs seed the global RNGs, export PL_GLOBAL_SEED and set the thread count (env
-    and torch): undo all of it afterwards, so later subprocesses start clean."""
-    for name in INHERITED_ENV:
-        monkeypatch.delenv(name, raising=False)
-    state, threads = torch.get_rng_state(), torch.get_num_threads()
-    yield
-    torch.set_rng_state(state)
-    torch.set_num_threads(threads)
+def restore_seed_state():
+    """For a test that runs (part of) a run in-process: see ``helpers.in_process_state``."""
+    with in_process_state():
+        yield
+
+
+@pytest.fixture(scope="session")
+def run_here(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """``run_here("train.py" | "eval.py", *overrides, log_dir=None) -> run_dir``: the same run as
+    ``run_script``, in this process, from the config the command composes. For one-device
+    references and evaluations, whose process start would be most of their cost; sweeps run
+    their jobs in one process the same way (``trainkit.launch.isolated_job``)."""
+
+    def run(script: str, *overrides: str, log_dir: Path | None = None) -> Path:
+        task = Path(script).stem
+        if log_dir is None:
+            output_dir = tmp_path_factory.mktemp(f"{task}-here")
+        else:  # where the command would put it, for ckpt_path=last
+            runs = log_dir / task / "runs"
+            output_dir = runs / f"{len(list(runs.glob('*'))) if runs.is_dir() else 0:03d}-here"
+            overrides = (*overrides, f"paths.log_dir={log_dir}")
+        cfg = compose_config(task, output_dir, overrides)
+        with in_process_state():
+            (train.run if task == "train" else evaluate.run)(cfg)
+        return output_dir
+
+    return run
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 """What the tests share besides fixtures (those are in conftest.py), in one place:
 
 - processes: ``run_python`` (a finished ``python ...``) and ``start_python`` (a running one);
+- ``in_process_state``: what a run in the test's own process must leave as it found it;
 - ``quiet_trainer``: an in-process ``L.Trainer`` that writes and prints nothing;
 - ``shares_trained_run``: the xdist group of the tests that read conftest's ``trained_run``;
 - ``SignalAt``: a callback that sends a real signal at a given step, ``CollectiveCount`` one that
@@ -8,9 +9,11 @@
   ``run_python`` puts tests/ on its path);
 - image-folder trees of real PNG and JPEG files;
 - copies of the project (rename, walkthroughs);
-- the README's bash blocks, and running their ``python train.py`` lines on test data.
+- the README's bash blocks, running their ``python train.py`` lines on test data, and
+  ``README_RUN_BY_E2E``: the README commands that e2e tests run as their own runs.
 """
 
+import contextlib
 import io
 import json
 import os
@@ -84,6 +87,26 @@ def start_python(
     """``run_python``'s command, started and not waited for: for a test that signals or kills it.
     ``popen`` goes to ``subprocess.Popen`` (``stdout=...``); text mode."""
     return subprocess.Popen(_command(argv, log_dir), cwd=cwd, env=_env(env), text=True, **popen)
+
+
+# --- in-process runs ------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def in_process_state():
+    """Around (part of) a run made in this process: starts it without what an earlier in-process
+    run exported (``INHERITED_ENV``), and afterwards restores those variables, the global RNG and
+    the thread count that runs set, so later runs and subprocesses start clean."""
+    saved_env = {name: os.environ.pop(name) for name in INHERITED_ENV if name in os.environ}
+    state, threads = torch.get_rng_state(), torch.get_num_threads()
+    try:
+        yield
+    finally:
+        for name in INHERITED_ENV:
+            os.environ.pop(name, None)
+        os.environ.update(saved_env)
+        torch.set_rng_state(state)
+        torch.set_num_threads(threads)
 
 
 # --- an in-process Trainer -----------------------------------------------------------------------
@@ -280,6 +303,51 @@ def bash_block_after(heading: str) -> list[str]:
     section = README[README.index(heading) :]
     block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
     return [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
+
+
+# README commands that an e2e test runs as written, with its test data and settings appended, and
+# checks in depth: name -> (section, command). test_readme runs the other commands of a section.
+STRATEGIES = "### Strategies, devices and precision"
+PIPELINE = "### Pipeline (model parallel)"
+README_RUN_BY_E2E = {
+    "ddp4": (STRATEGIES, "python train.py strategy=ddp devices=4"),  # e2e/test_strategies.py
+    "spawn2": (STRATEGIES, "python train.py strategy=ddp_spawn devices=2"),  # the same
+    "dp2": (STRATEGIES, "python train.py strategy=dp devices=2"),  # e2e/test_dp.py
+    # e2e/test_pipeline.py
+    "pipeline_gpipe": (
+        PIPELINE,
+        "python train.py strategy=pipeline devices=2 strategy.microbatches=8 data.batch_size=256",
+    ),
+    "pipeline_3_stages": (
+        PIPELINE,
+        "python train.py strategy=pipeline devices=3 strategy.stages=3 strategy.schedule=1f1b "
+        "model.net.hidden=[512,256,128]",
+    ),
+    "pipeline_interleaved": (
+        PIPELINE,
+        "python train.py strategy=pipeline devices=2 strategy.schedule=interleaved "
+        "strategy.microbatch_size=32 data.batch_size=128 model.net.hidden=[512,256,128]",
+    ),
+    "pipeline_replicas": (
+        PIPELINE,
+        "python train.py strategy=pipeline devices=4 data.batch_size=128",
+    ),
+    "ddp_sweep": (  # e2e/test_sweep.py
+        "### Sweeps",
+        "python train.py -m strategy=ddp devices=1,2 model.optimizer.lr=1e-3,3e-3",
+    ),
+}
+
+
+def readme_run(name: str, *extra: str) -> tuple[str, ...]:
+    """The arguments of ``README_RUN_BY_E2E[name]`` after ``python train.py``, then ``extra``:
+    which may add keys, never change one the command sets (else it would not be the README's)."""
+    section, command = README_RUN_BY_E2E[name]
+    assert command in bash_block_after(section), f"the README's {section} no longer has {command}"
+    args = tuple(shlex.split(command)[2:])
+    changed = {a.split("=")[0] for a in args} & {e.split("=")[0] for e in extra if "=" in e}
+    assert not changed, f"{name}: the test changes the README's {sorted(changed)}"
+    return (*args, *extra)
 
 
 def run_train_command(command: str, data_root: Path, log_dir: Path, *extra: str) -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hydra.utils import instantiate
 
-from helpers import run_python
+from helpers import readme_run, run_python
 from trainkit.config import compose_config
 
 CPU_WARNING = "strategy=dp on CPU: torch.nn.DataParallel only splits batches across GPUs"
@@ -36,9 +36,9 @@ def cpu_runs(overrides: tuple[str, ...], tmp_path_factory) -> dict:
     log_dir = tmp_path_factory.mktemp("dp-logs")
     common = (*overrides, "seed=0", "trainer.max_epochs=1")
     runs = {}
-    for name, extra in (("dp", ("strategy=dp", "devices=2")), ("single", ())):
+    for name, args in (("dp", readme_run("dp2", *common)), ("single", common)):  # the README's
         before = set(log_dir.glob("train/runs/*"))
-        proc = run_python("train.py", *common, *extra, log_dir=log_dir)
+        proc = run_python("train.py", *args, log_dir=log_dir)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         [run_dir] = set(log_dir.glob("train/runs/*")) - before
         runs[name] = (run_dir, proc.stdout + proc.stderr)

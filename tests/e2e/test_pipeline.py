@@ -1,10 +1,11 @@
 """strategy=pipeline on CPU, end to end: real runs, checks before any process starts, predict,
 and the training semantics single-device Lightning gives for free (clipping, accumulation).
 
-Pipeline runs are real ``python train.py strategy=pipeline`` processes (gloo), one per stage,
-compared with one device on the same seed and data: 768 training images are 12 full batches of
-64, so the pipeline (which drops an incomplete last batch) and one device take the same steps.
-Stage splitting and the shapes refused in-process are in unit/test_pipeline.py.
+Pipeline runs are real ``python train.py strategy=pipeline`` processes (gloo), one per stage: the
+README's four pipeline commands as written (helpers.README_RUN_BY_E2E), on the test data. Each is
+compared with one device on the same seed, model and global batch: 768 training images are full
+batches of 256 and of 128, so the pipeline (which drops an incomplete last batch) and one device
+take the same steps. Stage splitting and the shapes refused in-process: unit/test_pipeline.py.
 """
 
 import json
@@ -17,21 +18,21 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from helpers import quiet_trainer, run_python
+from helpers import quiet_trainer, readme_run, run_python
 from trainkit.config import compose_config
 from trainkit.data.synthetic import write_mnist
 from trainkit.parallel import ParallelDims
 from trainkit.preflight import preflight
 from trainkit.train import build
 
-N_TRAIN_FILE, VAL, N_TEST = 1000, 232, 251  # 768 training images: 12 full batches of 64
+N_TRAIN_FILE, VAL, N_TEST = 1000, 232, 251  # 768 training images: 3 batches of 256, 6 of 128
 # Each pipeline rank runs one thread, so the one-device reference runs with threads=1 too (with
 # 2 threads its float sums run in another order: ~2e-5 apart). Micro-batching still reorders the
 # gradient sums (measured <= 3e-6 after an epoch of Adam); 1e-5 leaves room for that, no more.
 WEIGHT_ATOL = 1e-5
-HIDDEN3 = "model.net.hidden=[64,48,32]"  # 4 blocks: 3 stages at split points 1 and 2
-# The tests that read the module's runs (nine train.py runs), and those that read the clipping
-# runs: each group on one worker, which makes its runs once.
+HIDDEN3 = "model.net.hidden=[512,256,128]"  # the README's 4-block model, for 3 stages
+# The tests that read the module's runs (the README's four pipeline commands and four more), and
+# those that read the clipping runs: each group on one worker, which makes its runs once.
 shares_runs = pytest.mark.xdist_group(name="pipeline_runs")
 shares_clip_runs = pytest.mark.xdist_group(name="pipeline_clip_runs")
 
@@ -46,45 +47,62 @@ def pipe_mnist(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def base(pipe_mnist: Path) -> tuple[str, ...]:
+    """The test data and seed; MNIST's batch is 256 unless a command says otherwise."""
     return (
         f"data.root={pipe_mnist}",
         f"data.val_size={VAL}",
         "data.download=false",
         "accelerator=cpu",
         "seed=0",
-        "data.batch_size=64",
     )
 
 
 PIPE2 = ("strategy=pipeline", "devices=2")
-PIPE3 = ("strategy=pipeline", "devices=3", "strategy.stages=3", "strategy.split_points=[1,2]")
 
 
 @pytest.fixture(scope="module")
-def runs(run_script: Callable[..., Path], base: tuple[str, ...], tmp_path_factory) -> dict:
-    """One epoch on one device and under each pipeline shape; two epochs, straight and resumed."""
+def runs(
+    run_script: Callable[..., Path],
+    run_here: Callable[..., Path],
+    base: tuple[str, ...],
+    tmp_path_factory,
+) -> dict:
+    """One epoch of each of the README's pipeline commands and of plain model parallelism; of one
+    device on the same model and global batch (in this process); two epochs of the README's first
+    command, straight and resumed."""
     log_dir = tmp_path_factory.mktemp("pipeline-logs")
     one_epoch = (*base, "trainer.max_epochs=1")
-    commands = {
-        "single": ("threads=1",),
-        "gpipe": (*PIPE2, "strategy.schedule=gpipe", "strategy.microbatches=4"),
-        "mb1": (*PIPE2, "strategy.microbatches=1"),
-        "single3": ("threads=1", HIDDEN3),
-        "pipe3": (*PIPE3, "strategy.schedule=1f1b", "strategy.microbatches=4", HIDDEN3),
-        # 4 chunks on 2 processes: blocks 0 and 2 on rank 0, blocks 1 and 3 on rank 1
-        "interleaved": (*PIPE2, "strategy.schedule=interleaved", HIDDEN3),
-        # 2 stages x 2 data-parallel replicas: 32 per replica, the same global batch of 64
-        "replicas": ("strategy=pipeline", "devices=4", "data.batch_size=32"),
+    out = {
+        "single": run_here("train.py", *one_epoch, "threads=1"),  # batch 256
+        "single3": run_here("train.py", *one_epoch, "threads=1", HIDDEN3),
+        "single3_128": run_here(
+            "train.py", *one_epoch, "threads=1", HIDDEN3, "data.batch_size=128"
+        ),
     }
-    out = {k: run_script("train.py", *one_epoch, *v, log_dir=log_dir) for k, v in commands.items()}
-    # Lightning 2.6 rewrites last.ckpt only when the monitored metric improves, and val/acc is
-    # already 1.0 after one epoch here: monitor val/loss, which keeps falling, so last.ckpt is
+    commands = {
+        # 2 stages, GPipe, 8 micro-batches of 32
+        "gpipe": readme_run("pipeline_gpipe", *one_epoch),
+        "mb1": (*one_epoch, *PIPE2, "strategy.microbatches=1"),
+        # 3 stages, 1F1B, split by FLOPs, batch 256
+        "pipe3": readme_run("pipeline_3_stages", *one_epoch),
+        # 4 chunks on 2 processes, micro-batches of 32 of a batch of 128
+        "interleaved": readme_run("pipeline_interleaved", *one_epoch),
+        # 2 stages x 2 data-parallel replicas: 128 per replica, the single device's 256
+        "replicas": readme_run("pipeline_replicas", *one_epoch),
+    }
+    out |= {k: run_script("train.py", *v, log_dir=log_dir) for k, v in commands.items()}
+    # Lightning 2.6 rewrites last.ckpt only when the monitored metric improves, and val/acc may
+    # already be 1.0 after one epoch here: monitor val/loss, which keeps falling, so last.ckpt is
     # the end of epoch two (test_resume_is_exact checks its global_step)
-    two_epochs = (*base, *PIPE2, "trainer.max_epochs=2", "monitor=val/loss", "monitor_mode=min")
-    out["gpipe_2ep"] = run_script("train.py", *two_epochs, log_dir=log_dir)
+    two_epochs = (*base, "trainer.max_epochs=2", "monitor=val/loss", "monitor_mode=min")
+    out["gpipe_2ep"] = run_script(
+        "train.py", *readme_run("pipeline_gpipe", *two_epochs), log_dir=log_dir
+    )
     resume_from = out["gpipe"] / "checkpoints" / "last.ckpt"
     out["resumed"] = run_script(
-        "train.py", *two_epochs, f"ckpt_path={resume_from}", log_dir=log_dir
+        "train.py",
+        *readme_run("pipeline_gpipe", *two_epochs, f"ckpt_path={resume_from}"),
+        log_dir=log_dir,
     )
     return out
 
@@ -110,7 +128,7 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str
 @shares_runs
 @pytest.mark.parametrize(
     ("name", "reference"),
-    [("gpipe", "single"), ("pipe3", "single3"), ("interleaved", "single3")],
+    [("gpipe", "single"), ("pipe3", "single3"), ("interleaved", "single3_128")],
 )
 def test_pipeline_weights_equal_single_device(runs: dict, name: str, reference: str) -> None:
     """Same seed, data order and batches: after an epoch, the weights of one device."""
@@ -209,14 +227,14 @@ def test_checkpoint_holds_the_full_model(runs: dict, name: str, reference: str) 
 
 @shares_runs
 def test_pipeline_test_metrics_equal_single_device_eval(
-    runs: dict, run_script: Callable[..., Path]
+    runs: dict, run_here: Callable[..., Path]
 ) -> None:
     """Every rank tests the whole (synced) model on the whole test set: eval.py on one device,
     from the pipeline's best checkpoint, gets the same numbers."""
     run_dir = runs["gpipe"]
     best = run_dir / "checkpoints" / "best.ckpt"
     assert metrics(run_dir)["best_checkpoint"] == str(best)
-    evaluated = metrics(run_script("eval.py", f"ckpt_path={best}", "accelerator=cpu"))["test"]
+    evaluated = metrics(run_here("eval.py", f"ckpt_path={best}", "accelerator=cpu"))["test"]
     piped = metrics(run_dir)["test"]
     assert piped["test/acc"] == evaluated["test/acc"]
     assert piped["test/loss"] == pytest.approx(evaluated["test/loss"], rel=1e-6)
@@ -229,7 +247,7 @@ def test_resume_is_exact(runs: dict) -> None:
     straight, resumed = weights(runs["gpipe_2ep"]), weights(runs["resumed"])
     diffs = max_diff(straight, resumed)
     assert max(diffs.values()) < 1e-6, diffs
-    steps = 2 * (N_TRAIN_FILE - VAL) // 64
+    steps = 2 * (N_TRAIN_FILE - VAL) // 256
     assert checkpoint(runs["resumed"])["global_step"] == steps
     assert checkpoint(runs["gpipe_2ep"])["global_step"] == steps
     assert max(max_diff(weights(runs["gpipe"]), straight).values()) > 100 * WEIGHT_ATOL
@@ -238,33 +256,20 @@ def test_resume_is_exact(runs: dict) -> None:
 # --- refused before any process starts --------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("extra", "message"),
-    [
-        (
-            ("data.batch_size=30",),
-            "data.batch_size=30 does not split into strategy.microbatches=4",
-        ),
-        (("strategy.schedule=foo",), "strategy.schedule='foo': use one of gpipe, 1f1b"),
-        (
-            ("strategy.microbatch_size=24",),
-            "does not split into micro-batches of strategy.microbatch_size=24",
-        ),
-    ],
-)
-def test_bad_pipeline_run_fails_before_any_process(
-    pipe_mnist: Path, tmp_path: Path, extra: tuple[str, ...], message: str
-) -> None:
+def test_bad_pipeline_run_fails_before_any_process(pipe_mnist: Path, tmp_path: Path) -> None:
+    """One bad shape through the command line; the other refusals are the same check, with their
+    messages, in unit/test_pipeline.py."""
     proc = run_python(
         "train.py",
         f"data.root={pipe_mnist}",
         "data.download=false",
         "accelerator=cpu",
         *PIPE2,
-        *extra,
+        "data.batch_size=30",
         log_dir=tmp_path,
     )
     assert proc.returncode != 0
+    message = "data.batch_size=30 does not split into strategy.microbatches=4"
     assert message in proc.stdout + proc.stderr
     names = [p.name for p in tmp_path.rglob("*")]
     assert "train.log" in names  # the run started, in one process
@@ -306,7 +311,8 @@ def test_predict_after_fit_uses_every_stage_trained_weights(
     (the weights it then holds equal last.ckpt) and predict what one device predicts with them."""
     script = tmp_path / "predict.py"
     script.write_text(PREDICT_SCRIPT)
-    overrides = (*base, *PIPE2, "trainer.max_epochs=1", "trainer.limit_train_batches=4")
+    overrides = (*base, *PIPE2, "data.batch_size=64", "trainer.max_epochs=1")
+    overrides = (*overrides, "trainer.limit_train_batches=4")
     proc = run_python(str(script), str(tmp_path), *overrides, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = torch.load(tmp_path / "predict.pt", weights_only=True)
@@ -332,7 +338,11 @@ CLIP_AND_ACCUMULATE = ("trainer.gradient_clip_val=0.05", "trainer.accumulate_gra
 
 
 @pytest.fixture(scope="module")
-def clip_runs(run_script: Callable[..., Path], tmp_path_factory) -> dict[str, Path]:
+def clip_runs(
+    run_script: Callable[..., Path], run_here: Callable[..., Path], tmp_path_factory
+) -> dict[str, Path]:
+    """Clipped and accumulated: on one device (in this process) and under the pipeline; and
+    accumulated only, on one device."""
     root = write_mnist(tmp_path_factory.mktemp("clip-mnist"), 1000, 100, seed=5)
     common = (
         f"data.root={root}",
@@ -342,12 +352,13 @@ def clip_runs(run_script: Callable[..., Path], tmp_path_factory) -> dict[str, Pa
         "accelerator=cpu",
         "trainer.max_epochs=1",
     )
-    commands = {
-        "single": ("threads=1", *CLIP_AND_ACCUMULATE),
-        "pipeline": ("strategy=pipeline", "devices=2", *CLIP_AND_ACCUMULATE),
-        "single_unclipped": ("threads=1", "trainer.accumulate_grad_batches=3"),
-    }
-    return {name: run_script("train.py", *common, *extra) for name, extra in commands.items()}
+    return {
+        "single": run_here("train.py", *common, "threads=1", *CLIP_AND_ACCUMULATE),
+        "pipeline": run_script("train.py", *common, "strategy=pipeline", "devices=2",
+                               *CLIP_AND_ACCUMULATE),
+        "single_unclipped": run_here("train.py", *common, "threads=1",
+                                     "trainer.accumulate_grad_batches=3"),
+    }  # fmt: skip
 
 
 @shares_clip_runs

@@ -42,16 +42,19 @@ def base(tmp_path_factory) -> tuple[str, ...]:
 
 
 @pytest.fixture(scope="module")
-def runs(run_script: Callable[..., Path], base: tuple[str, ...]) -> dict[str, Path]:
+def runs(
+    run_script: Callable[..., Path], run_here: Callable[..., Path], base: tuple[str, ...]
+) -> dict[str, Path]:
+    """One device (in this process), GPipe and interleaved, in float64."""
     f64 = (*base, "precision=64-true")
     # plain model parallelism (one micro-batch) and 2 stages x 2 replicas are checked on the MLP
     # (e2e/test_pipeline.py); here the split of six very uneven blocks by FLOPs, in float64
     commands = {
-        "single64": (*f64, "threads=1"),
         "gpipe64": (*f64, *PIPE, "strategy.schedule=gpipe"),
         "interleaved64": (*f64, *PIPE, "strategy.schedule=interleaved"),
     }
-    return {name: run_script("train.py", *args) for name, args in commands.items()}
+    single = run_here("train.py", *f64, "threads=1")
+    return {"single64": single, **{n: run_script("train.py", *a) for n, a in commands.items()}}
 
 
 def last(run_dir: Path) -> dict:

@@ -1,9 +1,9 @@
-"""Strategies as config on CPU, end to end: auto, ddp (2 and 3 processes), ddp_spawn, devices,
+"""Strategies as config on CPU, end to end: auto, ddp (2 and 4 processes), ddp_spawn, devices,
 two nodes under torchrun. What is checked in-process (timeouts, precisions, refused counts) is in
 unit/test_strategies.py.
 
 Distributed runs are real ``python train.py`` processes (gloo). The test set has an odd size, so
-exact distributed evaluation is checked where padding would show: 251 images on 2 and 3 ranks.
+exact distributed evaluation is checked where padding would show: 251 images on 2 and 4 ranks.
 """
 
 import json
@@ -15,12 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import run_python, start_python
+from helpers import readme_run, run_python, start_python
 from trainkit.data.synthetic import write_mnist
 
 N_TRAIN_FILE, VAL, N_TEST = 1001, 201, 251  # 800 training images: 12.5 batches of 64
 WEIGHT_ATOL = 1e-5  # float sums in another order, amplified a little by Adam over 13 steps
-# The tests that read the module's runs (five train.py runs): one worker makes them.
+# The tests that read the module's runs (four train.py processes, one run in this process): one
+# worker makes them.
 shares_runs = pytest.mark.xdist_group(name="strategy_runs")
 
 
@@ -42,20 +43,28 @@ def base(odd_mnist: Path) -> tuple[str, ...]:
 
 
 @pytest.fixture(scope="module")
-def runs(run_script: Callable[..., Path], base: tuple[str, ...], tmp_path_factory) -> dict:
-    """One epoch under each strategy, global batch 64 everywhere it divides."""
+def runs(
+    run_script: Callable[..., Path],
+    run_here: Callable[..., Path],
+    base: tuple[str, ...],
+    tmp_path_factory,
+) -> dict:
+    """One epoch on one device (in this process) and under each strategy, global batch 64
+    everywhere it divides."""
     log_dir = tmp_path_factory.mktemp("strategy-logs")
     count = "+callbacks.collective_count"
     out = log_dir / "collectives"
     counted = (f"{count}._target_=helpers.CollectiveCount", f"{count}.out={out}")
     commands = {
-        "single": ("data.batch_size=64",),
         "ddp2": ("strategy=ddp", "devices=2", "data.batch_size=32", *counted),
-        "ddp3": ("strategy=ddp", "devices=3", "data.batch_size=32"),
-        "spawn2": ("strategy=ddp_spawn", "devices=2", "data.batch_size=32"),
+        # the README's commands for 4 ranks and for ddp_spawn, checked here in depth
+        "ddp4": readme_run("ddp4", "data.batch_size=16"),
+        "spawn2": readme_run("spawn2", "data.batch_size=32"),
         "auto2": ("strategy=auto", "devices=2", "data.batch_size=32"),
     }
-    return {k: run_script("train.py", *base, *v, log_dir=log_dir) for k, v in commands.items()}
+    single = run_here("train.py", *base, "data.batch_size=64")
+    runs = {k: run_script("train.py", *base, *v, log_dir=log_dir) for k, v in commands.items()}
+    return {"single": single, **runs}
 
 
 def metrics(run_dir: Path) -> dict:
@@ -68,22 +77,22 @@ def weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 @shares_runs
-@pytest.mark.parametrize("name", ["ddp2", "ddp3", "spawn2", "auto2"])
+@pytest.mark.parametrize("name", ["ddp2", "ddp4", "spawn2", "auto2"])
 def test_distributed_test_metrics_equal_single_device_eval(
-    runs: dict, name: str, run_script: Callable[..., Path], tmp_path: Path
+    runs: dict, name: str, run_here: Callable[..., Path]
 ) -> None:
-    """The run's test metrics (computed on 2 or 3 ranks) equal eval.py on one device, on the
+    """The run's test metrics (computed on 2 or 4 ranks) equal eval.py on one device, on the
     same checkpoint: no sample padded in twice, none left out."""
     run_dir = runs[name]
     best = run_dir / "checkpoints" / "best.ckpt"
-    evaluated = metrics(run_script("eval.py", f"ckpt_path={best}", "accelerator=cpu"))["test"]
+    evaluated = metrics(run_here("eval.py", f"ckpt_path={best}", "accelerator=cpu"))["test"]
     distributed = metrics(run_dir)["test"]
     assert distributed["test/acc"] == evaluated["test/acc"]
     assert distributed["test/loss"] == pytest.approx(evaluated["test/loss"], rel=1e-6)
 
 
 @shares_runs
-@pytest.mark.parametrize("name", ["ddp2", "spawn2", "auto2"])
+@pytest.mark.parametrize("name", ["ddp2", "ddp4", "spawn2", "auto2"])
 def test_data_parallel_weights_equal_single_device(runs: dict, name: str) -> None:
     """Same seed, same data order, same global batch: the same weights after an epoch."""
     single, distributed = weights(runs["single"]), weights(runs[name])
@@ -120,7 +129,7 @@ def test_ddp_steps_run_no_collective_but_the_gradient_all_reduce(runs: dict) -> 
 @shares_runs
 def test_threads_are_divided_among_ranks_and_logged(runs: dict) -> None:
     cores = os.cpu_count() or 1
-    for name, processes in (("ddp2", 2), ("ddp3", 3)):
+    for name, processes in (("ddp2", 2), ("ddp4", 4)):
         expected = f"{max(1, cores // processes)} thread(s) per process ({cores} cores, "
         expected += f"{processes} process(es) per node)"
         assert expected in (runs[name] / "train.log").read_text()

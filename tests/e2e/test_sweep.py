@@ -20,14 +20,14 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.backend.event_processing.plugin_event_multiplexer import EventMultiplexer
 from tensorboard.plugins.hparams import plugin_data_pb2
 
-from helpers import run_python
+from helpers import readme_run, run_python
 
 pytestmark = pytest.mark.slow  # long end-to-end runs: CI's `slow` job
 
 BATCH = (
     "data.batch_size=100"  # 800 training images: 8 full batches, so every strategy sees them all
 )
-DDP_SWEEP = ("-m", "strategy=ddp", "devices=1,2", "model.optimizer.lr=1e-3,3e-3", BATCH)
+DDP_SWEEP = readme_run("ddp_sweep", BATCH)  # the README's sweep: -m strategy=ddp devices=1,2 ...
 # The tests that read the module's ddp sweep (or its jobs run alone): one worker makes them.
 shares_ddp_sweep = pytest.mark.xdist_group(name="ddp_sweep")
 
@@ -113,9 +113,17 @@ def ddp_sweep(sweep_runner) -> Path:
 
 
 @pytest.fixture(scope="module")
-def alone(ddp_sweep: Path, run_script: Callable[..., Path]) -> dict[int, Path]:
-    """Each job of the ddp sweep, run again on its own (no -m): job number -> run directory."""
-    return {job["num"]: run_script("train.py", *own_overrides(job)) for job in jobs(ddp_sweep)}
+def alone(
+    ddp_sweep: Path, run_script: Callable[..., Path], run_here: Callable[..., Path]
+) -> dict[int, Path]:
+    """Each job of the ddp sweep, run again on its own (no -m; in this process where it is one
+    process): job number -> run directory."""
+    found = {}
+    for job in jobs(ddp_sweep):
+        args = own_overrides(job)
+        one_process = value(job["overrides"], "devices") == "1"
+        found[job["num"]] = (run_here if one_process else run_script)("train.py", *args)
+    return found
 
 
 @shares_ddp_sweep
@@ -150,7 +158,9 @@ def test_each_ddp_job_equals_the_job_run_alone(ddp_sweep: Path, alone: dict[int,
     for job in jobs(ddp_sweep):
         swept, single = weights(Path(job["dir"])), weights(alone[job["num"]])
         assert all(torch.equal(swept[k], single[k]) for k in swept), job["overrides"]
-        assert processes(alone[job["num"]]) != []
+        devices = int(value(job["overrides"], "devices"))
+        if devices > 1:  # a process of its own, with a log per rank (devices=1 ran in this one)
+            assert len(processes(alone[job["num"]])) == devices
     # and the jobs really differ from one another: lr and devices reached the weights
     by_num = {job["num"]: weights(Path(job["dir"])) for job in jobs(ddp_sweep)}
     assert max_diff(by_num[0], by_num[1]) > 1e-3

@@ -139,9 +139,9 @@ def test_eval_foreign_checkpoint_fails_clearly(tmp_path: Path) -> None:
 
 
 def test_learns_the_learnable_data(
-    run_script: Callable[..., Path], overrides: tuple[str, ...]
+    run_here: Callable[..., Path], overrides: tuple[str, ...]
 ) -> None:
-    run_dir = run_script("train.py", *overrides, "trainer.max_epochs=3")
+    run_dir = run_here("train.py", *overrides, "trainer.max_epochs=3")
 
     assert read_metrics(run_dir)["test"]["test/acc"] > 0.9  # chance is 0.1
     # last.ckpt is the last epoch even when the best (val/acc saturates here) is an earlier one
@@ -191,9 +191,9 @@ def test_same_seed_gives_identical_weights(trained_run: Path, repeat_run: Path) 
 
 
 def test_other_seed_gives_other_weights(
-    run_script: Callable[..., Path], overrides: tuple[str, ...], trained_run: Path
+    run_here: Callable[..., Path], overrides: tuple[str, ...], trained_run: Path
 ) -> None:
-    other = run_script("train.py", *overrides, "seed=1", "trainer.max_epochs=1")
+    other = run_here("train.py", *overrides, "seed=1", "trainer.max_epochs=1")
     assert OmegaConf.load(other / "config.yaml").seed == 1
     seed0, seed1 = state_dict(trained_run), state_dict(other)
     assert seed0.keys() == seed1.keys()

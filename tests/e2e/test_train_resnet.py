@@ -151,11 +151,12 @@ def test_checkpoint_holds_the_class_names_and_rebuilds_the_model(
 
 @pytest.mark.parametrize("name", RUNS)
 def test_eval_reproduces_the_test_metrics(
-    request: pytest.FixtureRequest, name: str, run_script: Callable[..., Path], log_dir: Path
+    request: pytest.FixtureRequest, name: str, run_here: Callable[..., Path]
 ) -> None:
+    """eval.py's path, in this process (e2e/test_train.py runs the command)."""
     run_dir = run_dir_of(request, name)
     best = best_checkpoint(run_dir)
-    eval_run = run_script("eval.py", f"ckpt_path={best}", "accelerator=cpu", log_dir=log_dir)
+    eval_run = run_here("eval.py", f"ckpt_path={best}", "accelerator=cpu")
 
     metrics = read_metrics(eval_run)
     assert metrics["checkpoint"] == str(best.resolve())

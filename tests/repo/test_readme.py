@@ -1,20 +1,28 @@
-"""Every command in the README works as written (with test data and small epochs appended)."""
+"""Every command in the README works as written (with test data and small epochs appended); those
+an e2e test runs as its own run (helpers.README_RUN_BY_E2E) are checked there, in depth."""
 
 import os
 import re
 import shlex
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from helpers import README, ROOT, bash_block_after, run_train_command
+from helpers import FAST, README, README_RUN_BY_E2E, ROOT, bash_block_after, run_train_command
 from trainkit.data.synthetic import write_cifar10, write_mnist
 
-SECTIONS = (
-    "### Strategies, devices and precision",
-    "### Pipeline (model parallel)",
-    "### Sweeps",
+RUN_BY_E2E = {command for _, command in README_RUN_BY_E2E.values()}
+# The sections whose commands run here, less those an e2e test runs (helpers.README_RUN_BY_E2E)
+SECTIONS = tuple(
+    section
+    for section in (
+        "### Strategies, devices and precision",
+        "### Pipeline (model parallel)",
+        "### Sweeps",
+    )
+    if set(bash_block_after(section)) - RUN_BY_E2E
 )
 # The tests that read the module's quickstart run: one worker makes it.
 shares_quickstart = pytest.mark.xdist_group(name="readme_quickstart")
@@ -48,17 +56,23 @@ def test_offline_quickstart_trains(quickstart_run: Path) -> None:
 
 
 @shares_quickstart
-def test_readme_commands_run(quickstart_run: Path, tmp_path: Path) -> None:
-    """The "Running things" block (its ckpt_path line resumes the quickstart's run); the
-    strategy, pipeline and sweep blocks are test_readme_section_runs below."""
+def test_readme_commands_run(
+    quickstart_run: Path, run_here: Callable[..., Path], tmp_path: Path
+) -> None:
+    """The "Running things" block (its ckpt_path line resumes the quickstart's run), each command
+    composed and run in this process: they are one process each, and the CLI's own path is the
+    quickstart's. The strategy, pipeline and sweep blocks are test_readme_section_runs below."""
     data_root = quickstart_run.parents[3] / "synthetic"
     write_cifar10(data_root, n_per_batch=80, n_test=50)  # beside the MNIST files: one data.root
     commands = bash_block_after("## Running things")
     assert len(commands) >= 8
     for command in commands:
-        command = command.replace("logs/train/runs/<run>", str(quickstart_run))
+        argv = shlex.split(command.replace("logs/train/runs/<run>", str(quickstart_run)))
+        assert argv[:2] == ["python", "train.py"], command
         # batches of 32: the same code paths, a quarter of the ResNet-50 line's work
-        run_train_command(command, data_root, tmp_path / "logs", "data.batch_size=32")
+        extra = (f"data.root={data_root}", *FAST, "data.batch_size=32")
+        run_dir = run_here("train.py", *argv[2:], *extra, log_dir=tmp_path / "logs")
+        assert (run_dir / "metrics.json").is_file(), command
 
 
 @shares_quickstart
@@ -85,10 +99,16 @@ def data_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.slow  # long end-to-end runs: CI's `slow` job
 @pytest.mark.parametrize("section", SECTIONS)
 def test_readme_section_runs(section: str, data_root: Path, tmp_path: Path) -> None:
-    commands = bash_block_after(section)
+    commands = [c for c in bash_block_after(section) if c not in RUN_BY_E2E]
     assert commands
     for command in commands:
         run_train_command(command, data_root, tmp_path / "logs")
+
+
+@pytest.mark.parametrize("name", sorted(README_RUN_BY_E2E))
+def test_commands_run_by_e2e_tests_are_in_the_readme(name: str) -> None:
+    section, command = README_RUN_BY_E2E[name]
+    assert command in bash_block_after(section)
 
 
 def table_rows(after: str) -> dict[str, str]:
