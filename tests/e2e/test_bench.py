@@ -136,14 +136,3 @@ def test_tensorboard_scalars(bench_run: Path, results: dict) -> None:
     acc = EventAccumulator(str(bench_run / "tensorboard" / "ratios"))
     acc.Reload()
     assert "ratio/template_vs_plain_loop_mlp" in acc.Tags()["scalars"]
-
-
-def test_existing_out_and_unknown_cells_refused_before_any_run(tmp_path: Path):
-    (tmp_path / "old").mkdir()
-    (tmp_path / "old" / "results.json").write_text("{}")
-    proc = bench("--out", str(tmp_path / "old"))
-    assert proc.returncode == 2 and "exists" in proc.stderr
-    assert (tmp_path / "old" / "results.json").read_text() == "{}"  # nothing overwritten
-    proc = bench("--out", str(tmp_path / "new"), "--cells", "mlp-nonsense")
-    assert proc.returncode == 2 and "--list" in proc.stderr
-    assert not (tmp_path / "new").exists()

@@ -49,11 +49,11 @@ def values(events: EventAccumulator, tag: str) -> list[float]:
 
 
 def test_speed_is_logged_every_epoch_however_short(
-    run_script: Callable[..., Path], overrides: tuple[str, ...]
+    run_here: Callable[..., Path], overrides: tuple[str, ...]
 ) -> None:
     """2 epochs of 21 steps, fewer than log_every_n_steps (50): each epoch still logs its speed,
-    at its last step."""
-    run = run_script(
+    at its last step (a run in this process: the callback is what is checked)."""
+    run = run_here(
         "train.py", *overrides, "data.batch_size=39", "trainer.max_epochs=2", "logger=tensorboard"
     )  # 800 training samples: 21 batches of 39 (the last one short)
     acc = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0})

@@ -277,11 +277,3 @@ def test_missing_data_is_reported_before_ddp_starts_its_processes(tmp_path: Path
     assert "MNIST files not found" in proc.stderr
     (run,) = runs(tmp_path)
     assert not list(run.glob("*_ddp_process_*.log"))  # no other rank was started
-
-
-def test_the_same_command_twice_makes_two_directories(overrides, tmp_path: Path) -> None:
-    for _ in range(2):
-        proc = train(tmp_path, *overrides, "debug=fast_dev_run")
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    first, second = runs(tmp_path)
-    assert first != second and (first / "config.yaml").is_file()

@@ -1,9 +1,12 @@
 """The benchmark's derived figures on hand-made results: rounds merged, scaling, ratios against
-their goals, the default matrix, per-process batches. Real cells in real processes are in
-e2e/test_bench.py."""
+their goals, the default matrix, per-process batches; its refused arguments. Real cells in real
+processes are in e2e/test_bench.py."""
+
+from pathlib import Path
 
 import pytest
 
+from trainkit.bench.__main__ import main as bench_main
 from trainkit.bench.cells import DEFAULT_MATRIX, Cell, merge_rounds
 from trainkit.bench.report import add_scaling, compile_warmup_s, launches, markdown, ratios
 
@@ -122,3 +125,19 @@ def test_compile_warmup_is_against_the_eager_cell() -> None:
     compiled = {"cell": "mlp-template-auto-1dev-32-true-compile", "warmup_s": 20.5}
     assert compile_warmup_s([eager, compiled]) == 20.0
     assert compile_warmup_s([eager]) is None
+
+
+def test_existing_out_and_unknown_cells_refused_before_any_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """python -m trainkit.bench's arguments: exit 2 with the reason, nothing written."""
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "results.json").write_text("{}")
+    with pytest.raises(SystemExit) as exit_info:
+        bench_main(["--out", str(tmp_path / "old")])
+    assert exit_info.value.code == 2 and "exists" in capsys.readouterr().err
+    assert (tmp_path / "old" / "results.json").read_text() == "{}"  # nothing overwritten
+    with pytest.raises(SystemExit) as exit_info:
+        bench_main(["--out", str(tmp_path / "new"), "--cells", "mlp-nonsense"])
+    assert exit_info.value.code == 2 and "--list" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()

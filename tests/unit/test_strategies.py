@@ -9,6 +9,7 @@ import pytest
 import torch
 from hydra.utils import instantiate
 
+from trainkit.build import build_strategy
 from trainkit.config import compose_config
 from trainkit.errors import ConfigError
 from trainkit.preflight import preflight
@@ -22,6 +23,18 @@ def test_ddp_timeout_is_minutes_and_configurable(tmp_path: Path) -> None:
     strategy = instantiate(cfg.strategy)
     assert strategy._timeout == timedelta(seconds=30)
     assert strategy._start_method == "spawn"
+
+
+def test_auto_on_several_devices_builds_the_ddp_strategy(
+    overrides: tuple[str, ...], tmp_path: Path
+) -> None:
+    """strategy=auto with devices=2 runs as strategy=ddp does (e2e/test_strategies.py trains with
+    that): our DDPStrategy, whose ranks run only their own sweep job, not Lightning's."""
+    cfg = compose_config("train", tmp_path, [*overrides, "strategy=auto", "devices=2"])
+    ddp = instantiate(compose_config("train", tmp_path, ["strategy=ddp"]).strategy)
+    assert type(build_strategy(cfg, preflight(cfg))) is type(ddp)
+    cfg = compose_config("train", tmp_path, [*overrides, "strategy=auto"])
+    assert build_strategy(cfg, preflight(cfg)) == "auto"  # one device: Lightning's choice
 
 
 @pytest.mark.parametrize("devices", [0, -2])
