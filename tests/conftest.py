@@ -128,9 +128,10 @@ def run_here(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
         task = Path(script).stem
         if log_dir is None:
             output_dir = tmp_path_factory.mktemp(f"{task}-here")
-        else:  # where the command would put it, for ckpt_path=last
+        else:  # beside the command's own runs, where ckpt_path=last looks
             runs = log_dir / task / "runs"
-            output_dir = runs / f"{len(list(runs.glob('*'))) if runs.is_dir() else 0:03d}-here"
+            earlier = len(list(runs.iterdir())) if runs.is_dir() else 0
+            output_dir = runs / f"{earlier:03d}-here"
             overrides = (*overrides, f"paths.log_dir={log_dir}")
         cfg = compose_config(task, output_dir, overrides)
         with in_process_state():

@@ -36,7 +36,8 @@ def cpu_runs(overrides: tuple[str, ...], tmp_path_factory) -> dict:
     log_dir = tmp_path_factory.mktemp("dp-logs")
     common = (*overrides, "seed=0", "trainer.max_epochs=1")
     runs = {}
-    for name, args in (("dp", readme_run("dp2", *common)), ("single", common)):  # the README's
+    # the dp run is the README's `python train.py strategy=dp devices=2`, on the test data
+    for name, args in (("dp", readme_run("dp2", *common)), ("single", common)):
         before = set(log_dir.glob("train/runs/*"))
         proc = run_python("train.py", *args, log_dir=log_dir)
         assert proc.returncode == 0, proc.stdout + proc.stderr

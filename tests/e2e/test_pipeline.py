@@ -311,8 +311,8 @@ def test_predict_after_fit_uses_every_stage_trained_weights(
     (the weights it then holds equal last.ckpt) and predict what one device predicts with them."""
     script = tmp_path / "predict.py"
     script.write_text(PREDICT_SCRIPT)
-    overrides = (*base, *PIPE2, "data.batch_size=64", "trainer.max_epochs=1")
-    overrides = (*overrides, "trainer.limit_train_batches=4")
+    overrides = (*base, *PIPE2, "data.batch_size=64")
+    overrides += ("trainer.max_epochs=1", "trainer.limit_train_batches=4")
     proc = run_python(str(script), str(tmp_path), *overrides, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = torch.load(tmp_path / "predict.pt", weights_only=True)
