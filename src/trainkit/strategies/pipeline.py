@@ -413,12 +413,18 @@ class PipelineStrategy(DDPStrategy):
         return super().lightning_module_state_dict()
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """Each stage holds the optimizer state of its own parameters: merge them all."""
+        """Each stage's optimizer state of its own parameters, merged. A stage keeps only its own:
+        after a resume every rank also holds the loaded, never updated state of the others'."""
         state = super().optimizer_state(optimizer)
         if self._schedule is None:
             return state
+        blocks = self.blocks(self.lightning_module)
+        own = {id(p) for i, b in enumerate(blocks) if self._owner(i) == self.stage
+               for p in b.parameters()}  # fmt: skip
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's own
+        params = [p for group in optimizer.param_groups for p in group["params"]]  # state's order
         local = {i: {k: v.cpu() if isinstance(v, Tensor) else v for k, v in s.items()}
-                 for i, s in state["state"].items()}  # fmt: skip
+                 for i, s in state["state"].items() if id(params[i]) in own}  # fmt: skip
         gathered: list[Any] = [None] * self.stages
         dist.all_gather_object(gathered, local, group=self._pipe_group)
         merged: dict[int, Any] = {}
