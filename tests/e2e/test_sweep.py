@@ -113,16 +113,38 @@ def ddp_sweep(sweep_runner) -> Path:
 
 
 @pytest.fixture(scope="module")
+def joblib_sweep(sweep_runner) -> Path:
+    """The ddp sweep's two devices=2 jobs again, at once, each the only job of a joblib worker."""
+    return sweep_runner(
+        "-m", "launcher=joblib", "strategy=ddp", "devices=2", "model.optimizer.lr=1e-3,3e-3", BATCH
+    )[0]
+
+
+@pytest.fixture(scope="module")
 def alone(
-    ddp_sweep: Path, run_script: Callable[..., Path], run_here: Callable[..., Path]
+    ddp_sweep: Path,
+    joblib_sweep: Path,
+    run_script: Callable[..., Path],
+    run_here: Callable[..., Path],
 ) -> dict[int, Path]:
-    """Each job of the ddp sweep, run again on its own (no -m; in this process where it is one
-    process): job number -> run directory."""
+    """Each job of the ddp sweep run again on its own: job number -> run directory.
+
+    The devices=1 jobs run in this process, the first devices=2 job as its own command; the
+    other devices=2 job (lr 3e-3) is the joblib sweep's, the first job of a fresh process, which
+    test_joblib_runs_ddp_jobs_in_parallel checks against a command of its own in turn."""
     found = {}
     for job in jobs(ddp_sweep):
-        args = own_overrides(job)
-        one_process = value(job["overrides"], "devices") == "1"
-        found[job["num"]] = (run_here if one_process else run_script)("train.py", *args)
+        lr = value(job["overrides"], "model.optimizer.lr")
+        if value(job["overrides"], "devices") == "1":
+            found[job["num"]] = run_here("train.py", *own_overrides(job))
+        elif lr == "0.001":
+            found[job["num"]] = run_script("train.py", *own_overrides(job))
+        else:
+            (found[job["num"]],) = [
+                Path(j["dir"])
+                for j in jobs(joblib_sweep)
+                if value(j["overrides"], "model.optimizer.lr") == lr
+            ]
     return found
 
 
@@ -282,22 +304,19 @@ def test_optuna_trials_with_ddp(sweep_runner) -> None:
 
 
 @shares_ddp_sweep
-def test_joblib_runs_ddp_jobs_in_parallel(sweep_runner, alone: dict[int, Path]) -> None:
-    """Two ddp jobs at once in two joblib workers, each on its own free port; each gives the
-    weights of the same job run alone."""
-    sweep, _ = sweep_runner(
-        "-m", "launcher=joblib", "strategy=ddp", "devices=2", "model.optimizer.lr=1e-3,3e-3", BATCH
-    )
-    records = jobs(sweep)
+def test_joblib_runs_ddp_jobs_in_parallel(joblib_sweep: Path, alone: dict[int, Path]) -> None:
+    """Two ddp jobs at once in two joblib workers, each on its own free port; the first gives the
+    weights of the same job run alone (the second is the ddp sweep's reference for its job 3)."""
+    records = jobs(joblib_sweep)
     rank0_pids = set()
     for job in records:
         assert job["status"] == "completed"
         rank0_pids.add(check_processes(job, 2)[0]["pid"])
     assert len(rank0_pids) == 2  # two worker processes, not one after the other in one
-    # jobs 2 and 3 of the ddp sweep are devices=2 at lr 1e-3 and 3e-3, run alone
-    for job, lone in zip(records, (alone[2], alone[3]), strict=True):
-        swept, single = weights(Path(job["dir"])), weights(lone)
-        assert all(torch.equal(swept[k], single[k]) for k in swept)
+    # job 2 of the ddp sweep is devices=2 at lr 1e-3, run alone as its own command
+    assert value(records[0]["overrides"], "model.optimizer.lr") == "0.001"
+    swept, single = weights(Path(records[0]["dir"])), weights(alone[2])
+    assert all(torch.equal(swept[k], single[k]) for k in swept)
 
 
 def test_submitit_local_runs_a_ddp_job(sweep_runner) -> None:
