@@ -1,8 +1,10 @@
-"""End to end: ``python train.py`` and ``python eval.py`` as real subprocesses on IDX files; and the
-checks on ``ckpt_path`` against a real run's checkpoints."""
+"""End to end: ``python train.py`` and ``python eval.py`` on IDX files (the shared run a real
+subprocess; other one-device runs and the refusals in this process); and the checks on
+``ckpt_path`` against a real run's checkpoints."""
 
 import json
 import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,7 +14,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from helpers import TRAINED_RUN, run_python, shares_trained_run
+from helpers import TRAINED_RUN, shares_trained_run
 from trainkit.errors import ConfigError
 from trainkit.resume import resolve_ckpt_path
 
@@ -32,10 +34,6 @@ def scalars(run_dir: Path) -> EventAccumulator:
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
     return events
-
-
-def output_of(proc) -> str:
-    return proc.stdout + proc.stderr
 
 
 # --- one epoch -------------------------------------------------------------------------------
@@ -114,24 +112,24 @@ def test_eval_reproduces_the_test_metrics(
     assert metrics["test"] == read_metrics(trained_run)["test"]  # exactly, not approximately
 
 
-def test_eval_missing_checkpoint_fails_clearly(tmp_path: Path) -> None:
+def test_eval_missing_checkpoint_fails_clearly(
+    run_here: Callable[..., Path], tmp_path: Path
+) -> None:
     missing = tmp_path / "no-such-run" / "best.ckpt"
-    proc = run_python("eval.py", f"ckpt_path={missing}", log_dir=tmp_path / "logs")
-
-    assert proc.returncode != 0
-    assert f"ckpt_path={missing} does not exist" in output_of(proc)
+    with pytest.raises(ConfigError, match=re.escape(f"ckpt_path={missing} does not exist")):
+        run_here("eval.py", f"ckpt_path={missing}", log_dir=tmp_path / "logs")
     assert not list((tmp_path / "logs").rglob("metrics.json"))
 
 
-def test_eval_foreign_checkpoint_fails_clearly(tmp_path: Path) -> None:
+def test_eval_foreign_checkpoint_fails_clearly(
+    run_here: Callable[..., Path], tmp_path: Path
+) -> None:
     foreign = tmp_path / "foreign.ckpt"
     torch.save({"state_dict": {"weight": torch.zeros(3)}, "epoch": 4}, foreign)
-    proc = run_python("eval.py", f"ckpt_path={foreign}", log_dir=tmp_path / "logs")
-
-    assert proc.returncode != 0
-    out = output_of(proc)
-    assert f"{foreign} has no 'trainkit_config'" in out
-    assert "not written by trainkit" in out
+    with pytest.raises(ConfigError) as raised:
+        run_here("eval.py", f"ckpt_path={foreign}", log_dir=tmp_path / "logs")
+    assert f"{foreign} has no 'trainkit_config'" in str(raised.value)
+    assert "not written by trainkit" in str(raised.value)
     assert not list((tmp_path / "logs").rglob("metrics.json"))
 
 

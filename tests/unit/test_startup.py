@@ -1,6 +1,9 @@
 """What a process imports before its first step, in fresh interpreters (imports are per process)."""
 
+import ast
 import json
+
+import pytest
 
 from helpers import run_python
 
@@ -25,27 +28,45 @@ def imports_after(code: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_the_recipe_imports_no_optional_stack_until_it_is_chosen() -> None:
-    report = imports_after("import trainkit.startup, trainkit.train, trainkit.evaluate")
-    assert not any(report["loaded"].values()), report["loaded"]
-    assert report["hamming"] == 1.0 and report["stale"] == []  # scipy.signal works when wanted
+# The benchmark's plain loop first, then the recipe, in one fresh interpreter: what the plain loop
+# left imported is noted before the recipe's imports.
+PLAIN_THEN_RECIPE = """
+import sys
+from trainkit.bench import plain
+plain.build({"_target_": "trainkit.models.MLP", "in_features": 4, "hidden": [8], "num_classes": 2})
+heavy = ("lightning", "hydra", "omegaconf", "torchmetrics", "scipy", "matplotlib", "tensorboard")
+plain_loaded = [m for m in heavy if m in sys.modules]
+import trainkit.startup, trainkit.train, trainkit.evaluate
+print(plain_loaded)
+"""
+
+
+# The tests that read that process: one worker starts it.
+shares_process = pytest.mark.xdist_group(name="plain_then_recipe")
+
+
+@pytest.fixture(scope="module")
+def plain_then_recipe() -> dict:
+    proc = run_python("-c", PLAIN_THEN_RECIPE + REPORT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plain_loaded, report = proc.stdout.strip().splitlines()[-2:]
+    return {"plain_loaded": ast.literal_eval(plain_loaded), **json.loads(report)}
+
+
+@shares_process
+def test_the_recipe_imports_no_optional_stack_until_it_is_chosen(plain_then_recipe: dict) -> None:
+    assert not any(plain_then_recipe["loaded"].values()), plain_then_recipe["loaded"]
+    # scipy.signal works when wanted
+    assert plain_then_recipe["hamming"] == 1.0 and plain_then_recipe["stale"] == []
+
+
+@shares_process
+def test_the_plain_benchmark_loop_imports_only_torch_and_the_data(plain_then_recipe: dict) -> None:
+    """Its launch to first step is the floor the template's is compared with."""
+    assert plain_then_recipe["plain_loaded"] == []
 
 
 def test_without_startup_torchmetrics_imports_scipy_signal() -> None:
     """What trainkit.startup is for (torchmetrics#3457); when this fails, upstream fixed it and the
     placeholder can go."""
     assert imports_after("import lightning")["loaded"]["scipy.signal"]
-
-
-def test_the_plain_benchmark_loop_imports_only_torch_and_the_data() -> None:
-    """Its launch to first step is the floor the template's is compared with."""
-    code = """
-import json, sys
-from trainkit.bench import plain
-plain.build({"_target_": "trainkit.models.MLP", "in_features": 4, "hidden": [8], "num_classes": 2})
-heavy = ("lightning", "hydra", "omegaconf", "torchmetrics", "scipy", "matplotlib", "tensorboard")
-print(json.dumps([m for m in heavy if m in sys.modules]))
-"""
-    proc = run_python("-c", code)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
