@@ -82,7 +82,6 @@ def runs(
     commands = {
         # 2 stages, GPipe, 8 micro-batches of 32
         "gpipe": readme_run("pipeline_gpipe", *one_epoch),
-        "mb1": (*one_epoch, *PIPE2, "strategy.microbatches=1"),
         # 3 stages, 1F1B, split by FLOPs, batch 256
         "pipe3": readme_run("pipeline_3_stages", *one_epoch),
         # 4 chunks on 2 processes, micro-batches of 32 of a batch of 128
@@ -147,15 +146,6 @@ def test_stages_times_replicas_equal_single_device(runs: dict) -> None:
 
 
 @shares_runs
-def test_one_microbatch_is_exactly_single_device(runs: dict) -> None:
-    """One micro-batch is plain model parallelism: the same sums in the same order."""
-    single, piped = weights(runs["single"]), weights(runs["mb1"])
-    assert single.keys() == piped.keys()
-    for key in single:
-        assert torch.equal(single[key], piped[key]), key
-
-
-@shares_runs
 def test_three_stages_run_on_three_processes(runs: dict) -> None:
     run_dir = runs["pipe3"]
     logs = sorted(p.name for p in run_dir.glob("*.log"))
@@ -174,24 +164,21 @@ def test_training_moved_the_weights(runs: dict, base: tuple[str, ...], tmp_path:
     L.seed_everything(cfg.seed, workers=True)
     _, model, _ = build(cfg, dims)
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    for name in ("single", "gpipe", "mb1"):
+    for name in ("single", "gpipe"):
         diffs = max_diff(init, weights(runs[name]))
         # every tensor of every stage moved, by far more than the equivalence tolerance
         assert min(diffs.values()) > 100 * WEIGHT_ATOL, (name, diffs)
-    for name in ("single", "gpipe"):
         assert metrics(runs[name])["fit"]["train/loss"] < 2.2  # below chance, ln 10 = 2.30
 
 
 @shares_runs
 def test_pipeline_logs_the_single_device_loss(runs: dict) -> None:
     """The loss and logits come from the last stage: broadcast, every rank logs the same."""
-    single = metrics(runs["single"])["fit"]
-    for name in ("gpipe", "mb1"):
-        fit = metrics(runs[name])["fit"]
-        assert math.isfinite(fit["train/loss"])
-        assert fit["train/loss"] == pytest.approx(single["train/loss"], rel=1e-5)
-        assert fit["train/acc"] == pytest.approx(single["train/acc"], abs=1e-6)
-        assert fit["val/acc"] == pytest.approx(single["val/acc"], abs=1e-6)
+    single, fit = metrics(runs["single"])["fit"], metrics(runs["gpipe"])["fit"]
+    assert math.isfinite(fit["train/loss"])
+    assert fit["train/loss"] == pytest.approx(single["train/loss"], rel=1e-5)
+    assert fit["train/acc"] == pytest.approx(single["train/acc"], abs=1e-6)
+    assert fit["val/acc"] == pytest.approx(single["val/acc"], abs=1e-6)
 
 
 @shares_runs
@@ -301,24 +288,48 @@ if trainer.global_rank == 0:
 """
 
 
-def test_predict_after_fit_uses_every_stage_trained_weights(
-    base: tuple[str, ...], tmp_path: Path
-) -> None:
-    """Lightning's ddp launcher re-runs the script for rank 1, so predict runs in real processes.
+# The tests that read the predict run: one worker makes it.
+shares_predict_run = pytest.mark.xdist_group(name="pipeline_predict_run")
+# 4 steps of a batch of 64 as one micro-batch: plain model parallelism, then predict
+PREDICT_RUN = ("data.batch_size=64", "trainer.max_epochs=1", "trainer.limit_train_batches=4")
 
-    After fit, rank 0 has only trained its own stage: predict must first fetch the other's blocks
-    (the weights it then holds equal last.ckpt) and predict what one device predicts with them."""
-    script = tmp_path / "predict.py"
+
+@pytest.fixture(scope="module")
+def predict_run(base: tuple[str, ...], tmp_path_factory) -> Path:
+    """Lightning's ddp launcher re-runs the script for rank 1, so fit then predict runs in real
+    processes: PREDICT_SCRIPT under the pipeline with one micro-batch; its output directory."""
+    out = tmp_path_factory.mktemp("pipeline-predict")
+    script = out / "predict.py"
     script.write_text(PREDICT_SCRIPT)
-    overrides = (*base, *PIPE2, "data.batch_size=64")
-    overrides += ("trainer.max_epochs=1", "trainer.limit_train_batches=4")
-    proc = run_python(str(script), str(tmp_path), *overrides, timeout=300)
+    overrides = (*base, *PIPE2, "strategy.microbatches=1", *PREDICT_RUN)
+    proc = run_python(str(script), str(out), *overrides, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    result = torch.load(tmp_path / "predict.pt", weights_only=True)
-    saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    return out
+
+
+@shares_predict_run
+def test_one_microbatch_is_exactly_single_device(
+    predict_run: Path, base: tuple[str, ...], run_here: Callable[..., Path]
+) -> None:
+    """One micro-batch is plain model parallelism: the same sums in the same order."""
+    single = weights(run_here("train.py", *base, *PREDICT_RUN, "threads=1"))
+    piped = torch.load(predict_run / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    assert single.keys() == piped.keys()
+    for key in single:
+        assert torch.equal(single[key], piped[key]), key
+
+
+@shares_predict_run
+def test_predict_after_fit_uses_every_stage_trained_weights(
+    predict_run: Path, base: tuple[str, ...]
+) -> None:
+    """After fit, rank 0 has only trained its own stage: predict must first fetch the other's blocks
+    (the weights it then holds equal last.ckpt) and predict what one device predicts with them."""
+    result = torch.load(predict_run / "predict.pt", weights_only=True)
+    saved = torch.load(predict_run / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
     assert max(max_diff(saved, result["state_dict"]).values()) == 0
 
-    cfg = compose_config("train", tmp_path / "single", [*base, "accelerator=cpu"])
+    cfg = compose_config("train", predict_run / "single", [*base, "accelerator=cpu"])
     datamodule, model, _ = build(cfg, ParallelDims.from_config(cfg))
     model.load_state_dict(result["state_dict"])
     one_device = quiet_trainer(accelerator="cpu", devices=1)
