@@ -1,5 +1,6 @@
-"""Faults, resume and bad input, with real processes and real signals: nothing already written is
-lost, a failed run exits non-zero, and a resumed run ends where an uninterrupted one would. (A
+"""Faults, resume and bad input, with real processes and real signals (a non-finite loss, an
+exception in one process, in this one): nothing already written is lost, a failed run exits
+non-zero, and a resumed run ends where an uninterrupted one would. (A
 failed save in one process: unit/test_checkpoint_io.py.)"""
 
 import os
