@@ -1,5 +1,6 @@
-"""End to end with ResNet-50: ``python train.py experiment=cifar10_resnet50`` and
-``experiment=imagefolder_resnet50`` as real subprocesses on real files, then ``python eval.py``.
+"""End to end with ResNet-50 on real files: ``experiment=cifar10_resnet50`` (in this process) and
+``experiment=imagefolder_resnet50`` (a real ``python train.py``: its loader workers are processes),
+then eval.py's path on their checkpoints.
 
 ResNet-50 is slow on a CPU: every run is two training steps of four 32x32 images, one validation
 batch, and a test set of one or two batches. The test sets are not limited, so that eval.py, which
@@ -17,7 +18,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from helpers import run_python, write_tree
+from helpers import write_tree
 from trainkit.data.synthetic import write_cifar10
 
 # Every test reads the module's ResNet-50 runs: one worker makes them.
@@ -65,8 +66,9 @@ def imagefolder_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cifar_run(run_script: Callable[..., Path], cifar_root: Path, log_dir: Path) -> Path:
-    return run_script(
+def cifar_run(run_here: Callable[..., Path], cifar_root: Path, log_dir: Path) -> Path:
+    """In this process (the ImageFolder run is a process: its loader workers are processes)."""
+    return run_here(
         "train.py",
         "experiment=cifar10_resnet50",
         f"data.root={cifar_root}",
@@ -153,7 +155,7 @@ def test_checkpoint_holds_the_class_names_and_rebuilds_the_model(
 def test_eval_reproduces_the_test_metrics(
     request: pytest.FixtureRequest, name: str, run_here: Callable[..., Path]
 ) -> None:
-    """eval.py's path, in this process (e2e/test_train.py runs the command)."""
+    """eval.py's path, in this process (repo/test_readme.py runs the command)."""
     run_dir = run_dir_of(request, name)
     best = best_checkpoint(run_dir)
     eval_run = run_here("eval.py", f"ckpt_path={best}", "accelerator=cpu")
@@ -163,23 +165,21 @@ def test_eval_reproduces_the_test_metrics(
     assert metrics["test"] == read_metrics(run_dir)["test"]  # exactly, not approximately
 
 
-def test_eval_on_other_class_folders_fails_clearly(imagefolder_run: Path, tmp_path: Path) -> None:
+def test_eval_on_other_class_folders_fails_clearly(
+    imagefolder_run: Path, run_here: Callable[..., Path], tmp_path: Path
+) -> None:
     other = tmp_path / "other-images"
     write_tree(other, {"train": 1, "val": 1}, classes=("apple", "banana", "durian"))
     best = best_checkpoint(imagefolder_run)
 
-    proc = run_python(
-        "eval.py",
-        f"ckpt_path={best}",
-        f"data.root={other}",
-        "accelerator=cpu",
-        log_dir=tmp_path / "logs",
-    )
+    with pytest.raises(ValueError) as raised:
+        run_here(
+            "eval.py", f"ckpt_path={best}", f"data.root={other}", "accelerator=cpu",
+            log_dir=tmp_path / "logs",
+        )  # fmt: skip
 
-    assert proc.returncode != 0
-    output = proc.stdout + proc.stderr
     assert (
         f"the checkpoint was trained on classes {IMAGEFOLDER_CLASSES}, but {other} has "
-        f"['apple', 'banana', 'durian']" in output
+        f"['apple', 'banana', 'durian']" in str(raised.value)
     )
     assert not list((tmp_path / "logs").rglob("metrics.json"))
