@@ -350,16 +350,20 @@ def readme_run(name: str, *extra: str) -> tuple[str, ...]:
     return (*args, *extra)
 
 
+def train_command_overrides(command: str, data_root: Path, *extra: str) -> tuple[str, ...]:
+    """The overrides of a ``python train.py ...`` line as written, then ``data_root``, a few steps
+    and ``extra``."""
+    argv = shlex.split(command)
+    assert argv[:2] == ["python", "train.py"], command
+    return (*argv[2:], f"data.root={data_root}", *FAST, *extra)
+
+
 def run_train_command(command: str, data_root: Path, log_dir: Path, *extra: str) -> None:
     """``python train.py ...`` as written, on ``data_root`` with a few steps (and ``extra``)
     appended."""
-    argv = shlex.split(command)
-    assert argv[:2] == ["python", "train.py"], command
     proc = run_python(
-        *argv[1:],
-        f"data.root={data_root}",
-        *FAST,
-        *extra,
+        "train.py",
+        *train_command_overrides(command, data_root, *extra),
         env={"TRAINKIT_LOG_DIR": str(log_dir)},
     )
     assert proc.returncode == 0, f"`{command}` failed:\n{proc.stderr[-3000:]}"

@@ -313,7 +313,7 @@ def test_one_microbatch_is_exactly_single_device(
 ) -> None:
     """One micro-batch is plain model parallelism: the same sums in the same order."""
     single = weights(run_here("train.py", *base, *PREDICT_RUN, "threads=1"))
-    piped = torch.load(predict_run / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    piped = weights(predict_run)
     assert single.keys() == piped.keys()
     for key in single:
         assert torch.equal(single[key], piped[key]), key
@@ -326,7 +326,7 @@ def test_predict_after_fit_uses_every_stage_trained_weights(
     """After fit, rank 0 has only trained its own stage: predict must first fetch the other's blocks
     (the weights it then holds equal last.ckpt) and predict what one device predicts with them."""
     result = torch.load(predict_run / "predict.pt", weights_only=True)
-    saved = torch.load(predict_run / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    saved = weights(predict_run)
     assert max(max_diff(saved, result["state_dict"]).values()) == 0
 
     cfg = compose_config("train", predict_run / "single", [*base, "accelerator=cpu"])

@@ -10,20 +10,28 @@ from pathlib import Path
 
 import pytest
 
-from helpers import FAST, README, README_RUN_BY_E2E, ROOT, bash_block_after, run_train_command
+from helpers import (
+    README,
+    README_RUN_BY_E2E,
+    ROOT,
+    bash_block_after,
+    readme_run,
+    run_train_command,
+    train_command_overrides,
+)
 from trainkit.data.synthetic import write_cifar10, write_mnist
 
 RUN_BY_E2E = {command for _, command in README_RUN_BY_E2E.values()}
-# The sections whose commands run here, less those an e2e test runs (helpers.README_RUN_BY_E2E)
-SECTIONS = tuple(
-    section
+# The sections' commands that run here: those an e2e test does not run (helpers.README_RUN_BY_E2E)
+COMMANDS_HERE = {
+    section: [c for c in bash_block_after(section) if c not in RUN_BY_E2E]
     for section in (
         "### Strategies, devices and precision",
         "### Pipeline (model parallel)",
         "### Sweeps",
     )
-    if set(bash_block_after(section)) - RUN_BY_E2E
-)
+}
+SECTIONS = tuple(section for section, commands in COMMANDS_HERE.items() if commands)
 # The tests that read the module's quickstart run: one worker makes it.
 shares_quickstart = pytest.mark.xdist_group(name="readme_quickstart")
 
@@ -67,11 +75,10 @@ def test_readme_commands_run(
     commands = bash_block_after("## Running things")
     assert len(commands) >= 8
     for command in commands:
-        argv = shlex.split(command.replace("logs/train/runs/<run>", str(quickstart_run)))
-        assert argv[:2] == ["python", "train.py"], command
+        command = command.replace("logs/train/runs/<run>", str(quickstart_run))
         # batches of 32: the same code paths, a quarter of the ResNet-50 line's work
-        extra = (f"data.root={data_root}", *FAST, "data.batch_size=32")
-        run_dir = run_here("train.py", *argv[2:], *extra, log_dir=tmp_path / "logs")
+        overrides = train_command_overrides(command, data_root, "data.batch_size=32")
+        run_dir = run_here("train.py", *overrides, log_dir=tmp_path / "logs")
         assert (run_dir / "metrics.json").is_file(), command
 
 
@@ -99,16 +106,13 @@ def data_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.slow  # long end-to-end runs: CI's `slow` job
 @pytest.mark.parametrize("section", SECTIONS)
 def test_readme_section_runs(section: str, data_root: Path, tmp_path: Path) -> None:
-    commands = [c for c in bash_block_after(section) if c not in RUN_BY_E2E]
-    assert commands
-    for command in commands:
+    for command in COMMANDS_HERE[section]:
         run_train_command(command, data_root, tmp_path / "logs")
 
 
 @pytest.mark.parametrize("name", sorted(README_RUN_BY_E2E))
 def test_commands_run_by_e2e_tests_are_in_the_readme(name: str) -> None:
-    section, command = README_RUN_BY_E2E[name]
-    assert command in bash_block_after(section)
+    readme_run(name)  # asserts that its section still holds the command
 
 
 def table_rows(after: str) -> dict[str, str]:
