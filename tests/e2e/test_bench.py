@@ -12,6 +12,7 @@ from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from helpers import run_python
+from trainkit.bench.clock import PHASES
 from trainkit.bench.report import PLAIN_RGB, TEMPLATE_RGB
 
 pytestmark = pytest.mark.slow  # long end-to-end runs: CI's `slow` job
@@ -97,6 +98,17 @@ def test_ratios_reported_with_goals(results: dict) -> None:
     )
     assert single["goal"] == 0.97 and single["met"] == (single["value"] >= 0.97)
     assert list(by_name) == ["template vs plain loop, mlp"]  # only ratios whose cells ran
+
+
+@shares_bench_run
+def test_step_phases_timed_alike_by_both_runners(results: dict) -> None:
+    """Both runners mark forward, backward and optimizer inside each step, so a missed ratio
+    comes with where the time went; the phases add up to about one step."""
+    for c in results["cells"]:
+        assert set(c["phase_s"]) == set(PHASES), c["cell"]
+        assert 0.5 < sum(c["phase_s"].values()) / c["median_step_s"] < 2, c["cell"]
+    (gap,) = results["phases"]  # the one template/plain pair that ran
+    assert gap["ratio"] == "template vs plain loop, mlp" and gap["phases"] == list(PHASES)
 
 
 @shares_bench_run

@@ -5,10 +5,19 @@ processes are in e2e/test_bench.py."""
 from pathlib import Path
 
 import pytest
+import torch
 
 from trainkit.bench.__main__ import main as bench_main
 from trainkit.bench.cells import DEFAULT_MATRIX, Cell, merge_rounds
-from trainkit.bench.report import add_scaling, compile_warmup_s, launches, markdown, ratios
+from trainkit.bench.clock import PHASES, StepClock
+from trainkit.bench.report import (
+    add_scaling,
+    compile_warmup_s,
+    launches,
+    markdown,
+    phase_gaps,
+    ratios,
+)
 
 
 def test_rounds_merge_every_epoch() -> None:
@@ -107,10 +116,34 @@ def test_ratio_goals_and_failed_cells() -> None:
         "import_torch_s": 2.5,
         "launches": launch_rows,
     }
+    cells[0]["phase_s"] = {"forward": 0.004, "backward": 0.005, "optimizer": 0.003}
+    cells[1]["phase_s"] = {"forward": 0.003, "backward": 0.005, "optimizer": 0.003}
+    report["phases"] = phase_gaps(cells)
+    assert report["phases"][0]["phases"] == ["forward", "backward", "optimizer"]
     table = markdown(report)
     assert "**0.90x** | 0.90x | >= 0.97x (missed)" in table
+    # where the template's time goes: forward 1 ms more; a phase one runner lacks left blank
+    assert "| template vs plain loop, mlp | 4.00 vs 3.00 (+1.00) | 5.00 vs 5.00 (+0.00) |" in table
     assert "| mlp, one process | 6.00 s | 5.00 s | 1.20x | **2.40x** (goal <= 2.0x) |" in table
     assert "| failed |" in table
+
+
+def test_clock_phases_split_each_timed_step() -> None:
+    """Marks inside timed steps only; the time from one step's end to the next one's start is
+    "between steps"; the warm-up step and the gap between epochs are not phases."""
+    clock = StepClock(warmup=1, steps=2)
+    for _ in range(2):  # epochs
+        for step in range(3):
+            clock.step_start(step)
+            for phase in PHASES[:3]:
+                clock.mark(phase)
+            clock.step_end(step, 8)
+        clock.epoch_end()
+    assert {p: len(t) for p, t in clock.phase_times.items()} == {
+        **{"forward": 4, "backward": 4, "optimizer": 4},
+        "between steps": 2,  # step 1 -> 2 in each epoch
+    }
+    assert set(clock.record(1, torch.device("cpu"))["phase_s"]) == set(PHASES)
 
 
 def test_per_process_batch() -> None:

@@ -29,6 +29,7 @@ from trainkit.bench.report import (
     compile_warmup_s,
     launches,
     markdown,
+    phase_gaps,
     ratios,
     write_all,
 )
@@ -137,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             n: dataclasses.asdict(matrix.WORKLOADS[n]) for n in settings.data_roots}},
         "cells": results,
         "ratios": ratios(results),
+        "phases": phase_gaps(results),
         "import_torch_s": statistics.median(import_torch),
         "launches": launches(results, statistics.median(import_torch)),
         "compile_warmup_s": compile_warmup_s(results),

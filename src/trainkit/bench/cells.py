@@ -18,6 +18,7 @@ from pathlib import Path
 from hydra.utils import get_class
 from omegaconf import OmegaConf
 
+from trainkit.bench.clock import PHASES
 from trainkit.config import ROOT_DIR, compose_config
 from trainkit.data.synthetic import write_cifar10, write_mnist
 from trainkit.runtime import free_port
@@ -212,10 +213,17 @@ def run_cell(cell: Cell, s: Settings, cell_dir: Path) -> dict[str, object]:
         **result,
         "samples_per_s": rates,
         "median_step_s": [records[0]["median_step_s"]],
+        "phase_s": [records[0]["phase_s"]],
         "first_step_s": [records[0]["first_step_at"] - launched_at],
         "warmup_s": [records[0]["warmup_s"]],
         "peak_mem_mb": [r["peak_mem_mb"] for r in records],
     }
+
+
+def median_phases(launches: list[dict[str, float]]) -> dict[str, float]:
+    """Each phase's median over the launches that timed it."""
+    times = {phase: [lp[phase] for lp in launches if phase in lp] for phase in PHASES}
+    return {phase: statistics.median(t) for phase, t in times.items() if t}
 
 
 def merge_rounds(rounds: list[dict]) -> dict[str, object]:
@@ -233,6 +241,7 @@ def merge_rounds(rounds: list[dict]) -> dict[str, object]:
         "min": min(rates),
         "max": max(rates),
         "median_step_s": step,  # one launch's median step (the lower middle one), not a blend
+        "phase_s": median_phases([p for r in rounds for p in r.get("phase_s", [])]),
         "step_samples_per_s": rounds[0]["batch_size"] / step,
         "first_step_s": statistics.median(t for r in rounds for t in r["first_step_s"]),
         "warmup_s": statistics.median(t for r in rounds for t in r["warmup_s"]),

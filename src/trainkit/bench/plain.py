@@ -60,15 +60,18 @@ def train(rank: int, spec: dict) -> None:
         order = torch.randperm(len(images), generator=torch.Generator().manual_seed(epoch))
         batches = order[rank::world].split(spec["batch_size"])[: spec["warmup"] + spec["steps"]]
         for step, idx in enumerate(batches):
-            clock.step_start(step)
             x, y = images[idx].to(device), labels[idx].to(device)
             if data["crop_padding"] is not None:
                 x = random_crop_flip(x, data["crop_padding"])
             x = normalize_images(x, data["mean"], data["std"])
+            clock.step_start(step)  # as Lightning's on_train_batch_start: the batch is ready
             loss = F.cross_entropy(model(x), y)
             optimizer.zero_grad()
+            clock.mark("forward")
             loss.backward()
+            clock.mark("backward")
             optimizer.step()
+            clock.mark("optimizer")
             clock.step_end(step, len(y))
         clock.epoch_end()
     write_record(spec["out"], rank, clock.record(world, device))

@@ -6,7 +6,8 @@ from trainkit.parallel import data_shard
 
 class BenchProbe(L.Callback):
     """Added to a benchmark cell's ``train.py`` run: every rank times its training steps with the
-    same clock as the plain loops and writes ``<out>.rank<N>.json`` when training ends."""
+    same clock as the plain loops, marks the same phases (forward, backward, optimizer), and writes
+    ``<out>.rank<N>.json`` when training ends."""
 
     def __init__(self, warmup: int, steps: int, out: str) -> None:
         self.clock, self.out = StepClock(warmup, steps), out
@@ -14,7 +15,14 @@ class BenchProbe(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         self.clock.step_start(batch_idx)
 
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        self.clock.mark("forward")
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        self.clock.mark("backward")
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        self.clock.mark("optimizer")
         self.clock.step_end(batch_idx, len(batch[1]))
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:

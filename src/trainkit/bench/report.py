@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from trainkit.bench.cells import LOGGING_OFF, MLP_COMPILED, MLP_TEMPLATE, Cell, pipeline
+from trainkit.bench.clock import PHASES
 
 # (what, numerator, denominator, goal): the ratios a run reports when both of its cells ran
 RATIOS: tuple[tuple[str, Cell, Cell, float | None], ...] = (
@@ -115,6 +116,19 @@ def ratios(cells: list[dict]) -> list[dict]:
     return found
 
 
+def phase_gaps(cells: list[dict]) -> list[dict]:
+    """For each ratio of a template cell to its plain reference: both runners' median time per
+    step phase, so that a missed goal shows where the template's extra time goes."""
+    by_name = {c["cell"]: c for c in cells if c.get("phase_s")}
+    found = []
+    for name, top, bottom, _ in RATIOS:
+        if bottom.runner == "plain" and top.name in by_name and bottom.name in by_name:
+            t, p = by_name[top.name]["phase_s"], by_name[bottom.name]["phase_s"]
+            phases = [ph for ph in PHASES if ph in t and ph in p]
+            found.append({"ratio": name, "template_s": t, "plain_s": p, "phases": phases})
+    return found
+
+
 def _label(c: dict) -> str:
     if c["runner"] == "plain":
         name = "plain torch DDP" if c["strategy"] == "ddp" else "plain PyTorch"
@@ -203,6 +217,26 @@ def markdown(report: dict) -> str:
             f"| {row['launch']} | {row['template_s']:.2f} s | {row['plain_s']:.2f} s "
             f"| {row['vs_plain']:.2f}x | **{row['vs_import_torch']:.2f}x** (goal <= 2.0x) |"
         )
+    if report.get("phases"):
+        lines += [
+            "",
+            "Where the template's step time goes: median ms per phase of a timed step, template vs "
+            "plain (difference), rank 0. The optimizer phase runs to the end of the step (the "
+            "loop's and the callbacks' work after the optimizer step included); between steps is "
+            "the next batch and the hooks before the step starts.",
+            "",
+            "| ratio | " + " | ".join(PHASES) + " |",
+            "| --- |" + " --- |" * len(PHASES),
+        ]
+        for row in report["phases"]:
+            cells = [
+                f"{row['template_s'][ph] * 1e3:.2f} vs {row['plain_s'][ph] * 1e3:.2f} "
+                f"({(row['template_s'][ph] - row['plain_s'][ph]) * 1e3:+.2f})"
+                if ph in row["phases"]
+                else ""
+                for ph in PHASES
+            ]
+            lines.append(f"| {row['ratio']} | " + " | ".join(cells) + " |")
     if report.get("compile_warmup_s") is not None:
         lines += [
             "",
