@@ -63,6 +63,12 @@ class ImageClassifier(L.LightningModule):
         checkpoint's keys do not change; Lightning calls this before a strategy wraps or splits the
         model, so each pipeline stage runs its own blocks compiled."""
         if self.compile_blocks and not self._compiled:
+            # Every block compiled this way shares one code object (Module._call_impl), and dynamo
+            # keeps at most recompile_limit (8) compiled variants of a code object: one per block
+            # structure, grad mode (training, evaluation) and input shape. Past the limit a block
+            # runs eager, with one warning. Room for 8 variants per block:
+            limit = max(torch._dynamo.config.recompile_limit, 8 * len(self.net))
+            torch._dynamo.config.recompile_limit = limit
             for block in self.net:
                 block.compile()
             self._compiled = True
