@@ -127,17 +127,14 @@ def alone(ddp_sweep: Path, joblib_sweep: Path, run_here: Callable[..., Path]) ->
     The devices=1 jobs run in this process; a devices=2 job's twin is the joblib sweep's job of
     the same overrides, the only job of a fresh worker process (rank 1 a fresh process too), so
     nothing of an earlier job can reach it."""
+    lr = "model.optimizer.lr"
+    twins = {value(j["overrides"], lr): Path(j["dir"]) for j in jobs(joblib_sweep)}
     found = {}
     for job in jobs(ddp_sweep):
-        lr = value(job["overrides"], "model.optimizer.lr")
         if value(job["overrides"], "devices") == "1":
             found[job["num"]] = run_here("train.py", *own_overrides(job))
         else:
-            (found[job["num"]],) = [
-                Path(j["dir"])
-                for j in jobs(joblib_sweep)
-                if value(j["overrides"], "model.optimizer.lr") == lr
-            ]
+            found[job["num"]] = twins[value(job["overrides"], lr)]
     return found
 
 

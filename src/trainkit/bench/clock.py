@@ -64,7 +64,7 @@ class StepClock:
 
     def mark(self, phase: str) -> None:
         """Ends ``phase`` (one of ``PHASES``) of the current timed step."""
-        if self._step_start is not None and self._mark is not None:
+        if self._mark is not None:  # set and cleared with _step_start: inside a timed window
             now = time.perf_counter()
             self.phase_times[phase].append(now - self._mark)
             self._mark = now
