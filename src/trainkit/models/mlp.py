@@ -2,9 +2,12 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from trainkit.models.blocks import BlockSequence, draw_init_seed
 
-class MLP(nn.Sequential):
-    """An MLP as an ordered sequence of blocks: one block per hidden layer, then the head.
+
+class MLP(BlockSequence):
+    """An MLP as an ordered sequence of blocks: one block per hidden layer, then the head; each
+    block at PyTorch's default initialisation, from its own seeded stream (``BlockSequence``).
 
     Images are flattened in the first block, so it takes (B, C, H, W) batches as they come.
     """
@@ -21,6 +24,7 @@ class MLP(nn.Sequential):
                 f"MLP sizes must be positive: in_features={in_features}, hidden={list(hidden)}, "
                 f"num_classes={num_classes}"
             )
+        init_seed = draw_init_seed()
         blocks: list[nn.Module] = []
         width = in_features
         for i, h in enumerate(hidden):
@@ -32,4 +36,4 @@ class MLP(nn.Sequential):
             width = h
         head = nn.Linear(width, num_classes)
         blocks.append(nn.Sequential(nn.Flatten(), head) if not hidden else head)
-        super().__init__(*blocks)
+        super().__init__(*blocks, init_seed=init_seed)

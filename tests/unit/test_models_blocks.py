@@ -1,0 +1,86 @@
+"""BlockSequence: each block of a model starts from its own seeded stream, so a process that builds
+only some blocks (materialised from the meta device) starts them as one device does."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from trainkit.models import MLP, ResNet50
+
+
+def seeded(seed: int, cls, **kwargs) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return cls(**kwargs)
+
+
+def assert_equal_blocks(a: nn.Module, b: nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        assert torch.equal(sa[key], sb[key]), key
+
+
+def test_a_block_starts_the_same_whatever_the_blocks_before_it() -> None:
+    """Another input width changes block 0's shape (and how much randomness building it takes):
+    the blocks after it start the same."""
+    narrow = seeded(0, MLP, in_features=100, hidden=[8, 6])
+    wide = seeded(0, MLP, in_features=784, hidden=[8, 6])
+    assert narrow[0][1].weight.shape != wide[0][1].weight.shape
+    assert_equal_blocks(narrow[1], wide[1])
+    assert_equal_blocks(narrow[2], wide[2])
+    other_seed = seeded(1, MLP, in_features=100, hidden=[8, 6])
+    assert not torch.equal(other_seed[2].weight, narrow[2].weight)
+
+
+def test_reset_block_gives_the_built_weights_and_leaves_the_global_stream() -> None:
+    model = seeded(0, MLP, hidden=[8, 6])
+    built = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    state = torch.get_rng_state()
+    model.reset_blocks()
+    assert torch.equal(torch.get_rng_state(), state)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, built[key]), key
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs", "index"),
+    [
+        (MLP, {"hidden": [32, 16]}, 1),
+        (ResNet50, {"num_classes": 10, "cifar_stem": True}, 2),
+        (ResNet50, {"num_classes": 10, "norm": "group"}, 5),
+    ],
+    ids=["mlp", "resnet50", "resnet50-group"],
+)
+def test_a_block_materialised_from_meta_equals_the_one_device_block(cls, kwargs, index) -> None:
+    """What a pipeline stage does for its own blocks: the model built on the meta device (no
+    memory), one block moved to real memory with to_empty and initialised from its stream."""
+    whole = seeded(3, cls, **kwargs)
+    torch.manual_seed(3)
+    with torch.device("meta"):
+        lazy = cls(**kwargs)
+    assert all(p.is_meta for p in lazy.parameters())
+    assert lazy.init_seed == whole.init_seed
+    lazy[index].to_empty(device="cpu")
+    lazy.reset_block(index)
+    assert_equal_blocks(lazy[index], whole[index])
+    assert all(p.is_meta for i, b in enumerate(lazy) if i != index for p in b.parameters())
+
+
+def test_resnet_blocks_start_as_torchvision_initialises_them() -> None:
+    model = seeded(0, ResNet50, num_classes=10, cifar_stem=True)
+    # the CIFAR stem's convolution too: He-normal, fan out (64 x 3 x 3), not PyTorch's default
+    conv = model.stem[0]
+    std = math.sqrt(2 / (conv.out_channels * 3 * 3))
+    assert conv.weight.std().item() == pytest.approx(std, rel=0.1)
+    bn = model.layer1[0].bn1
+    assert torch.equal(bn.weight, torch.ones_like(bn.weight))
+    assert torch.equal(bn.bias, torch.zeros_like(bn.bias))
+    # the other stem leaves every later block as it was
+    imagenet = seeded(0, ResNet50, num_classes=10, cifar_stem=False)
+    for name in ("layer1", "layer4", "head"):
+        assert_equal_blocks(getattr(model, name), getattr(imagenet, name))
