@@ -173,6 +173,25 @@ class CollectiveCount(L.Callback):
         Path(f"{self.out}.rank{trainer.global_rank}.json").write_text(json.dumps(counts))
 
 
+class SaveWeights(L.Callback):
+    """Writes this rank's ``state_dict`` when training starts and ends, to
+    ``<out>.<start|end>.rank<r>.pt``: what each process holds, which a checkpoint (written from
+    rank 0's view) does not show."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def _save(self, trainer, pl_module, when: str) -> None:
+        state = {k: v.detach().cpu() for k, v in pl_module.state_dict().items()}
+        torch.save(state, f"{self.out}.{when}.rank{trainer.global_rank}.pt")
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._save(trainer, pl_module, "start")
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._save(trainer, pl_module, "end")
+
+
 # --- image-folder trees --------------------------------------------------------------------------
 # Real PNG and JPEG files written with PIL. Every image of a class is grey noise around the class's
 # level, so a label can be read back from the pixels after any resize or crop; RGBA images carry a

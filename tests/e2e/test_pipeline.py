@@ -239,6 +239,48 @@ def test_resume_continues_the_run(runs: dict) -> None:
     assert max(max_diff(weights(runs["gpipe"]), resumed["state_dict"]).values()) > 100 * WEIGHT_ATOL
 
 
+def test_replicas_of_a_stage_train_the_same_weights_without_a_seed(
+    pipe_mnist: Path, tmp_path: Path
+) -> None:
+    """seed=null: each process initialises its own model, and the replicas of a stage must still
+    start (and so stay) equal, as DDP's ranks do. Two stages x two replicas, two steps."""
+    out = tmp_path / "weights"
+    proc = run_python(
+        "train.py",
+        f"data.root={pipe_mnist}",
+        f"data.val_size={VAL}",
+        "data.download=false",
+        "accelerator=cpu",
+        "seed=null",
+        "strategy=pipeline",
+        "devices=4",
+        "data.batch_size=64",
+        "trainer.max_epochs=1",
+        "trainer.limit_train_batches=2",
+        "trainer.limit_val_batches=1",
+        "trainer.limit_test_batches=1",
+        "+callbacks.save_weights._target_=helpers.SaveWeights",
+        f"+callbacks.save_weights.out={out}",
+        log_dir=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    def held(when: str) -> list[dict[str, torch.Tensor]]:
+        return [torch.load(f"{out}.{when}.rank{r}.pt", weights_only=True) for r in range(4)]
+
+    start, end = held("start"), held("end")
+    # the processes really started apart (no seed), replica 0 and 1 of stage 0 included
+    assert not torch.equal(start[0]["net.0.1.weight"], start[2]["net.0.1.weight"])
+    (log,) = tmp_path.glob("train/runs/*/train.log")
+    assert "starting at blocks [0, 1] of 3" in log.read_text()  # stage 0: block 0; stage 1: 1, 2
+    for stage, blocks in ((0, ("net.0.",)), (1, ("net.1.", "net.2."))):
+        replica0, replica1 = end[stage], end[2 + stage]  # rank = replica * stages + stage
+        keys = [k for k in replica0 if k.startswith(blocks)]
+        assert keys
+        for key in keys:
+            assert torch.equal(replica0[key], replica1[key]), (stage, key)
+
+
 # --- refused before any process starts --------------------------------------------------------
 
 

@@ -21,6 +21,8 @@ Traps this handles (docs/design.md, "Pipeline gradients zeroed by zero_grad" and
 - A checkpoint holds the full model: before it is written (and before evaluation, which runs the
   whole model on every rank), each block is broadcast from the rank that trains it; optimizer
   state is merged from all stages, so resuming is exact and any strategy can load the weights.
+- Replicas of a stage start from replica 0's weights of its blocks (broadcast once, as DDP does):
+  under ``seed=null`` each process initialised its own, and the replicas trained apart.
 - Shapes are fixed after the first step: the batch must split into equal micro-batches and
   training drops an incomplete last batch.
 """
@@ -280,6 +282,7 @@ class PipelineStrategy(DDPStrategy):
             self._starts = self.stage_starts(lm)
         bounds = [*self._starts, len(blocks)]
         self._make_groups()
+        self._replicate_own_blocks()
         pipe_stages = [
             PipelineStage(
                 nn.Sequential(*blocks[bounds[c] : bounds[c + 1]]),
@@ -304,6 +307,16 @@ class PipelineStrategy(DDPStrategy):
                 *(what, self._starts, len(blocks), how),
                 *(self.schedule_name, self.stages, microbatches, self.replicas),
             )
+
+    def _replicate_own_blocks(self) -> None:
+        """Every replica of a stage starts from replica 0's weights of the stage's blocks, as DDP
+        broadcasts rank 0's: without a seed (``seed=null``) each process initialised its own."""
+        if self.replicas == 1:
+            return
+        for i, block in enumerate(self.blocks(self.lightning_module)):
+            if self._owner(i) == self.stage:
+                for tensor in (*block.parameters(), *block.buffers()):
+                    dist.broadcast(tensor.data, src=self.stage, group=self._replica_group)
 
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
