@@ -98,6 +98,12 @@ def block_flops(blocks: list[nn.Module], example: Tensor) -> list[int]:
     return costs
 
 
+def broadcast_block(block: nn.Module, src: int, group: Any) -> None:
+    """``block``'s parameters and buffers, in place, from global rank ``src`` to ``group``."""
+    for tensor in (*block.parameters(), *block.buffers()):
+        dist.broadcast(tensor.data, src=src, group=group)
+
+
 class PipelineStrategy(DDPStrategy):
     """GPipe / 1F1B pipeline over ``stages`` processes (one per device), through Lightning."""
 
@@ -314,9 +320,8 @@ class PipelineStrategy(DDPStrategy):
         if self.replicas == 1:
             return
         for i, block in enumerate(self.blocks(self.lightning_module)):
-            if self._owner(i) == self.stage:
-                for tensor in (*block.parameters(), *block.buffers()):
-                    dist.broadcast(tensor.data, src=self.stage, group=self._replica_group)
+            if self._owner(i) == self.stage:  # replica 0 of this stage is global rank `stage`
+                broadcast_block(block, src=self.stage, group=self._replica_group)
 
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
@@ -349,10 +354,7 @@ class PipelineStrategy(DDPStrategy):
         if self._schedule is None:
             return
         for i, block in enumerate(self.blocks(self.lightning_module)):
-            for tensor in (*block.parameters(), *block.buffers()):
-                dist.broadcast(
-                    tensor.data, src=self._rank_of(self._owner(i)), group=self._pipe_group
-                )
+            broadcast_block(block, src=self._rank_of(self._owner(i)), group=self._pipe_group)
 
     # --- the training step ----------------------------------------------------------------------
 
