@@ -174,9 +174,9 @@ class CollectiveCount(L.Callback):
 
 
 class SaveWeights(L.Callback):
-    """Writes this rank's ``state_dict`` when training starts and ends, to
-    ``<out>.<start|end>.rank<r>.pt``: what each process holds, which a checkpoint (written from
-    rank 0's view) does not show."""
+    """Writes this rank's ``state_dict`` when fit starts (before the sanity check's validation)
+    and when training ends, to ``<out>.<start|end>.rank<r>.pt``: what each process holds, which a
+    checkpoint (written from rank 0's view) does not show."""
 
     def __init__(self, out: str) -> None:
         self.out = out
@@ -185,7 +185,7 @@ class SaveWeights(L.Callback):
         state = {k: v.detach().cpu() for k, v in pl_module.state_dict().items()}
         torch.save(state, f"{self.out}.{when}.rank{trainer.global_rank}.pt")
 
-    def on_train_start(self, trainer, pl_module) -> None:
+    def on_fit_start(self, trainer, pl_module) -> None:
         self._save(trainer, pl_module, "start")
 
     def on_train_end(self, trainer, pl_module) -> None:

@@ -3,12 +3,15 @@ process starts. Real pipeline runs are in e2e/test_pipeline.py."""
 
 import itertools
 import random
+from functools import partial
 
 import pytest
+import torch
 from torch import nn
 
 from trainkit.models import MLP
 from trainkit.strategies.pipeline import PipelineConfigError, PipelineStrategy, balanced_split
+from trainkit.tasks import ImageClassifier
 
 # --- stage splitting, in-process --------------------------------------------------------------
 
@@ -50,16 +53,21 @@ def test_balanced_split_minimises_the_largest_stage() -> None:
         assert max_group(sizes, starts) == brute_force_best(sizes, stages), (sizes, stages)
 
 
-class Classifier(nn.Module):
-    """What the strategy reads of a LightningModule: ``net`` (or another attribute)."""
+def task(net: nn.Module) -> ImageClassifier:
+    """The task the strategy runs: it reads ``net`` and the PipelineTask members."""
+    return ImageClassifier(net, optimizer=partial(torch.optim.Adam), num_classes=10)
+
+
+class NetOnly(nn.Module):
+    """A LightningModule-like with blocks but none of PipelineTask's members."""
 
     def __init__(self, net: nn.Module) -> None:
         super().__init__()
         self.net = net
 
 
-def mlp(hidden: tuple[int, ...] = (512, 256)) -> Classifier:
-    return Classifier(MLP(784, hidden, 10))
+def mlp(hidden: tuple[int, ...] = (512, 256)) -> ImageClassifier:
+    return task(MLP(784, hidden, 10))
 
 
 def test_stage_starts_balanced_by_parameter_count() -> None:
@@ -153,8 +161,17 @@ def test_bad_options_are_refused_when_built(kwargs: dict, message: str) -> None:
             1,
             r"interleaved .*7 micro-batches is not a multiple of 3 rounds",
         ),
-        ({}, Classifier(nn.Linear(784, 10)), 2, 64, 1, r"`net` .*nn\.Sequential.*got Linear"),
+        ({}, task(nn.Linear(784, 10)), 2, 64, 1, r"`net` .*nn\.Sequential.*got Linear"),
         ({"module": "body"}, mlp(), 2, 64, 1, r"`body` .*nn\.Sequential.*got NoneType"),
+        (
+            {},
+            NetOnly(MLP(784, (64,), 10)),
+            2,
+            64,
+            1,
+            r"NetOnly .* lacks loss_fn, split_batch, step_output, prediction: implement "
+            r"PipelineTask",
+        ),
     ],
 )
 def test_check_run_refuses_what_cannot_run(

@@ -4,10 +4,11 @@ One process per stage (and per data-parallel replica when devices is a multiple 
 replica * stages + stage; each stage's gradients are averaged over the replicas). The model's
 block sequence (``nn.Sequential``; ``module`` names the
 attribute, ``net`` by default) is cut at block boundaries into ``stages`` contiguous stages,
-balanced by measured FLOPs or parameter count, or cut at explicit ``split_points``. Every rank
-keeps the whole model but trains only its own stage: a batch is split into ``microbatches`` (or
-micro-batches of ``microbatch_size``) that flow through the stages under a GPipe or 1F1B
-schedule, which runs forward and backward inside the training step. ``schedule=interleaved``
+balanced by measured FLOPs or parameter count, or cut at explicit ``split_points``. Each process
+runs only its own stage: a batch is split into ``microbatches`` (or micro-batches of
+``microbatch_size``) that flow through the stages under a GPipe or 1F1B schedule, which runs
+forward and backward inside the training step; validation, test and predict flow forward-only.
+The task provides the steps' other parts (``PipelineTask``). ``schedule=interleaved``
 (Megatron's interleaved 1F1B) cuts the model into ``stages x virtual_stages`` chunks and gives
 each process every ``stages``-th chunk, which shortens the pipeline's fill and drain.
 
@@ -18,9 +19,8 @@ Traps this handles (docs/design.md, "Pipeline gradients zeroed by zero_grad" and
   aside and ``backward`` puts them back (scaled for gradient accumulation).
 - Only the last stage has the loss and the logits: they are broadcast, so every rank logs and
   monitors the same values and updates the same metrics.
-- A checkpoint holds the full model: before it is written (and before evaluation, which runs the
-  whole model on every rank), each block is broadcast from the rank that trains it; optimizer
-  state is merged from all stages, so resuming is exact and any strategy can load the weights.
+- A checkpoint holds the full model: the writer (rank 0) receives every other stage's blocks and
+  optimizer state, tensor by tensor, so resuming is exact and any strategy can load the weights.
 - Replicas of a stage start from replica 0's weights of its blocks (broadcast once, as DDP does):
   under ``seed=null`` each process initialised its own, and the replicas trained apart.
 - Shapes are fixed after the first step: the batch must split into equal micro-batches and
@@ -30,7 +30,8 @@ Traps this handles (docs/design.md, "Pipeline gradients zeroed by zero_grad" and
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -40,7 +41,9 @@ from torch.distributed.pipelining import (
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleLoopedBFS,
 )
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from trainkit.errors import ConfigError
@@ -55,6 +58,33 @@ BALANCE = ("flops", "params")
 
 class PipelineConfigError(ConfigError):
     """A pipeline shape that cannot run; raised before any process starts."""
+
+
+class PipelineTask(Protocol):
+    """What a LightningModule provides to run under ``strategy=pipeline``; ``check_run`` checks it.
+
+    Besides the block sequence (the attribute ``strategy.module`` names), the strategy needs the
+    pieces of the task's steps around the model's forward, which it replaces by the stages': the
+    task's ``training_step``, ``validation_step``, ``test_step`` and ``predict_step`` are not
+    called. Metrics and logging stay in the task's ``on_*_batch_end`` hooks, which get the output.
+    """
+
+    loss_fn: Callable[[Tensor, Tensor], Tensor]  # (logits, target) -> mean loss of a micro-batch
+
+    def split_batch(self, batch: Any) -> tuple[Tensor, Tensor]:
+        """The model's input (in the weights' dtype) and the target."""
+        ...
+
+    def step_output(self, logits: Tensor, loss: Tensor, target: Tensor) -> Any:
+        """What the task's training, validation and test steps return for these logits."""
+        ...
+
+    def prediction(self, logits: Tensor) -> Any:
+        """What the task's predict step returns for these logits."""
+        ...
+
+
+TASK_MEMBERS = ("loss_fn", "split_batch", "step_output", "prediction")  # PipelineTask's
 
 
 def balanced_split(sizes: list[int], stages: int) -> list[int]:
@@ -104,6 +134,36 @@ def broadcast_block(block: nn.Module, src: int, group: Any) -> None:
         dist.broadcast(tensor.data, src=src, group=group)
 
 
+def send_state(state: dict[Any, Any], dst: int, group: Any, device: torch.device) -> None:
+    """``state`` (nested dicts of tensors and plain values) to global rank ``dst``: its structure,
+    with each tensor as shape and dtype, in one small message; then the tensors one by one, through
+    ``device`` (NCCL sends device tensors only). ``recv_state`` is the other end."""
+    leaves, spec = tree_flatten(state)
+    tensors = [leaf for leaf in leaves if isinstance(leaf, Tensor)]
+    layout = [(leaf.shape, leaf.dtype) if isinstance(leaf, Tensor) else leaf for leaf in leaves]
+    kinds = [isinstance(leaf, Tensor) for leaf in leaves]
+    dist.send_object_list([spec, layout, kinds], dst=dst, group=group, device=device)
+    for tensor in tensors:
+        dist.send(tensor.detach().to(device).contiguous(), dst=dst, group=group)
+
+
+def recv_state(src: int, group: Any, device: torch.device) -> dict[Any, Any]:
+    """What ``send_state`` sent from global rank ``src``, its tensors on the CPU: a writer holds
+    one of them on ``device`` at a time."""
+    message: list[Any] = [None, None, None]
+    dist.recv_object_list(message, src=src, group=group, device=device)
+    spec, layout, kinds = message
+    leaves = []
+    for item, is_tensor in zip(layout, kinds, strict=True):
+        if is_tensor:
+            shape, dtype = item
+            buffer = torch.empty(shape, dtype=dtype, device=device)
+            dist.recv(buffer, src=src, group=group)
+            item = buffer.cpu()
+        leaves.append(item)
+    return tree_unflatten(leaves, spec)
+
+
 class PipelineStrategy(DDPStrategy):
     """GPipe / 1F1B pipeline over ``stages`` processes (one per device), through Lightning."""
 
@@ -151,7 +211,9 @@ class PipelineStrategy(DDPStrategy):
         self.microbatch_size, self.virtual_stages = microbatch_size, virtual_stages
         self.split_points, self.balance, self.module_name = split_points, balance, module
         self._starts: list[int] = []
-        self._schedule: Any = None
+        self._chunks: dict[int, nn.Module] = {}  # this process's chunks, by chunk index
+        self._schedule: Any = None  # training's, built at the first training step
+        self._eval_schedules: dict[int, Any] = {}  # forward-only, by batch size
         self._pending_grads: list[Tensor | None] | None = None
         self._pipe_group: Any = None  # this pipeline's ranks
         self._replica_group: Any = None  # this stage's rank in every replica
@@ -218,6 +280,13 @@ class PipelineStrategy(DDPStrategy):
         self, lightning_module: nn.Module, devices: int, batch_size: int, num_nodes: int = 1
     ) -> None:
         """Everything that would fail after the processes start, said before they do."""
+        missing = [m for m in TASK_MEMBERS if not hasattr(lightning_module, m)]
+        if missing:
+            raise PipelineConfigError(
+                f"strategy=pipeline runs {type(lightning_module).__name__} through its stages but "
+                f"it lacks {', '.join(missing)}: implement PipelineTask "
+                f"(trainkit/strategies/pipeline.py), as trainkit.tasks.ImageClassifier does"
+            )
         self.stage_starts(lightning_module)
         if (devices * num_nodes) % self.stages:
             raise PipelineConfigError(
@@ -277,42 +346,69 @@ class PipelineStrategy(DDPStrategy):
         """Instead of wrapping in DDP: nothing yet. The stages are cut at the first training step,
         where a real micro-batch shows what each block costs."""
 
-    def _build_pipeline(self, example: Tensor) -> None:
+    def _cut(self, example: Tensor) -> None:
+        """Cut the model into chunks, at the first step of any kind (a sanity-check validation
+        comes before training): one sample shows what each block costs; FLOPs grow with the batch
+        in proportion, so the cut is the one a full micro-batch would give."""
         lm = self.lightning_module
         blocks = self.blocks(lm)
-        microbatches = self.microbatches_for(len(example))
         if self.split_points is None and self.balance == "flops":
-            micro = example[: len(example) // microbatches]
-            self._starts = balanced_split(block_flops(blocks, micro), self.chunks)
+            self._starts = balanced_split(block_flops(blocks, example[:1]), self.chunks)
         else:
             self._starts = self.stage_starts(lm)
         bounds = [*self._starts, len(blocks)]
         self._make_groups()
         self._replicate_own_blocks()
-        pipe_stages = [
-            PipelineStage(
-                nn.Sequential(*blocks[bounds[c] : bounds[c + 1]]),
-                *(c, self.chunks, self.root_device),
-                group=self._pipe_group,
-            )
+        self._chunks = {
+            c: nn.Sequential(*blocks[bounds[c] : bounds[c + 1]])
             for c in range(self.stage, self.chunks, self.stages)
-        ]
-        # every rank passes the loss: without one a schedule runs no backward on that stage
-        multi = self.schedule_name in MULTI_CHUNK
-        self._schedule = SCHEDULES[self.schedule_name](
-            pipe_stages if multi else pipe_stages[0],
-            n_microbatches=microbatches,
-            loss_fn=lm.loss_fn,
-        )
+        }
         if self.global_rank == 0:
             how = "split_points" if self.split_points else f"balanced by {self.balance}"
-            what = f"{self.stages} stages" if not multi else f"{self.chunks} chunks"
+            what = f"{self.stages} stages" if self.virtual_stages == 1 else f"{self.chunks} chunks"
             log.info(
-                "pipeline: %s starting at blocks %s of %d (%s), %s on %d processes, "
-                "%d micro-batches, %d replica(s)",
+                "pipeline: %s starting at blocks %s of %d (%s), %s on %d processes, %d replica(s)",
                 *(what, self._starts, len(blocks), how),
-                *(self.schedule_name, self.stages, microbatches, self.replicas),
+                *(self.schedule_name, self.stages, self.replicas),
             )
+
+    def _pipeline_stages(self) -> list[PipelineStage]:
+        """This process's chunks as stages of its pipeline; each schedule needs its own (they keep
+        the buffers for one micro-batch shape)."""
+        return [
+            PipelineStage(module, c, self.chunks, self.root_device, group=self._pipe_group)
+            for c, module in self._chunks.items()
+        ]
+
+    def _train_schedule(self, batch_size: int) -> Any:
+        if self._schedule is None:
+            # every rank passes the loss: without one a schedule runs no backward on that stage
+            stages = self._pipeline_stages()
+            self._schedule = SCHEDULES[self.schedule_name](
+                stages if self.schedule_name in MULTI_CHUNK else stages[0],
+                n_microbatches=self.microbatches_for(batch_size),
+                loss_fn=self.lightning_module.loss_fn,
+            )
+        return self._schedule
+
+    def _eval_schedule(self, batch_size: int) -> Any:
+        """A forward-only schedule for this batch size (evaluation keeps an incomplete last batch):
+        the training micro-batch count where it divides the batch, else the largest that does.
+        GPipe's order (LoopedBFS with several chunks per process) runs any count."""
+        if batch_size not in self._eval_schedules:
+            target = (
+                self.microbatches
+                if self.microbatch_size is None
+                else max(1, batch_size // self.microbatch_size)
+            )
+            n = max(d for d in range(1, min(target, batch_size) + 1) if batch_size % d == 0)
+            stages = self._pipeline_stages()
+            self._eval_schedules[batch_size] = (
+                ScheduleLoopedBFS(stages, n_microbatches=n)
+                if self.virtual_stages > 1
+                else ScheduleGPipe(stages[0], n_microbatches=n)
+            )
+        return self._eval_schedules[batch_size]
 
     def _replicate_own_blocks(self) -> None:
         """Every replica of a stage starts from replica 0's weights of the stage's blocks, as DDP
@@ -349,21 +445,14 @@ class PipelineStrategy(DDPStrategy):
         chunk = max(c for c, start in enumerate(self._starts) if start <= block_index)
         return chunk % self.stages
 
-    def sync_blocks(self) -> None:
-        """Every rank gets every block's current weights from the rank that trains it."""
-        if self._schedule is None:
-            return
-        for i, block in enumerate(self.blocks(self.lightning_module)):
-            broadcast_block(block, src=self._rank_of(self._owner(i)), group=self._pipe_group)
+    # --- the steps: the task's, with the stages' forward in place of the model's ----------------
 
-    # --- the training step ----------------------------------------------------------------------
-
-    def training_step(self, *args: Any, **kwargs: Any) -> dict[str, Tensor]:
-        x, y = args[0]
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
         lm = self.lightning_module
-        x = x.to(lm.dtype) if x.is_floating_point() else x
-        if self._schedule is None:
-            self._build_pipeline(x)
+        x, y = lm.split_batch(args[0])
+        if not self._chunks:
+            self._cut(x)
+        schedule = self._train_schedule(len(x))
         params = list(lm.parameters())
         held = [p.grad for p in params]
         for p in params:
@@ -372,11 +461,11 @@ class PipelineStrategy(DDPStrategy):
         losses: list[Tensor] = []
         with self.precision_plugin.train_step_context():
             if first:
-                out = self._schedule.step(x, target=y if last else None)
+                out = schedule.step(x, target=y if last else None)
             elif last:
-                out = self._schedule.step(target=y, losses=losses)
+                out = schedule.step(target=y, losses=losses)
             else:
-                out = self._schedule.step()
+                out = schedule.step()
         if self.replicas > 1:  # data parallel across pipelines: average each stage's gradients
             for p in params:
                 if p.grad is not None:
@@ -385,17 +474,51 @@ class PipelineStrategy(DDPStrategy):
         self._pending_grads = [p.grad for p in params]
         for p, h in zip(params, held, strict=True):
             p.grad = h
-        last_rank, group = self._rank_of(self.stages - 1), self._pipe_group
         loss = torch.stack(losses).mean().detach().float() if last else torch.zeros(())
         loss = loss.to(self.root_device)
-        dist.broadcast(loss, src=last_rank, group=group)
+        dist.broadcast(loss, src=self._rank_of(self.stages - 1), group=self._pipe_group)
+        return lm.step_output(self._logits_from_last_stage(out), loss, y)
+
+    def _forward_only(self, x: Tensor) -> Tensor:
+        """The model's logits for ``x`` on every rank, the micro-batches run forward-only through
+        the stages (each process runs only its own blocks)."""
+        if not self._chunks:
+            self._cut(x)
+        schedule = self._eval_schedule(len(x))
+        out = schedule.step(x) if self.stage == 0 else schedule.step()
+        return self._logits_from_last_stage(out)
+
+    def _logits_from_last_stage(self, out: Tensor | None) -> Tensor:
+        """The last stage's output, on every rank of the pipeline: every rank then logs and
+        monitors the same values and updates the same metrics."""
+        last_rank, group = self._rank_of(self.stages - 1), self._pipe_group
+        last = self.stage == self.stages - 1
         logits = out.detach().float() if last else None
         shape = torch.tensor(logits.shape if last else (0, 0), device=self.root_device)
         dist.broadcast(shape, src=last_rank, group=group)
         if not last:
             logits = torch.empty(tuple(shape.tolist()), device=self.root_device)
         dist.broadcast(logits, src=last_rank, group=group)
-        return {"loss": loss, "logits": logits, "target": y}
+        return logits
+
+    def _eval_step(self, batch: Any) -> Any:
+        lm = self.lightning_module
+        x, y = lm.split_batch(batch)
+        logits = self._forward_only(x)
+        return lm.step_output(logits, lm.loss_fn(logits, y), y)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._eval_step(args[0])
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._eval_step(args[0])
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        lm = self.lightning_module
+        with self.precision_plugin.predict_step_context():
+            return lm.prediction(self._forward_only(lm.split_batch(args[0])[0]))
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """The schedule already ran backward: put its gradients back after Lightning's zero_grad."""
@@ -409,40 +532,50 @@ class PipelineStrategy(DDPStrategy):
         self._pending_grads = None
         return closure_loss
 
-    # --- evaluation and checkpoints see the whole model -----------------------------------------
+    # --- checkpoints hold the whole model, assembled by the writer --------------------------------
 
-    def on_validation_start(self) -> None:
-        self.sync_blocks()
-        super().on_validation_start()
+    def _own_keys(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The entries of a ``state_dict`` that belong to the blocks this process trains."""
+        seq = getattr(self.lightning_module, self.module_name)
+        prefixes = tuple(
+            f"{self.module_name}.{name}."
+            for i, (name, _) in enumerate(seq.named_children())
+            if self._owner(i) == self.stage
+        )
+        return {k: v for k, v in state.items() if k.startswith(prefixes)}
 
-    def on_test_start(self) -> None:
-        self.sync_blocks()
-        super().on_test_start()
-
-    def on_predict_start(self) -> None:
-        self.sync_blocks()
-        super().on_predict_start()
+    def _to_writer(self, own: dict[Any, Any], everything: dict[Any, Any]) -> dict[Any, Any]:
+        """On the writer (global rank 0, which writes checkpoints): ``everything`` it holds, with
+        every other stage's ``own`` part streamed in, stage by stage. Elsewhere: nothing to write.
+        Only the first pipeline takes part: the replicas hold the same weights and state."""
+        if self.global_rank >= self.stages:
+            return own
+        if self.global_rank != 0:
+            send_state(own, dst=0, group=self._pipe_group, device=self.root_device)
+            return own
+        for stage in range(1, self.stages):
+            everything.update(recv_state(stage, group=self._pipe_group, device=self.root_device))
+        return everything
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        self.sync_blocks()
-        return super().lightning_module_state_dict()
+        """The whole model's weights on the writer; its own blocks' weights elsewhere."""
+        state = super().lightning_module_state_dict()
+        if not self._chunks:  # before the first step no process has trained: rank 0's are all
+            return state
+        return self._to_writer(self._own_keys(state), state)
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """Each stage's optimizer state of its own parameters, merged. A stage keeps only its own:
-        after a resume every rank also holds the loaded, never updated state of the others'."""
+        """Every stage's optimizer state of its own parameters, on the writer. A stage keeps only
+        its own: after a resume every rank also holds the loaded, never updated state of the
+        others'."""
         state = super().optimizer_state(optimizer)
-        if self._schedule is None:
+        if not self._chunks:
             return state
         blocks = self.blocks(self.lightning_module)
-        own = {id(p) for i, b in enumerate(blocks) if self._owner(i) == self.stage
-               for p in b.parameters()}  # fmt: skip
+        own_ids = {id(p) for i, b in enumerate(blocks) if self._owner(i) == self.stage
+                   for p in b.parameters()}  # fmt: skip
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's own
         params = [p for group in optimizer.param_groups for p in group["params"]]  # state's order
-        local = {i: {k: v.cpu() if isinstance(v, Tensor) else v for k, v in s.items()}
-                 for i, s in state["state"].items() if id(params[i]) in own}  # fmt: skip
-        gathered: list[Any] = [None] * self.stages
-        dist.all_gather_object(gathered, local, group=self._pipe_group)
-        merged: dict[int, Any] = {}
-        for part in gathered:
-            merged.update(part)
-        return {"state": merged, "param_groups": state["param_groups"]}
+        own = {i: s for i, s in state["state"].items() if id(params[i]) in own_ids}
+        merged = self._to_writer(own, dict(own))
+        return {"state": dict(sorted(merged.items())), "param_groups": state["param_groups"]}

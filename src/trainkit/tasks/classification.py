@@ -77,11 +77,24 @@ class ImageClassifier(L.LightningModule):
     def forward(self, x: Tensor) -> Tensor:
         return self.net(x)
 
-    def _shared_step(self, batch: tuple[Tensor, Tensor]) -> dict[str, Tensor]:
+    # What strategy=pipeline needs (strategies/pipeline.py, PipelineTask): the batch as (input,
+    # target), and a step's output or prediction from the logits, which there come from the stages.
+
+    def split_batch(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
         x, y = batch
         # Lightning casts inputs to the weights' dtype (bf16-true, 64-true) in training_step only
-        logits = self(x.to(self.dtype) if x.is_floating_point() else x)
-        return {"loss": self.loss_fn(logits, y), "logits": logits.detach(), "target": y}
+        return (x.to(self.dtype) if x.is_floating_point() else x), y
+
+    def step_output(self, logits: Tensor, loss: Tensor, target: Tensor) -> dict[str, Tensor]:
+        return {"loss": loss, "logits": logits.detach(), "target": target}
+
+    def prediction(self, logits: Tensor) -> Tensor:
+        return logits.argmax(dim=1)
+
+    def _shared_step(self, batch: tuple[Tensor, Tensor]) -> dict[str, Tensor]:
+        x, y = self.split_batch(batch)
+        logits = self(x)
+        return self.step_output(logits, self.loss_fn(logits, y), y)
 
     # Steps compute; the *_batch_end hooks update metrics and log. The hooks run once per batch in
     # the main thread with the step's output, gathered when a strategy (dp) splits the batch.
@@ -121,7 +134,7 @@ class ImageClassifier(L.LightningModule):
         self.log("test/acc", self.test_acc)
 
     def predict_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        return self(batch[0]).argmax(dim=1)
+        return self.prediction(self(self.split_batch(batch)[0]))
 
     def configure_optimizers(self):
         optimizer = self.optimizer_factory(params=self.parameters())
