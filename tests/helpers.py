@@ -18,6 +18,7 @@ import io
 import json
 import os
 import re
+import resource
 import shlex
 import shutil
 import signal
@@ -173,23 +174,47 @@ class CollectiveCount(L.Callback):
         Path(f"{self.out}.rank{trainer.global_rank}.json").write_text(json.dumps(counts))
 
 
+def vm_peak() -> int:
+    """This process's peak virtual memory in bytes (what RLIMIT_AS caps), from /proc."""
+    status = Path("/proc/self/status").read_text()
+    return int(re.search(r"VmPeak:\s+(\d+) kB", status).group(1)) * 1024
+
+
 class SaveWeights(L.Callback):
-    """Writes this rank's ``state_dict`` when fit starts (before the sanity check's validation)
-    and when training ends, to ``<out>.<start|end>.rank<r>.pt``: what each process holds, which a
-    checkpoint (written from rank 0's view) does not show."""
+    """What each process holds, which a checkpoint (written by rank 0) does not show. Writes
+    ``<out>.<start|end>.rank<r>.pt``: at set-up (before the strategy's) the net's ``init_seed``;
+    when training ends the tensors held (``state``: every parameter and buffer not on the meta
+    device), the names on meta, of parameters with a gradient at the last optimizer step and of
+    those with optimizer state, and the process's peak RSS and virtual memory in bytes."""
 
     def __init__(self, out: str) -> None:
         self.out = out
 
-    def _save(self, trainer, pl_module, when: str) -> None:
-        state = {k: v.detach().cpu() for k, v in pl_module.state_dict().items()}
-        torch.save(state, f"{self.out}.{when}.rank{trainer.global_rank}.pt")
+    def _save(self, trainer, what: dict, when: str) -> None:
+        torch.save(what, f"{self.out}.{when}.rank{trainer.global_rank}.pt")
 
-    def on_fit_start(self, trainer, pl_module) -> None:
-        self._save(trainer, pl_module, "start")
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self._save(trainer, {"init_seed": getattr(pl_module.net, "init_seed", None)}, "start")
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self._grads = sorted(n for n, p in pl_module.named_parameters() if p.grad is not None)
 
     def on_train_end(self, trainer, pl_module) -> None:
-        self._save(trainer, pl_module, "end")
+        tensors = dict(pl_module.state_dict(keep_vars=True))
+        names = {id(p): n for n, p in pl_module.named_parameters()}
+        optimizer_state = trainer.optimizers[0].state
+        self._save(
+            trainer,
+            {
+                "state": {k: v.detach().cpu() for k, v in tensors.items() if not v.is_meta},
+                "meta": sorted(k for k, v in tensors.items() if v.is_meta),
+                "grads": self._grads,  # at the last optimizer step
+                "optimizer": sorted(names[id(p)] for p, s in optimizer_state.items() if s),
+                "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                "peak_vm": vm_peak(),
+            },
+            "end",
+        )
 
 
 # --- image-folder trees --------------------------------------------------------------------------

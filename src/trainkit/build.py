@@ -12,23 +12,47 @@ from collections.abc import Sequence
 from typing import Any
 
 import lightning as L
-from hydra.utils import instantiate
+import torch
+from hydra.utils import get_object, instantiate
 from lightning.pytorch.plugins import TorchSyncBatchNorm
 from omegaconf import DictConfig, open_dict
 
 from trainkit.checkpoint_io import AtomicCheckpointIO
-from trainkit.parallel import ParallelDims
+from trainkit.parallel import ParallelDims, strategy_flag
 from trainkit.strategies.ddp import DDPStrategy
 
 
-def model_config(cfg: DictConfig) -> DictConfig:
-    """``cfg.model`` with this run's top-level ``compile`` (a choice of the run, not of the
-    weights): set where the model's config has the key, or where compile=true asks for it."""
+def model_config(cfg: DictConfig, datamodule: L.LightningDataModule) -> DictConfig:
+    """``cfg.model`` completed with what the data says (``num_classes``, and ``input_shape``
+    where the model's config has the key) and this run's top-level ``compile`` (a choice of the
+    run, not of the weights): set where the model's config has the key, or where compile=true asks
+    for it."""
     model = cfg.model
+    model.num_classes = datamodule.num_classes
+    if "input_shape" in model.keys():  # noqa: SIM118  (`in` alone is False for a missing ???)
+        shape = getattr(datamodule, "input_shape", None)  # optional: only a pipeline needs it
+        model.input_shape = list(shape) if shape is not None else None
     if "compile" in model or cfg.get("compile"):
         with open_dict(model):
             model.compile = bool(cfg.get("compile"))
     return model
+
+
+def build_model(cfg: DictConfig, datamodule: L.LightningDataModule) -> L.LightningModule:
+    """The task of ``cfg.model``. Under a strategy that materialises each process's own blocks
+    (``materialises_blocks``), a net that can initialise one block alone (``BlockSequence``) is
+    built on the meta device: no process ever holds the whole model."""
+    model = model_config(cfg, datamodule)
+    if not strategy_flag(cfg.strategy, "materialises_blocks"):
+        return instantiate(model)
+    from trainkit.models.blocks import BlockSequence
+
+    net_class = get_object(model.net._target_) if "_target_" in model.get("net", {}) else None
+    if not (isinstance(net_class, type) and issubclass(net_class, BlockSequence)):
+        return instantiate(model)  # the strategy drops the other stages' blocks after building
+    with torch.device("meta"):
+        net = instantiate(model.net)
+    return instantiate(model, net=net)
 
 
 def build_strategy(cfg: DictConfig, dims: ParallelDims) -> Any:

@@ -9,7 +9,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 import trainkit.resolvers  # noqa: F401  registers the resolvers that conf/ uses
-from trainkit.build import build_trainer, model_config, prepare_data_once
+from trainkit.build import build_model, build_trainer, prepare_data_once
 from trainkit.callbacks import PredictionWriter
 from trainkit.callbacks.run_config import read_checkpoint_config
 from trainkit.errors import ConfigError
@@ -59,7 +59,7 @@ def _evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
     cfg = with_checkpoint_config(cfg)
     dims = preflight(cfg, training=False)
     datamodule: L.LightningDataModule = instantiate(cfg.data)
-    model: L.LightningModule = instantiate(model_config(cfg))  # compiled as eval's compile says
+    model = build_model(cfg, datamodule)  # compiled as eval's compile says
     output_dir = Path(cfg.paths.output_dir)
     writer = PredictionWriter(str(output_dir / PREDICTIONS_FILE))
     callbacks = [writer] if "predict" in stages else []

@@ -13,7 +13,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 import trainkit.resolvers  # noqa: F401  registers the resolvers that conf/ uses
-from trainkit.build import build_trainer, model_config, prepare_data_once
+from trainkit.build import build_model, build_trainer, prepare_data_once
 from trainkit.callbacks import NonFiniteLossStop, Preemption, ProcessInfo, RunConfig
 from trainkit.callbacks.preemption import Preempted
 from trainkit.launch import isolated_job
@@ -54,8 +54,7 @@ def build(
 ) -> tuple[L.LightningDataModule, L.LightningModule, L.Trainer]:
     """Every object of a run, from its config. Writes the resolved config into the run directory."""
     datamodule: L.LightningDataModule = instantiate(cfg.data)
-    cfg.model.num_classes = datamodule.num_classes
-    model: L.LightningModule = instantiate(model_config(cfg))
+    model = build_model(cfg, datamodule)
     output_dir = Path(cfg.paths.output_dir)
     write_config(output_dir / "config.yaml", cfg)
     trainer = build_trainer(

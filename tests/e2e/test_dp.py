@@ -63,7 +63,8 @@ def test_dp_checkpoint_evaluates_with_the_default_strategy(
     cpu_runs: dict, run_here: Callable[..., Path], tmp_path: Path
 ) -> None:
     run_dir = cpu_runs["dp"][0]
-    model = instantiate(compose_config("train", tmp_path, ["model.num_classes=10"]).model)
+    overrides = ["model.num_classes=10", "model.input_shape=[1,28,28]"]
+    model = instantiate(compose_config("train", tmp_path, overrides).model)
     model.load_state_dict(load_checkpoint(run_dir)["state_dict"], strict=True)
 
     best = run_dir / "checkpoints" / "best.ckpt"

@@ -10,6 +10,7 @@ take the same steps. Stage splitting and the shapes refused in-process: unit/tes
 
 import json
 import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -79,17 +80,22 @@ def runs(
             "train.py", *one_epoch, "threads=1", HIDDEN3, "data.batch_size=128"
         ),
     }
+    held = lambda name: (  # noqa: E731  what each rank holds: helpers.SaveWeights
+        "+callbacks.held._target_=helpers.SaveWeights",
+        f"+callbacks.held.out={log_dir / name}",
+    )
     commands = {
         # 2 stages, GPipe, 8 micro-batches of 32
-        "gpipe": readme_run("pipeline_gpipe", *one_epoch),
+        "gpipe": readme_run("pipeline_gpipe", *one_epoch, *held("gpipe")),
         # 3 stages, 1F1B, split by FLOPs, batch 256
-        "pipe3": readme_run("pipeline_3_stages", *one_epoch),
+        "pipe3": readme_run("pipeline_3_stages", *one_epoch, *held("pipe3")),
         # 4 chunks on 2 processes, micro-batches of 32 of a batch of 128
         "interleaved": readme_run("pipeline_interleaved", *one_epoch),
         # 2 stages x 2 data-parallel replicas: 128 per replica, the single device's 256
         "replicas": readme_run("pipeline_replicas", *one_epoch),
     }
     out |= {k: run_script("train.py", *v, log_dir=log_dir) for k, v in commands.items()}
+    out["held"] = log_dir
     # Lightning 2.6 rewrites last.ckpt only when the monitored metric improves, and val/acc may
     # already be 1.0 after one epoch here: monitor val/loss, which keeps falling, so last.ckpt is
     # the end of epoch two (test_resume_continues_the_run checks its global_step)
@@ -158,8 +164,9 @@ def test_three_stages_run_on_three_processes(runs: dict) -> None:
 def test_training_moved_the_weights(runs: dict, base: tuple[str, ...], tmp_path: Path) -> None:
     """The zero_grad trap: were the schedule's gradients zeroed, the weights would stay at init.
 
-    The initial weights are rebuilt in-process as train.py builds them (seed, then build)."""
-    cfg = compose_config("train", tmp_path, [*base, *PIPE2, "trainer.max_epochs=1"])
+    The initial weights are rebuilt in-process as train.py builds them (seed, then build) on one
+    device: each pipeline stage starts its blocks exactly so (models/blocks.py)."""
+    cfg = compose_config("train", tmp_path, [*base, "trainer.max_epochs=1"])
     dims = preflight(cfg)
     L.seed_everything(cfg.seed, workers=True)
     _, model, _ = build(cfg, dims)
@@ -208,6 +215,28 @@ def test_checkpoint_holds_the_full_model(runs: dict, name: str, reference: str) 
     state = ckpt["optimizer_states"][0]["state"]
     assert sorted(state) == list(range(n_params)), name
     assert all(s["exp_avg"].abs().sum() > 0 for s in state.values()), name
+
+
+@shares_runs
+@pytest.mark.parametrize(("name", "stages"), [("gpipe", 2), ("pipe3", 3)])
+def test_each_rank_holds_only_its_own_blocks(runs: dict, name: str, stages: int) -> None:
+    """The model is split in memory: after training, each rank holds the parameters, gradients
+    and optimizer state of its own stage's blocks and nothing of the others' (on the meta device,
+    without data); together the ranks hold every block once."""
+    log = (runs[name] / "train.log").read_text()
+    starts = json.loads(re.search(r"starting at blocks (\[[\d, ]+\]) of", log).group(1))
+    keys = list(weights(runs[name]))  # the whole model, from the checkpoint
+    params = [k for k in keys if k.endswith((".weight", ".bias"))]
+    bounds = [*starts, len({k.split(".")[1] for k in keys})]
+    seen: list[str] = []
+    for stage in range(stages):
+        held = torch.load(runs["held"] / f"{name}.end.rank{stage}.pt", weights_only=True)
+        own = tuple(f"net.{b}." for b in range(bounds[stage], bounds[stage + 1]))
+        assert sorted(held["state"]) == sorted(k for k in keys if k.startswith(own)), stage
+        assert held["meta"] == sorted(k for k in keys if not k.startswith(own)), stage
+        assert held["grads"] == held["optimizer"] == sorted(k for k in params if k.startswith(own))
+        seen += held["state"]
+    assert sorted(seen) == sorted(keys)
 
 
 @shares_runs
@@ -268,9 +297,9 @@ def test_replicas_of_a_stage_train_the_same_weights_without_a_seed(
     def held(when: str) -> list[dict[str, torch.Tensor]]:
         return [torch.load(f"{out}.{when}.rank{r}.pt", weights_only=True) for r in range(4)]
 
-    start, end = held("start"), held("end")
-    # the processes really started apart (no seed), replica 0 and 1 of stage 0 included
-    assert not torch.equal(start[0]["net.0.1.weight"], start[2]["net.0.1.weight"])
+    start, end = held("start"), [h["state"] for h in held("end")]
+    # the processes really drew apart (no seed): each would start its blocks from its own seed
+    assert len({s["init_seed"] for s in start}) == 4
     (log,) = tmp_path.glob("train/runs/*/train.log")
     assert "starting at blocks [0, 1] of 3" in log.read_text()  # stage 0: block 0; stage 1: 1, 2
     for stage, blocks in ((0, ("net.0.",)), (1, ("net.1.", "net.2."))):

@@ -93,7 +93,7 @@ class WhoRuns(L.LightningModule):
 
 @pytest.fixture
 def classifier(tmp_path: Path) -> L.LightningModule:
-    cfg = compose_config("train", tmp_path, ["model.num_classes=10"])
+    cfg = compose_config("train", tmp_path, ["model.num_classes=10", "model.input_shape=[1,28,28]"])
     return instantiate(cfg.model)
 
 

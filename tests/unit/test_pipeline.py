@@ -55,7 +55,9 @@ def test_balanced_split_minimises_the_largest_stage() -> None:
 
 def task(net: nn.Module) -> ImageClassifier:
     """The task the strategy runs: it reads ``net`` and the PipelineTask members."""
-    return ImageClassifier(net, optimizer=partial(torch.optim.Adam), num_classes=10)
+    return ImageClassifier(
+        net, optimizer=partial(torch.optim.Adam), num_classes=10, input_shape=(1, 28, 28)
+    )
 
 
 class NetOnly(nn.Module):
@@ -165,12 +167,22 @@ def test_bad_options_are_refused_when_built(kwargs: dict, message: str) -> None:
         ({"module": "body"}, mlp(), 2, 64, 1, r"`body` .*nn\.Sequential.*got NoneType"),
         (
             {},
+            ImageClassifier(
+                MLP(784, (64,), 10), optimizer=partial(torch.optim.Adam), num_classes=10
+            ),
+            2,
+            64,
+            1,
+            r"strategy\.balance=flops .* input_shape, which is unset",
+        ),
+        (
+            {},
             NetOnly(MLP(784, (64,), 10)),
             2,
             64,
             1,
-            r"NetOnly .* lacks loss_fn, split_batch, step_output, prediction: implement "
-            r"PipelineTask",
+            r"NetOnly .* lacks loss_fn, input_shape, split_batch, step_output, prediction: "
+            r"implement PipelineTask",
         ),
     ],
 )

@@ -12,6 +12,7 @@ import torch
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
 from trainkit.build import model_config
+from trainkit.data import MNISTDataModule
 from trainkit.errors import ConfigError
 from trainkit.evaluate import check_stages
 from trainkit.parallel import ParallelDims
@@ -125,10 +126,19 @@ def test_compile_under_dp_on_several_gpus_is_refused(compose) -> None:
 
 
 def test_compile_reaches_the_model_only_where_its_config_takes_it(compose) -> None:
-    assert model_config(compose("compile=true")).compile is True
-    assert model_config(compose()).compile is False
+    data = MNISTDataModule("unused")
+    assert model_config(compose("compile=true"), data).compile is True
+    assert model_config(compose(), data).compile is False
     cfg = compose()
     del cfg.model.compile  # a model of the user's whose config has no compile key
-    assert "compile" not in model_config(cfg)
+    assert "compile" not in model_config(cfg, data)
     cfg.compile = True  # asked for anyway: passed on, so the model says it does not take it
-    assert model_config(cfg).compile is True
+    assert model_config(cfg, data).compile is True
+
+
+def test_the_data_fills_the_model_config(compose) -> None:
+    cfg = model_config(compose(), MNISTDataModule("unused"))
+    assert cfg.num_classes == 10 and list(cfg.input_shape) == [1, 28, 28]
+    cfg = compose()
+    del cfg.model.input_shape  # a model of the user's that does not take it: left out
+    assert "input_shape" not in model_config(cfg, MNISTDataModule("unused"))

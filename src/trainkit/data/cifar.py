@@ -23,6 +23,7 @@ class CIFAR10DataModule(InMemoryDataModule):
     """
 
     num_classes = 10
+    input_shape = (3, 32, 32)  # one sample, as the model receives it
     mean = (0.4914, 0.4822, 0.4465)
     std = (0.2470, 0.2435, 0.2616)
 

@@ -183,6 +183,11 @@ class ImageFolderDataModule(ShardedDataModule):
     def num_classes(self) -> int:
         return len(self.classes)
 
+    @property
+    def input_shape(self) -> tuple[int, int, int]:
+        """One sample, as the model receives it: RGB at ``image_size``."""
+        return (3, self.image_size, self.image_size)
+
     # --- datasets -----------------------------------------------------------------------------
 
     def transforms(self, train: bool) -> v2.Compose:

@@ -22,6 +22,7 @@ class MNISTDataModule(InMemoryDataModule):
     """
 
     num_classes = 10
+    input_shape = (1, 28, 28)  # one sample, as the model receives it
     mean, std = (0.1307,), (0.3081,)
 
     def __init__(

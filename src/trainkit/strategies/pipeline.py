@@ -23,6 +23,9 @@ Traps this handles (docs/design.md, "Pipeline gradients zeroed by zero_grad" and
   optimizer state, tensor by tensor, so resuming is exact and any strategy can load the weights.
 - Replicas of a stage start from replica 0's weights of its blocks (broadcast once, as DDP does):
   under ``seed=null`` each process initialised its own, and the replicas trained apart.
+- A process holds only its own blocks (the others stay on the meta device): set-up, teardown,
+  checkpoint loading and optimizer state all skip the meta tensors (docs/design.md, "Each
+  pipeline process holds only its own blocks").
 - Shapes are fixed after the first step: the batch must split into equal micro-batches and
   training drops an incomplete last batch.
 """
@@ -30,11 +33,15 @@ Traps this handles (docs/design.md, "Pipeline gradients zeroed by zero_grad" and
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from itertools import chain
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.device_dtype_mixin import _update_properties
+from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 from torch.distributed.pipelining import (
     PipelineStage,
@@ -70,6 +77,7 @@ class PipelineTask(Protocol):
     """
 
     loss_fn: Callable[[Tensor, Tensor], Tensor]  # (logits, target) -> mean loss of a micro-batch
+    input_shape: Sequence[int] | None  # one sample's shape: balance=flops measures blocks on it
 
     def split_batch(self, batch: Any) -> tuple[Tensor, Tensor]:
         """The model's input (in the weights' dtype) and the target."""
@@ -84,7 +92,7 @@ class PipelineTask(Protocol):
         ...
 
 
-TASK_MEMBERS = ("loss_fn", "split_batch", "step_output", "prediction")  # PipelineTask's
+TASK_MEMBERS = ("loss_fn", "input_shape", "split_batch", "step_output", "prediction")
 
 
 def balanced_split(sizes: list[int], stages: int) -> list[int]:
@@ -169,6 +177,7 @@ class PipelineStrategy(DDPStrategy):
 
     strategy_name = "pipeline"
     requires_full_batches = True  # shapes are fixed at the first step: data.drop_last=true
+    materialises_blocks = True  # build the net on the meta device: setup materialises own blocks
 
     def __init__(
         self,
@@ -288,6 +297,13 @@ class PipelineStrategy(DDPStrategy):
                 f"(trainkit/strategies/pipeline.py), as trainkit.tasks.ImageClassifier does"
             )
         self.stage_starts(lightning_module)
+        balance_by_flops = self.split_points is None and self.balance == "flops"
+        if balance_by_flops and lightning_module.input_shape is None:
+            raise PipelineConfigError(
+                "strategy.balance=flops measures each block on one sample of the task's "
+                "input_shape, which is unset: give the datamodule an input_shape attribute (or set "
+                "model.input_shape=[C,H,W]), or use strategy.balance=params"
+            )
         if (devices * num_nodes) % self.stages:
             raise PipelineConfigError(
                 f"strategy=pipeline with stages={self.stages} runs one process per stage and "
@@ -340,29 +356,60 @@ class PipelineStrategy(DDPStrategy):
             if s == self.stage:
                 self._replica_group = group
 
-    # --- set-up ---------------------------------------------------------------------------------
+    # --- set-up: each process materialises only its own blocks ---------------------------------
 
-    def configure_ddp(self) -> None:
-        """Instead of wrapping in DDP: nothing yet. The stages are cut at the first training step,
-        where a real micro-batch shows what each block costs."""
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        """A checkpoint is loaded after ``setup``, into the blocks this process then holds."""
+        return True
 
-    def _cut(self, example: Tensor) -> None:
-        """Cut the model into chunks, at the first step of any kind (a sanity-check validation
-        comes before training): one sample shows what each block costs; FLOPs grow with the batch
-        in proportion, so the cut is the one a full micro-batch would give."""
+    def setup(self, trainer: Any) -> None:
+        """DDPStrategy's set-up without its DDP wrapper and its broadcast of rank 0's model (a
+        process holds only its own blocks): cut the model and hold this process's blocks only,
+        then move to the device and build the optimizers."""
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and self._layer_sync:
+            self.model = self._layer_sync.apply(self.model)
+        first = not self._chunks
+        if first:  # once: a later trainer.test or trainer.predict keeps the stages
+            self._cut()
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if first:
+            self._replicate_own_blocks()
+            blocks = self.blocks(self.lightning_module)
+            bounds = [*self._starts, len(blocks)]
+            self._chunks = {
+                c: nn.Sequential(*blocks[bounds[c] : bounds[c + 1]])
+                for c in range(self.stage, self.chunks, self.stages)
+            }
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+        # gradient_clip_val clips by the norm of ALL stages' gradients, as on one device, not by
+        # this stage's own; Precision.clip_gradients calls this attribute
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm
+
+    def _cut(self) -> None:
+        """Cut the model into chunks, make the process groups, and hold this process's blocks only.
+        FLOPs are measured on one sample of the task's ``input_shape`` (on the meta device when
+        the net was built there): they grow with the batch in proportion, so the cut is the one a
+        micro-batch gives."""
         lm = self.lightning_module
         blocks = self.blocks(lm)
-        if self.split_points is None and self.balance == "flops":
-            self._starts = balanced_split(block_flops(blocks, example[:1]), self.chunks)
+        shape = lm.input_shape  # check_run made sure it is set for balance=flops when training
+        if self.split_points is None and self.balance == "flops" and shape is not None:
+            weight = next(chain.from_iterable(b.parameters() for b in blocks))
+            example = torch.zeros(1, *shape, dtype=weight.dtype, device=weight.device)
+            self._starts = balanced_split(block_flops(blocks, example), self.chunks)
         else:
             self._starts = self.stage_starts(lm)
-        bounds = [*self._starts, len(blocks)]
         self._make_groups()
-        self._replicate_own_blocks()
-        self._chunks = {
-            c: nn.Sequential(*blocks[bounds[c] : bounds[c + 1]])
-            for c in range(self.stage, self.chunks, self.stages)
-        }
+        self._hold_own_blocks()
         if self.global_rank == 0:
             how = "split_points" if self.split_points else f"balanced by {self.balance}"
             what = f"{self.stages} stages" if self.virtual_stages == 1 else f"{self.chunks} chunks"
@@ -371,6 +418,45 @@ class PipelineStrategy(DDPStrategy):
                 *(what, self._starts, len(blocks), how),
                 *(self.schedule_name, self.stages, self.replicas),
             )
+
+    def _hold_own_blocks(self) -> None:
+        """This process's blocks materialised on the CPU and initialised as one device initialises
+        them (``BlockSequence.reset_block``); every other block on the meta device, without memory.
+        A net that was not built on meta (not a BlockSequence) was built whole: the others' go."""
+        net = getattr(self.lightning_module, self.module_name)
+        for i, block in enumerate(net.children()):
+            on_meta = any(t.is_meta for t in chain(block.parameters(), block.buffers()))
+            if self._owner(i) == self.stage and on_meta:
+                block.to_empty(device="cpu")
+                net.reset_block(i)
+            elif self._owner(i) != self.stage and not on_meta:
+                block.to("meta")
+
+    def _move(self, device: torch.device) -> None:
+        """Every tensor to ``device`` but the other stages' blocks, which stay on meta (with no
+        data, ``.to()`` refuses them)."""
+        lm = self.lightning_module
+        lm._apply(lambda t: t if t.is_meta else t.to(device))
+        _update_properties(lm, device=device)  # LightningModule.device, as .to() would set it
+
+    def model_to_device(self) -> None:
+        self._move(self.root_device)
+
+    def teardown(self) -> None:
+        """Lightning's teardown, which ends by moving the whole LightningModule to the CPU: here
+        without the other stages' blocks, and with the module out of its sight for that step."""
+        module = self.lightning_module
+        if module is None:
+            return super().teardown()
+        trainer = module._trainer  # None when set-up failed before the trainer was attached
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
+            self.model = self._layer_sync.revert(self.model)
+        self._move(torch.device("cpu"))
+        self._lightning_module = None
+        try:
+            super().teardown()
+        finally:
+            self._lightning_module = module
 
     def _pipeline_stages(self) -> list[PipelineStage]:
         """This process's chunks as stages of its pipeline; each schedule needs its own (they keep
@@ -419,12 +505,6 @@ class PipelineStrategy(DDPStrategy):
             if self._owner(i) == self.stage:  # replica 0 of this stage is global rank `stage`
                 broadcast_block(block, src=self.stage, group=self._replica_group)
 
-    def setup(self, trainer: Any) -> None:
-        super().setup(trainer)
-        # gradient_clip_val clips by the norm of ALL stages' gradients, as on one device, not by
-        # this stage's own; Precision.clip_gradients calls this attribute
-        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm
-
     def _clip_grad_by_global_norm(self, optimizer: Any, clip_val: float) -> None:
         grads = [
             p.grad
@@ -450,8 +530,6 @@ class PipelineStrategy(DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         lm = self.lightning_module
         x, y = lm.split_batch(args[0])
-        if not self._chunks:
-            self._cut(x)
         schedule = self._train_schedule(len(x))
         params = list(lm.parameters())
         held = [p.grad for p in params]
@@ -482,8 +560,6 @@ class PipelineStrategy(DDPStrategy):
     def _forward_only(self, x: Tensor) -> Tensor:
         """The model's logits for ``x`` on every rank, the micro-batches run forward-only through
         the stages (each process runs only its own blocks)."""
-        if not self._chunks:
-            self._cut(x)
         schedule = self._eval_schedule(len(x))
         out = schedule.step(x) if self.stage == 0 else schedule.step()
         return self._logits_from_last_stage(out)
@@ -534,15 +610,17 @@ class PipelineStrategy(DDPStrategy):
 
     # --- checkpoints hold the whole model, assembled by the writer --------------------------------
 
-    def _own_keys(self, state: dict[str, Any]) -> dict[str, Any]:
-        """The entries of a ``state_dict`` that belong to the blocks this process trains."""
+    def _is_block_of(self, key: str) -> int | None:
+        """The stage whose block a ``state_dict`` key belongs to; None if not a block's."""
         seq = getattr(self.lightning_module, self.module_name)
-        prefixes = tuple(
-            f"{self.module_name}.{name}."
-            for i, (name, _) in enumerate(seq.named_children())
-            if self._owner(i) == self.stage
-        )
-        return {k: v for k, v in state.items() if k.startswith(prefixes)}
+        for i, name in enumerate(seq._modules):
+            if key.startswith(f"{self.module_name}.{name}."):
+                return self._owner(i)
+        return None
+
+    def _own_keys(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """The entries of a ``state_dict`` that belong to the blocks this process trains."""
+        return {k: v for k, v in state.items() if self._is_block_of(k) == self.stage}
 
     def _to_writer(self, own: dict[Any, Any], everything: dict[Any, Any]) -> dict[Any, Any]:
         """On the writer (global rank 0, which writes checkpoints): ``everything`` it holds, with
@@ -564,18 +642,60 @@ class PipelineStrategy(DDPStrategy):
             return state
         return self._to_writer(self._own_keys(state), state)
 
+    def _own_param_indices(self, optimizer: Any) -> set[int]:
+        """The indices, in ``optimizer``'s state dict, of the parameters this process trains."""
+        blocks = self.blocks(self.lightning_module)
+        own = {id(p) for i, b in enumerate(blocks) if self._owner(i) == self.stage
+               for p in b.parameters()}  # fmt: skip
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's own
+        params = [p for group in optimizer.param_groups for p in group["params"]]  # state's order
+        return {i for i, p in enumerate(params) if id(p) in own}
+
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """Every stage's optimizer state of its own parameters, on the writer. A stage keeps only
-        its own: after a resume every rank also holds the loaded, never updated state of the
-        others'."""
+        """Every stage's optimizer state of its own parameters, on the writer."""
         state = super().optimizer_state(optimizer)
         if not self._chunks:
             return state
-        blocks = self.blocks(self.lightning_module)
-        own_ids = {id(p) for i, b in enumerate(blocks) if self._owner(i) == self.stage
-                   for p in b.parameters()}  # fmt: skip
-        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's own
-        params = [p for group in optimizer.param_groups for p in group["params"]]  # state's order
-        own = {i: s for i, s in state["state"].items() if id(params[i]) in own_ids}
+        own_indices = self._own_param_indices(optimizer)
+        own = {i: s for i, s in state["state"].items() if i in own_indices}
         merged = self._to_writer(own, dict(own))
         return {"state": dict(sorted(merged.items())), "param_groups": state["param_groups"]}
+
+    # --- loading: each process reads its own blocks and state -----------------------------------
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
+        """A local checkpoint memory-mapped: a process reads the pages of its own blocks' weights
+        and optimizer state, not the whole file (a remote one as Lightning loads it)."""
+        path = str(checkpoint_path)
+        if "://" in path:
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        return torch.load(
+            path, map_location="cpu", mmap=True, weights_only=weights_only is not False
+        )
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """This process's blocks and everything that is not a block; the other stages' blocks stay
+        on the meta device (loading into them would be a no-op, with one warning per tensor)."""
+        lm = self.lightning_module
+        state = {
+            k: v
+            for k, v in checkpoint["state_dict"].items()
+            if self._is_block_of(k) in (None, self.stage)
+        }
+        missing, unexpected = lm.load_state_dict(state, strict=False)
+        missing = [
+            k for k in missing if self._is_block_of(k) == self.stage or self._is_block_of(k) is None
+        ]
+        if strict and (missing or unexpected):
+            raise RuntimeError(
+                f"the checkpoint does not fit {type(lm).__name__}: missing {missing}, "
+                f"unexpected {unexpected}"
+            )
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Each optimizer's state of this process's parameters only (the others' are on meta)."""
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
+            own = self._own_param_indices(optimizer)
+            mine = {i: s for i, s in state["state"].items() if i in own}
+            optimizer.load_state_dict({"state": mine, "param_groups": state["param_groups"]})
+            _optimizer_to_device(optimizer, self.root_device)

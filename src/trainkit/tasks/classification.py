@@ -1,5 +1,5 @@
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import lightning as L
 import torch
@@ -23,6 +23,7 @@ def sample_mean(batch_mean: Tensor, n: int) -> Tensor:
 class ImageClassifier(L.LightningModule):
     """Any ``net`` trained with cross-entropy, scored with torchmetrics accuracy.
 
+    ``input_shape`` is one sample's shape (filled from the datamodule).
     ``optimizer`` and ``scheduler`` are factories (Hydra ``_partial_: true``) bound to the
     parameters in ``configure_optimizers``, after a strategy has wrapped or split the model. Only
     plain values go into ``hparams``: the checkpoint loads with ``torch.load(weights_only=True)``.
@@ -40,8 +41,12 @@ class ImageClassifier(L.LightningModule):
         scheduler: SchedulerFactory | None = None,
         scheduler_interval: str = "epoch",
         compile: bool = False,
+        input_shape: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
+        # one sample's shape: a pipeline measures each block's FLOPs on it before building stages
+        # (a plain tuple, not Hydra's ListConfig: hparams must load with weights_only=True)
+        input_shape = tuple(input_shape) if input_shape is not None else None
         self.save_hyperparameters(ignore=["net", "optimizer", "scheduler"])
         self.net = net
         self.optimizer_factory = optimizer
@@ -57,6 +62,7 @@ class ImageClassifier(L.LightningModule):
         self.val_loss = MeanMetric(nan_strategy="disable")
         self.test_loss = MeanMetric(nan_strategy="disable")
         self.compile_blocks, self._compiled = compile, False
+        self.input_shape = input_shape
 
     def configure_model(self) -> None:
         """``compile=true``: each block of ``net`` compiled in place (``nn.Module.compile``), so the
