@@ -185,7 +185,8 @@ class SaveWeights(L.Callback):
     ``<out>.<start|end>.rank<r>.pt``: at set-up (before the strategy's) the net's ``init_seed``;
     when training ends the tensors held (``state``: every parameter and buffer not on the meta
     device), the names on meta, of parameters with a gradient at the last optimizer step and of
-    those with optimizer state, and the process's peak RSS and virtual memory in bytes."""
+    those with optimizer state, and the process's peak RSS (also as it was after the last training
+    step, before the epoch's checkpoint) and virtual memory in bytes."""
 
     def __init__(self, out: str) -> None:
         self.out = out
@@ -199,6 +200,9 @@ class SaveWeights(L.Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         self._grads = sorted(n for n, p in pl_module.named_parameters() if p.grad is not None)
 
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._train_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
     def on_train_end(self, trainer, pl_module) -> None:
         tensors = dict(pl_module.state_dict(keep_vars=True))
         names = {id(p): n for n, p in pl_module.named_parameters()}
@@ -211,6 +215,8 @@ class SaveWeights(L.Callback):
                 "grads": self._grads,  # at the last optimizer step
                 "optimizer": sorted(names[id(p)] for p, s in optimizer_state.items() if s),
                 "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                "train_peak_rss": self._train_peak,  # after the last step, before checkpoints
+                "global_step": trainer.global_step,
                 "peak_vm": vm_peak(),
             },
             "end",

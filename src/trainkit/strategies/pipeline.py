@@ -401,7 +401,7 @@ class PipelineStrategy(DDPStrategy):
         micro-batch gives."""
         lm = self.lightning_module
         blocks = self.blocks(lm)
-        shape = lm.input_shape  # check_run made sure it is set for balance=flops when training
+        shape = getattr(lm, "input_shape", None)  # check_run refuses None for training by flops
         if self.split_points is None and self.balance == "flops" and shape is not None:
             weight = next(chain.from_iterable(b.parameters() for b in blocks))
             example = torch.zeros(1, *shape, dtype=weight.dtype, device=weight.device)
@@ -532,6 +532,13 @@ class PipelineStrategy(DDPStrategy):
         x, y = lm.split_batch(args[0])
         schedule = self._train_schedule(len(x))
         params = list(lm.parameters())
+        # The gradients so far are kept for backward to add to, unless Lightning zeroes them
+        # after this step anyway (the first batch of an accumulation window): then they go now,
+        # before the schedule makes new ones, or two sets would be alive at the step's peak.
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        if batch_idx % lm.trainer.accumulate_grad_batches == 0:
+            for p in params:
+                p.grad = None
         held = [p.grad for p in params]
         for p in params:
             p.grad = None
@@ -602,9 +609,16 @@ class PipelineStrategy(DDPStrategy):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
         for p, g in zip(self.lightning_module.parameters(), self._pending_grads, strict=True):
-            if g is not None:
-                g = g * scale
-                p.grad = g if p.grad is None else p.grad + g
+            if g is None:
+                continue
+            # in place: these gradients are the strategy's own, and a copy would cost one more
+            # set of this stage's gradients at the step's peak
+            if scale != 1.0:
+                g.mul_(scale)
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.add_(g)
         self._pending_grads = None
         return closure_loss
 
