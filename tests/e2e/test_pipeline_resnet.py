@@ -10,6 +10,7 @@ pipeline bug of that size. In float64 that reordering noise is ~1e-16, so any re
 what the pipeline computes shows.
 """
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -100,3 +101,14 @@ def test_resnet_split_by_flops_is_logged(runs: dict[str, Path]) -> None:
     log = (runs["interleaved64"] / "train.log").read_text()
     assert "pipeline: 4 chunks starting at blocks" in log
     assert "interleaved on 2 processes" in log
+
+
+@pytest.mark.parametrize("name", ["gpipe64", "interleaved64"])
+def test_resnet_pipelined_evaluation_equals_single_device(runs: dict[str, Path], name: str) -> None:
+    """Validation and test ran forward-only through the stages (test on 16 images, 2 batches of 8:
+    micro-batches of 2 through GPipe's or LoopedBFS's order): one device's numbers, to float64's
+    summation noise."""
+    single, piped = (json.loads((runs[n] / "metrics.json").read_text()) for n in ("single64", name))
+    for phase, key in (("fit", "val/loss"), ("fit", "val/acc"), ("test", "test/loss"),
+                       ("test", "test/acc")):  # fmt: skip
+        assert piped[phase][key] == pytest.approx(single[phase][key], rel=1e-9, abs=1e-12), key

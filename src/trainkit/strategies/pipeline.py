@@ -61,6 +61,7 @@ log = logging.getLogger(__name__)
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
 MULTI_CHUNK = {"interleaved"}  # schedules that run several model chunks per process
 BALANCE = ("flops", "params")
+LOGIT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)  # as broadcast
 
 
 class PipelineConfigError(ConfigError):
@@ -572,15 +573,21 @@ class PipelineStrategy(DDPStrategy):
         return self._logits_from_last_stage(out)
 
     def _logits_from_last_stage(self, out: Tensor | None) -> Tensor:
-        """The last stage's output, on every rank of the pipeline: every rank then logs and
-        monitors the same values and updates the same metrics."""
+        """The last stage's output, in its own dtype, on every rank of the pipeline: every rank
+        then logs and monitors the same values and updates the same metrics, as one device."""
         last_rank, group = self._rank_of(self.stages - 1), self._pipe_group
         last = self.stage == self.stages - 1
-        logits = out.detach().float() if last else None
-        shape = torch.tensor(logits.shape if last else (0, 0), device=self.root_device)
-        dist.broadcast(shape, src=last_rank, group=group)
+        logits = out.detach() if last else None
+        # shape and dtype first: the others allocate the buffer (never in the default dtype,
+        # which 64-true's step context makes float64)
+        layout = torch.zeros(8, dtype=torch.long, device=self.root_device)  # dtype, ndim, shape
+        if last:
+            described = [LOGIT_DTYPES.index(logits.dtype), logits.dim(), *logits.shape]
+            layout[: len(described)] = torch.tensor(described)
+        dist.broadcast(layout, src=last_rank, group=group)
         if not last:
-            logits = torch.empty(tuple(shape.tolist()), device=self.root_device)
+            dtype, ndim, *shape = layout.tolist()
+            logits = torch.empty(shape[:ndim], dtype=LOGIT_DTYPES[dtype], device=self.root_device)
         dist.broadcast(logits, src=last_rank, group=group)
         return logits
 
