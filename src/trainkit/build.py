@@ -48,8 +48,12 @@ def build_model(cfg: DictConfig, datamodule: L.LightningDataModule) -> L.Lightni
     from trainkit.models.blocks import BlockSequence
 
     net_class = get_object(model.net._target_) if "_target_" in model.get("net", {}) else None
-    if not (isinstance(net_class, type) and issubclass(net_class, BlockSequence)):
-        return instantiate(model)  # the strategy drops the other stages' blocks after building
+    # Built whole (the strategy then drops the other stages' blocks): a net that is not a
+    # BlockSequence, and one that loads pretrained ``weights`` as it is built, which would load
+    # into meta tensors (a no-op) and be lost when its blocks are initialised
+    pretrained = model.net.get("weights") is not None
+    if pretrained or not (isinstance(net_class, type) and issubclass(net_class, BlockSequence)):
+        return instantiate(model)
     with torch.device("meta"):
         net = instantiate(model.net)
     return instantiate(model, net=net)

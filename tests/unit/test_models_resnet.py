@@ -9,6 +9,8 @@ import torch
 from torch import nn
 from torchvision.models import resnet50
 
+from trainkit.build import build_model
+from trainkit.data import MNISTDataModule
 from trainkit.models import ResNet50
 
 BLOCKS = ["stem", "layer1", "layer2", "layer3", "layer4", "head"]
@@ -190,3 +192,16 @@ def test_weights_file_without_resnet_tensors_is_refused(tmp_path: Path) -> None:
     torch.save({"encoder.weight": torch.zeros(4, 4)}, other)
     with pytest.raises(ValueError, match="no tensor that fits a ResNet-50"):
         ResNet50(num_classes=10, weights=str(other))
+
+
+def test_pretrained_weights_survive_the_pipeline_build(
+    compose, torchvision_weights: tuple[Path, dict]
+) -> None:
+    """Under strategy=pipeline a net is built on the meta device unless it loads pretrained weights
+    as it is built: those are loaded into a whole net, never into meta tensors (a no-op)."""
+    path, state = torchvision_weights
+    cfg = compose("model=resnet50", "strategy=pipeline", f"model.net.weights={path}")
+    model = build_model(cfg, MNISTDataModule("unused"))
+    assert torch.equal(model.net.layer1[0].conv1.weight, state["layer1.0.conv1.weight"])
+    cfg = compose("model=resnet50", "strategy=pipeline")
+    assert build_model(cfg, MNISTDataModule("unused")).net.layer1[0].conv1.weight.is_meta

@@ -537,10 +537,8 @@ class PipelineStrategy(DDPStrategy):
         # after this step anyway (the first batch of an accumulation window): then they go now,
         # before the schedule makes new ones, or two sets would be alive at the step's peak.
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-        if batch_idx % lm.trainer.accumulate_grad_batches == 0:
-            for p in params:
-                p.grad = None
-        held = [p.grad for p in params]
+        keep = batch_idx % lm.trainer.accumulate_grad_batches != 0
+        held = [p.grad if keep else None for p in params]
         for p in params:
             p.grad = None
         first, last = self.stage == 0, self.stage == self.stages - 1
@@ -659,7 +657,7 @@ class PipelineStrategy(DDPStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The whole model's weights on the writer; its own blocks' weights elsewhere."""
         state = super().lightning_module_state_dict()
-        if not self._chunks:  # before the first step no process has trained: rank 0's are all
+        if not self._chunks:  # before set-up cut the model: rank 0 holds it whole
             return state
         return self._to_writer(self._own_keys(state), state)
 
@@ -704,9 +702,7 @@ class PipelineStrategy(DDPStrategy):
             if self._is_block_of(k) in (None, self.stage)
         }
         missing, unexpected = lm.load_state_dict(state, strict=False)
-        missing = [
-            k for k in missing if self._is_block_of(k) == self.stage or self._is_block_of(k) is None
-        ]
+        missing = [k for k in missing if self._is_block_of(k) in (None, self.stage)]
         if strict and (missing or unexpected):
             raise RuntimeError(
                 f"the checkpoint does not fit {type(lm).__name__}: missing {missing}, "
