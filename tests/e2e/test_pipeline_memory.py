@@ -1,13 +1,16 @@
-"""strategy=pipeline splits the model's memory: a wide MLP (``hidden=[8192,8192,8192]``, 141M
-parameters, Adam, batch 64, 3 steps) on one device and on 2 stages, each in its own processes.
+"""strategy=pipeline splits the model's memory: a wide MLP (``hidden=[8192]*5``, 275M parameters
+in four 8192x8192 blocks, Adam, batch 64, 3 steps, no checkpoints) on one device and on 2 stages.
 
-Peak RSS is read by ``helpers.SaveWeights`` in every process after the last training step (before
-the epoch's checkpoint, whose writer, rank 0, holds the whole checkpoint while it saves). Then each
-process's address space is capped (``RLIMIT_AS``, inherited by the ranks Lightning starts) just
-below what one device needs: one device runs out of memory, the pipeline trains to the end of
-fit. Its test stage then loads best.ckpt memory-mapped, which maps the whole 1.7 GB file into each
-process's address space: RLIMIT_AS counts that (a GPU's memory or a cgroup's limit would not, only
-the pages read), so under this cap the run ends there.
+Peak RSS is read by ``helpers.SaveWeights`` in every process after the last training step. Each
+process's address space is capped (``RLIMIT_AS``, inherited by the ranks Lightning starts) below
+what one device needs: one device runs out of memory, the pipeline trains and tests to the end.
+
+Why this model and not the issue's ``hidden=[8192]*3``: RLIMIT_AS caps virtual memory, and a
+pipeline rank maps about 0.5 GB more than one device that is never touched (gloo's threads and
+their malloc arenas: measured on the small MLP, 4.3 GB against 3.8 GB), while RSS is the same. With
+two 8192x8192 blocks the ranks' peak address space was only 0.5 GB below one device's, and a cap
+between them failed on CI; with four it is 1.5 GB below. The benchmark's ``--memory`` cells
+measure the ``[8192]*3`` MLP on 1, 2 and 3 stages.
 """
 
 import resource
@@ -22,10 +25,10 @@ from trainkit.data.synthetic import write_mnist
 # long end-to-end runs (CI's `slow` job); every test reads the module's runs: one worker makes them
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group(name="pipeline_memory_runs")]
 
-WIDE = "model.net.hidden=[8192,8192,8192]"
+WIDE = "model.net.hidden=[8192,8192,8192,8192,8192]"
 PIPE2 = ("strategy=pipeline", "devices=2")
-# below one device's peak address space, above a 2-stage rank's (measured 6.5 GB and 6.0 GB)
-CAP_BELOW_ONE_DEVICE = 300 * 2**20
+# below one device's peak address space, above a 2-stage rank's (measured 8,543, 7,023 and 6,517 MB)
+CAP_BELOW_ONE_DEVICE = 768 * 2**20
 
 
 def peaks(out: Path, ranks: int) -> list[dict]:
@@ -69,6 +72,7 @@ def runs(tmp_path_factory) -> dict[str, tuple[int, str, Path]]:
         "trainer.limit_val_batches=1",
         "trainer.limit_test_batches=1",
         "trainer.num_sanity_val_steps=0",
+        "callbacks=none",  # no checkpoint: 3.3 GB a file, and the writer holds all of it
     )
     out: dict[str, tuple[int, str, Path]] = {}
     for name, extra in (("small", ()), ("one", (WIDE,))):
@@ -87,20 +91,18 @@ def test_one_device_runs_out_of_memory_where_two_stages_train(runs: dict) -> Non
     code, output, _ = runs["one_capped"]
     assert code != 0 and "can't allocate memory" in output, output[-3000:]
     code, output, out = runs["pipe_capped"]
-    held = peaks(out, 2)  # written when fit ends
+    assert code == 0, output[-3000:]  # fit and test
+    held = peaks(out, 2)
     assert [h["global_step"] for h in held] == [3, 3]
     assert all(h["optimizer"] for h in held)  # both stages trained
-    # then only the test stage's memory-mapped checkpoint can exceed the address-space cap
-    assert code == 0 or ("unable to mmap" in output and "best.ckpt" in output), output[-3000:]
 
 
-def test_each_stage_needs_at_most_two_thirds_of_one_device(runs: dict) -> None:
-    """Peak RSS above the small default MLP's: one device's 2.7 GB; the 2 stages 0.61-0.64x and
-    0.55-0.56x of it (measured in four runs). Not 0.5x: the stages are whole blocks (73.5M and
-    67.2M parameters), and Adam's step on the CPU makes two temporary copies of its largest
-    tensor, the same 8192x8192 weight (2 x 256 MB) on one device and on a stage."""
+def test_each_stage_needs_at_most_six_tenths_of_one_device(runs: dict) -> None:
+    """Peak RSS above the small default MLP's: one device's 4.8 GB; the 2 stages 0.57x and 0.53x
+    of it. Not 0.5x: Adam's step on the CPU makes two temporary copies of its largest tensor, the
+    same 8192x8192 weight (2 x 256 MB) on one device and on a stage."""
     base = peaks(runs["small"][2], 1)[0]["train_peak_rss"]
     one = peaks(runs["one"][2], 1)[0]["train_peak_rss"] - base
     stages = [h["train_peak_rss"] - base for h in peaks(runs["pipe_capped"][2], 2)]
-    assert one > 2 * 2**30  # weights, gradients and Adam's two moments of 141M float32s
-    assert max(stages) <= 0.67 * one, [s / one for s in stages]
+    assert one > 4 * 2**30  # weights, gradients and Adam's two moments of 275M float32s
+    assert max(stages) <= 0.6 * one, [s / one for s in stages]
