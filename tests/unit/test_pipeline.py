@@ -5,12 +5,19 @@ import itertools
 import random
 from functools import partial
 
+import lightning as L
 import pytest
 import torch
 from torch import nn
 
 from trainkit.models import MLP
-from trainkit.strategies.pipeline import PipelineConfigError, PipelineStrategy, balanced_split
+from trainkit.strategies.pipeline import (
+    GlobalNormClipping,
+    PipelineConfigError,
+    PipelineStrategy,
+    balanced_split,
+    global_norm_clipping,
+)
 from trainkit.tasks import ImageClassifier
 
 # --- stage splitting, in-process --------------------------------------------------------------
@@ -231,3 +238,17 @@ def test_interleaved_chunks_cover_the_model_in_order() -> None:
     strategy._starts = strategy.stage_starts(model)
     assert strategy._starts == [0, 1, 2, 3]
     assert [strategy._owner(b) for b in range(4)] == [0, 1, 0, 1]
+
+
+@pytest.mark.parametrize("precision", ["32-true", "64-true", "bf16-true", "bf16-mixed"])
+def test_the_trainer_precision_plugin_clips_by_the_global_norm(precision: str) -> None:
+    """Lightning builds the plugin for ``precision``; the strategy keeps its class and state and
+    mixes in the clipping by every stage's norm (resuming mixed precision checks the class)."""
+    trainer = L.Trainer(
+        strategy=PipelineStrategy(), accelerator="cpu", devices=2, precision=precision, logger=False
+    )
+    plugin = trainer.strategy.precision_plugin
+    chosen = L.Trainer(accelerator="cpu", precision=precision, logger=False).precision_plugin
+    assert isinstance(plugin, GlobalNormClipping) and isinstance(plugin, type(chosen))
+    assert vars(plugin) == vars(chosen)
+    assert global_norm_clipping(plugin) is plugin

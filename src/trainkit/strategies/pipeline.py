@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from functools import cache
 from itertools import chain
 from typing import Any, Protocol
 
@@ -41,6 +42,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.device_dtype_mixin import _update_properties
 from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 from torch.distributed.pipelining import (
@@ -171,6 +173,41 @@ def recv_state(src: int, group: Any, device: torch.device) -> dict[Any, Any]:
             item = buffer.cpu()
         leaves.append(item)
     return tree_unflatten(leaves, spec)
+
+
+class GlobalNormClipping(Precision):
+    """A precision plugin whose ``gradient_clip_val`` (by norm) clips by the norm of every stage's
+    gradients together, as one device clips, not by each stage's own."""
+
+    # set by the strategy's set-up: the processes of one pipeline, and this process's device
+    norm_group: Any = None
+    norm_device: torch.device = torch.device("cpu")
+
+    def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
+        grads = [p.grad for p in self.main_params(optimizer) if p.grad is not None]
+        local = sum((g.detach().float().pow(2).sum() for g in grads), torch.zeros(()))
+        total = local.to(self.norm_device)
+        # each parameter has its gradient on one stage; replicas hold the same (averaged) ones
+        dist.all_reduce(total, group=self.norm_group)
+        coef = (clip_val / (total.sqrt() + 1e-6)).clamp(max=1.0)  # torch's clip_grad_norm_'s
+        for g in grads:
+            g.mul_(coef.to(g.device, g.dtype))
+
+
+@cache
+def _with_global_norm_clipping(cls: type[Precision]) -> type[Precision]:
+    return type(f"GlobalNorm{cls.__name__}", (GlobalNormClipping, cls), {})
+
+
+def global_norm_clipping(plugin: Precision) -> GlobalNormClipping:
+    """The precision plugin Lightning chose (from ``precision=``), as its own class with
+    ``GlobalNormClipping`` mixed in and the same state: its scaler and its class (which resuming a
+    mixed-precision run checks) are kept."""
+    if isinstance(plugin, GlobalNormClipping):
+        return plugin
+    clipping = object.__new__(_with_global_norm_clipping(type(plugin)))
+    vars(clipping).update(vars(plugin))
+    return clipping
 
 
 class PipelineStrategy(DDPStrategy):
@@ -359,6 +396,12 @@ class PipelineStrategy(DDPStrategy):
 
     # --- set-up: each process materialises only its own blocks ---------------------------------
 
+    @DDPStrategy.precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        """Lightning hands the strategy its precision plugin here; clipping by norm must see every
+        stage's gradients (``GlobalNormClipping``)."""
+        self._precision_plugin = None if plugin is None else global_norm_clipping(plugin)
+
     @property
     def restore_checkpoint_after_setup(self) -> bool:
         """A checkpoint is loaded after ``setup``, into the blocks this process then holds."""
@@ -391,9 +434,8 @@ class PipelineStrategy(DDPStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
-        # gradient_clip_val clips by the norm of ALL stages' gradients, as on one device, not by
-        # this stage's own; Precision.clip_gradients calls this attribute
-        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm
+        self.precision_plugin.norm_group = self._pipe_group
+        self.precision_plugin.norm_device = self.root_device
 
     def _cut(self) -> None:
         """Cut the model into chunks, make the process groups, and hold this process's blocks only.
@@ -505,21 +547,6 @@ class PipelineStrategy(DDPStrategy):
         for i, block in enumerate(self.blocks(self.lightning_module)):
             if self._owner(i) == self.stage:  # replica 0 of this stage is global rank `stage`
                 broadcast_block(block, src=self.stage, group=self._replica_group)
-
-    def _clip_grad_by_global_norm(self, optimizer: Any, clip_val: float) -> None:
-        grads = [
-            p.grad
-            for group in optimizer.param_groups
-            for p in group["params"]
-            if p.grad is not None
-        ]
-        local = sum((g.detach().float().pow(2).sum() for g in grads), torch.zeros(()))
-        local = local.to(self.root_device)
-        # each parameter has its gradient on one stage; replicas hold the same (averaged) ones
-        dist.all_reduce(local, group=self._pipe_group)
-        coef = (clip_val / (local.sqrt() + 1e-6)).clamp(max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.device, g.dtype))
 
     def _owner(self, block_index: int) -> int:
         """The stage (process in the pipeline) that trains block ``block_index``."""
