@@ -8,13 +8,22 @@ import pytest
 import torch
 
 from trainkit.bench.__main__ import main as bench_main
-from trainkit.bench.cells import DEFAULT_MATRIX, Cell, merge_rounds
+from trainkit.bench.cells import (
+    DEFAULT_MATRIX,
+    MEMORY_BASELINE,
+    MEMORY_MATRIX,
+    MEMORY_ONE_DEVICE,
+    MEMORY_STAGES,
+    Cell,
+    merge_rounds,
+)
 from trainkit.bench.clock import PHASES, StepClock
 from trainkit.bench.report import (
     add_scaling,
     compile_warmup_s,
     launches,
     markdown,
+    memory,
     phase_gaps,
     ratios,
 )
@@ -174,3 +183,46 @@ def test_existing_out_and_unknown_cells_refused_before_any_run(
         bench_main(["--out", str(tmp_path / "new"), "--cells", "mlp-nonsense"])
     assert exit_info.value.code == 2 and "--list" in capsys.readouterr().err
     assert not (tmp_path / "new").exists()
+
+
+def test_memory_per_rank_above_the_baseline_against_one_device() -> None:
+    cells = [
+        _cell(MEMORY_BASELINE.name, "mlp_b64", "template", 1, 1.0, peak_mem_mb=[700.0]),
+        _cell(MEMORY_ONE_DEVICE.name, "mlp_wide", "template", 1, 1.0, peak_mem_mb=[2700.0]),
+        _cell(
+            MEMORY_STAGES[0].name,
+            "mlp_wide",
+            "template",
+            2,
+            1.0,
+            **{"strategy": "pipeline", "variant": "gpipe mb=4", "peak_mem_mb": [1900.0, 1700.0]},
+        ),
+    ]
+    found = memory(cells)
+    assert found["baseline_mb"] == 700.0
+    one, stages = found["rows"]
+    assert (one["above_mb"], one["vs_one_device"], one["met"]) == ([2000.0], [1.0], None)
+    assert stages["above_mb"] == [1200.0, 1000.0] and stages["vs_one_device"] == [0.6, 0.5]
+    assert stages["largest"] == 0.6 and stages["met"] is True
+    table = markdown(
+        {
+            "machine": {"cpu": "x", "cores": 2, "gpus": [], "torch": "t", "lightning": "l"}
+            | {"python": "p"},
+            "settings": {"threads": 1, "seed": 0},
+            "cells": cells,
+            "ratios": [],
+            "import_torch_s": 2.5,
+            "launches": [],
+            "memory": found,
+        }
+    )
+    assert (
+        "| template pipeline x2 32-true gpipe mb=4 | 1,200 MB (0.60x) | 1,000 MB (0.50x) |" in table
+    )
+    assert "**0.60x** | <= 0.6x (met) |" in table
+    assert memory(cells[1:]) is None  # no baseline, no table
+
+
+def test_memory_cells_are_their_own_matrix() -> None:
+    assert not set(MEMORY_MATRIX) & set(DEFAULT_MATRIX)
+    assert MEMORY_STAGES[1].devices == 3 and "strategy.stages=3" in MEMORY_STAGES[1].extra

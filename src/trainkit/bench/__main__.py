@@ -4,6 +4,7 @@ fresh processes, beside plain-PyTorch references measured in the same run.
     python -m trainkit.bench                      # the default matrix (make bench)
     python -m trainkit.bench --workloads mlp      # one model's cells
     python -m trainkit.bench --cells mlp-template-auto-1dev-32-true mlp-plain-auto-1dev-32-true
+    python -m trainkit.bench --memory             # peak memory per rank: one device vs stages
     python -m trainkit.bench --list               # the cells' names
 
 Writes results.{json,csv,md,png} and TensorBoard scalars under --out (a new directory).
@@ -29,6 +30,7 @@ from trainkit.bench.report import (
     compile_warmup_s,
     launches,
     markdown,
+    memory,
     phase_gaps,
     ratios,
     write_all,
@@ -64,9 +66,12 @@ def machine() -> dict[str, object]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    names = [c.name for c in matrix.DEFAULT_MATRIX]
+    names = [c.name for c in (*matrix.DEFAULT_MATRIX, *matrix.MEMORY_MATRIX)]
     parser.add_argument("--workloads", nargs="+", choices=list(matrix.WORKLOADS))
-    parser.add_argument("--cells", nargs="+", metavar="CELL", help="cells of the default matrix")
+    parser.add_argument("--cells", nargs="+", metavar="CELL", help="cells of either matrix")
+    parser.add_argument(
+        "--memory", action="store_true", help="the memory cells instead of the default matrix"
+    )
     parser.add_argument("--list", action="store_true", help="print the cells' names and exit")
     parser.add_argument("--repeats", type=int, help="timed epochs per cell (default: per model)")
     parser.add_argument(
@@ -92,9 +97,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def selected(args: argparse.Namespace) -> list[matrix.Cell]:
+    if args.cells:
+        pool = (*matrix.DEFAULT_MATRIX, *matrix.MEMORY_MATRIX)
+    else:
+        pool = matrix.MEMORY_MATRIX if args.memory else matrix.DEFAULT_MATRIX
     chosen = [
         c
-        for c in matrix.DEFAULT_MATRIX
+        for c in pool
         if (not args.workloads or c.workload in args.workloads)
         and (not args.cells or c.name in args.cells)
     ]
@@ -142,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         "import_torch_s": statistics.median(import_torch),
         "launches": launches(results, statistics.median(import_torch)),
         "compile_warmup_s": compile_warmup_s(results),
+        "memory": memory(results),
     }  # fmt: skip
     if args.loading:
         from trainkit.bench.loading import bench_imagefolder

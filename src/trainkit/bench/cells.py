@@ -76,12 +76,18 @@ class Cell:
 # CPU, so a few steps are a long enough timing. The pipeline's ResNet-50 batch is larger: 4
 # micro-batches of 32 images (not 4 of 16) keep each stage's convolutions efficient.
 RESNET_OVERRIDES = ("model=resnet50", "data=cifar10", "data.val_size=200")
+MEMORY_OVERRIDES = ("data=mnist", "data.val_size=200", "callbacks=none")
+WIDE_MLP = ("model=mlp", "model.net.hidden=[8192,8192,8192]")
 WORKLOADS = {
     w.name: w
     for w in (
         Workload("mlp", ("model=mlp", "data=mnist", "data.val_size=200"), 256, 10, 60, 2, 2),
         Workload("resnet50", RESNET_OVERRIDES, 128, warmup=1, steps=3, repeats=2, rounds=1),
         Workload("resnet50_b256", RESNET_OVERRIDES, 256, warmup=2, steps=3, repeats=1, rounds=1),
+        # the memory cells (--memory): the default MLP as the baseline, and a wide one (141M
+        # parameters, Adam), batch 64, 3 steps, no checkpoint (whose writer holds all of it)
+        Workload("mlp_b64", ("model=mlp", *MEMORY_OVERRIDES), 64, 1, 2, 1, 1),
+        Workload("mlp_wide", (*WIDE_MLP, *MEMORY_OVERRIDES), 64, 1, 2, 1, 1),
     )
 }
 
@@ -93,10 +99,12 @@ MLP_TEMPLATE = Cell("mlp", "template")  # the default recipe, eager: the cell mo
 MLP_COMPILED = Cell("mlp", "template", extra=("compile=true",), variant="compile")
 
 
-def pipeline(workload: str, microbatches: int, schedule: str = "gpipe") -> Cell:
+def pipeline(workload: str, microbatches: int, schedule: str = "gpipe", stages: int = 2) -> Cell:
     extra = ("strategy.microbatches=" + str(microbatches), "strategy.schedule=" + schedule)
     variant = f"{schedule} mb={microbatches}"
-    return Cell(workload, "template", "pipeline", 2, extra=extra, variant=variant)
+    if stages != 2:
+        extra, variant = (*extra, f"strategy.stages={stages}"), f"{variant} stages={stages}"
+    return Cell(workload, "template", "pipeline", stages, extra=extra, variant=variant)
 
 
 DEFAULT_MATRIX: tuple[Cell, ...] = (
@@ -119,6 +127,13 @@ DEFAULT_MATRIX: tuple[Cell, ...] = (
     pipeline("resnet50_b256", 1),
     pipeline("resnet50_b256", 4, "interleaved"),
 )
+
+# --memory: peak memory per process of the wide MLP on one device and on 2 and 3 stages, each above
+# the default MLP's on one device (what every process holds anyway: torch, Lightning, the data)
+MEMORY_BASELINE = Cell("mlp_b64", "template")
+MEMORY_ONE_DEVICE = Cell("mlp_wide", "template")
+MEMORY_STAGES = (pipeline("mlp_wide", 4), pipeline("mlp_wide", 4, stages=3))
+MEMORY_MATRIX: tuple[Cell, ...] = (MEMORY_BASELINE, MEMORY_ONE_DEVICE, *MEMORY_STAGES)
 
 
 @dataclass

@@ -5,7 +5,16 @@ import csv
 import json
 from pathlib import Path
 
-from trainkit.bench.cells import LOGGING_OFF, MLP_COMPILED, MLP_TEMPLATE, Cell, pipeline
+from trainkit.bench.cells import (
+    LOGGING_OFF,
+    MEMORY_BASELINE,
+    MEMORY_ONE_DEVICE,
+    MEMORY_STAGES,
+    MLP_COMPILED,
+    MLP_TEMPLATE,
+    Cell,
+    pipeline,
+)
 from trainkit.bench.clock import PHASES
 
 # (what, numerator, denominator, goal): the ratios a run reports when both of its cells ran
@@ -84,6 +93,31 @@ def compile_warmup_s(cells: list[dict]) -> float | None:
     if MLP_COMPILED.name in by_name and MLP_TEMPLATE.name in by_name:
         return by_name[MLP_COMPILED.name]["warmup_s"] - by_name[MLP_TEMPLATE.name]["warmup_s"]
     return None
+
+
+# the largest pipeline rank's peak memory above the baseline, against one device's: at most this
+MEMORY_GOAL = 0.6
+
+
+def memory(cells: list[dict]) -> dict | None:
+    """The memory cells' peak per rank above the baseline's (``MEMORY_BASELINE``), each against
+    one device's; None unless the baseline and the one-device cell ran."""
+    by_name = {c["cell"]: c for c in cells if "peak_mem_mb" in c}
+    if MEMORY_BASELINE.name not in by_name or MEMORY_ONE_DEVICE.name not in by_name:
+        return None
+    base = by_name[MEMORY_BASELINE.name]["peak_mem_mb"][0]
+    one = by_name[MEMORY_ONE_DEVICE.name]["peak_mem_mb"][0] - base
+    rows = []
+    for cell in (MEMORY_ONE_DEVICE, *MEMORY_STAGES):
+        if cell.name in by_name:
+            above = [mb - base for mb in by_name[cell.name]["peak_mem_mb"]]
+            largest = max(above) / one
+            met = None if cell is MEMORY_ONE_DEVICE else largest <= MEMORY_GOAL
+            rows.append(
+                {"cell": cell.name, "label": _label(by_name[cell.name]), "above_mb": above}
+                | {"vs_one_device": [mb / one for mb in above], "largest": largest, "met": met}
+            )
+    return {"baseline_mb": base, "goal": MEMORY_GOAL, "rows": rows}
 
 
 def add_scaling(cells: list[dict]) -> None:
@@ -194,24 +228,26 @@ def markdown(report: dict) -> str:
             f"| {scaling} | {c['first_step_s']:.1f} s "
             f"| {memory} |"
         )
-    lines += [
-        "",
-        "| ratio | of the medians | of the median steps | goal |",
-        "| --- | --- | --- | --- |",
-    ]
+    if report["ratios"]:
+        lines += [
+            "",
+            "| ratio | of the medians | of the median steps | goal |",
+            "| --- | --- | --- | --- |",
+        ]
     for r in report["ratios"]:
         goal = "" if r["goal"] is None else f">= {r['goal']}x ({'met' if r['met'] else 'missed'})"
         lines.append(
             f"| {r['ratio']} | **{r['value']:.2f}x** | {r['by_median_step']:.2f}x | {goal} |"
         )
-    lines += [
-        "",
-        f'Launch to first training step (median over the launches); `python -c "import torch"` '
-        f"took {report['import_torch_s']:.2f} s (median, timed before each round).",
-        "",
-        "| launch | template | plain loop | template vs plain | template vs import torch |",
-        "| --- | --- | --- | --- | --- |",
-    ]
+    if report["launches"]:
+        lines += [
+            "",
+            f'Launch to first training step (median over the launches); `python -c "import torch"` '
+            f"took {report['import_torch_s']:.2f} s (median, timed before each round).",
+            "",
+            "| launch | template | plain loop | template vs plain | template vs import torch |",
+            "| --- | --- | --- | --- | --- |",
+        ]
     for row in report["launches"]:
         lines.append(
             f"| {row['launch']} | {row['template_s']:.2f} s | {row['plain_s']:.2f} s "
@@ -237,6 +273,34 @@ def markdown(report: dict) -> str:
                 for ph in PHASES
             ]
             lines.append(f"| {row['ratio']} | " + " | ".join(cells) + " |")
+    if report.get("memory"):
+        mem = report["memory"]
+        ranks = max(len(row["above_mb"]) for row in mem["rows"])
+        lines += [
+            "",
+            f"Peak memory per rank above the default MLP's on one device ({mem['baseline_mb']:,.0f}"
+            " MB), and against one device's; goal: every pipeline rank at most "
+            f"{mem['goal']}x.",
+            "",
+            "| run | " + " | ".join(f"rank {r}" for r in range(ranks)) + " | largest | goal |",
+            "| --- |" + " --- |" * (ranks + 2),
+        ]
+        for row in mem["rows"]:
+            per_rank = [
+                f"{mb:,.0f} MB ({x:.2f}x)"
+                for mb, x in zip(row["above_mb"], row["vs_one_device"], strict=True)
+            ]
+            per_rank += [""] * (ranks - len(per_rank))
+            goal = (
+                ""
+                if row["met"] is None
+                else f"<= {mem['goal']}x ({'met' if row['met'] else 'missed'})"
+            )
+            lines.append(
+                f"| {row['label']} | "
+                + " | ".join(per_rank)
+                + f" | **{row['largest']:.2f}x** | {goal} |"
+            )
     if report.get("compile_warmup_s") is not None:
         lines += [
             "",
