@@ -24,6 +24,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -32,6 +33,8 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+
+from trainkit.resume import restart_count
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -90,6 +93,43 @@ def start_python(
     return subprocess.Popen(_command(argv, log_dir), cwd=cwd, env=_env(env), text=True, **popen)
 
 
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, not yet reaped by its parent, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def run_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The weights of a run's ``checkpoints/last.ckpt``, on the CPU."""
+    path = run_dir / "checkpoints" / "last.ckpt"
+    return torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The largest absolute difference between two state dicts with the same keys."""
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def processes(run_dir: Path, stage: str = "fit") -> list[dict]:
+    """The ``process {...}`` line (ProcessInfo) that every rank logged for ``stage``, from all
+    the run's logs, by rank."""
+    found = []
+    for log in run_dir.glob("*.log"):
+        for line in log.read_text().splitlines():
+            if " - process {" in line:
+                info = json.loads(line.split(" - process ", 1)[1])
+                if info["stage"] == stage:
+                    found.append(info)
+    return sorted(found, key=lambda info: info["rank"])
+
+
 # --- in-process runs ------------------------------------------------------------------------------
 
 
@@ -140,14 +180,37 @@ shares_trained_run = pytest.mark.xdist_group(name="trained_run")
 
 class SignalAt(L.Callback):
     """Sends ``signal`` to this process when global step ``step`` ends on rank ``rank``; as a
-    scheduler or Ctrl-C would, but at a step the test knows."""
+    scheduler or Ctrl-C would, but at a step the test knows. ``first_start_only``: not in a run
+    its launcher restarted (torchrun, SLURM requeue), which would otherwise be signalled again."""
 
-    def __init__(self, step: int, signal: str = "SIGTERM", rank: int = 0) -> None:
+    def __init__(
+        self, step: int, signal: str = "SIGTERM", rank: int = 0, first_start_only: bool = False
+    ) -> None:
         self.step, self.signal, self.rank = step, signal, rank
+        self.first_start_only = first_start_only
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if self.first_start_only and restart_count():
+            return
         if trainer.global_step == self.step and trainer.global_rank == self.rank:
             os.kill(os.getpid(), getattr(signal, self.signal))
+
+
+class PauseAt(L.Callback):
+    """Holds rank 0 when global step ``step`` ends, in the first start of a run only: writes
+    ``<out>.paused``, then waits (up to 5 minutes) for the test to create ``<out>.go``; so that
+    a signal from outside (``scancel``) lands at a step the test knows."""
+
+    def __init__(self, step: int, out: str) -> None:
+        self.step, self.out = step, out
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if restart_count() or trainer.global_step != self.step or trainer.global_rank != 0:
+            return
+        Path(f"{self.out}.paused").touch()
+        deadline = time.time() + 300
+        while not Path(f"{self.out}.go").exists() and time.time() < deadline:
+            time.sleep(0.1)
 
 
 class CollectiveCount(L.Callback):

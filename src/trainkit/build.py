@@ -15,6 +15,7 @@ import lightning as L
 import torch
 from hydra.utils import get_object, instantiate
 from lightning.pytorch.plugins import TorchSyncBatchNorm
+from lightning.pytorch.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig, open_dict
 
 from trainkit.checkpoint_io import AtomicCheckpointIO
@@ -74,9 +75,12 @@ def build_all(cfg: DictConfig | None) -> list[Any]:
 
 
 def build_plugins(cfg: DictConfig, dims: ParallelDims) -> list[Any]:
-    """Checkpoints written atomically; ``sync_batchnorm``: torch's SyncBatchNorm needs CUDA, so on
-    CPU (gloo) our own layer sync."""
+    """Checkpoints written atomically; under SLURM, its environment without Lightning's requeue
+    handler (``Preemption`` handles the requeue signal); ``sync_batchnorm``: torch's SyncBatchNorm
+    needs CUDA, so on CPU (gloo) our own layer sync."""
     plugins: list[Any] = [AtomicCheckpointIO()]
+    if SLURMEnvironment.detect():
+        plugins.append(SLURMEnvironment(auto_requeue=False))
     if not cfg.get("sync_batchnorm"):
         return plugins
     if dims.accelerator == "cpu":

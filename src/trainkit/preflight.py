@@ -10,6 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainkit.errors import ConfigError
 from trainkit.parallel import ParallelDims, strategy_flag
+from trainkit.resume import restart_count
 from trainkit.runtime import BF16_FLAGS, cpu_flags, has_bf16_units
 
 log = logging.getLogger(__name__)
@@ -80,15 +81,33 @@ RANK_ENV = ("LOCAL_RANK", "RANK", "SLURM_PROCID")  # set in a process that is no
 
 def check_new_output_dir(output_dir: str) -> None:
     """A run never writes into an earlier run's directory (``hydra.run.dir`` given twice): its
-    checkpoints and logs would be mixed with or replace the earlier ones."""
+    checkpoints and logs would be mixed with or replace the earlier ones. A run its launcher
+    restarted is the same run: it continues there (``resume.resolve_ckpt_path``)."""
     if any(os.environ.get(name, "0") != "0" for name in RANK_ENV):
         return  # the other ranks of a run share its directory
+    if restart_count():
+        return
     found = [name for name in RUN_FILES if (Path(output_dir) / name).exists()]
     if found:
         raise ConfigError(
             f"{output_dir} already holds a run ({', '.join(found)}): give a new hydra.run.dir "
             f"(the default makes a new one per run); to continue that run pass "
             f"ckpt_path={Path(output_dir) / 'checkpoints' / 'last.ckpt'}"
+        )
+
+
+def check_torchrun_restarts() -> None:
+    """torch 2.14.1's torchrun keeps the store it shares with its workers across restarts, and a
+    restarted process group reads the failed attempt's addresses from it: the restart it promised
+    fails to connect (pytorch/pytorch#167288; the cause in #135712). Without that sharing each
+    attempt gets a new store, which only a c10d rendezvous offers (a static one always shares)."""
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0)
+    if restarts and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        raise ConfigError(
+            f"torchrun --max-restarts={restarts} would fail at its first restart: its shared store "
+            "hands the restarted workers the failed attempt's addresses (pytorch/pytorch#167288). "
+            "Start torchrun as TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone ... (or "
+            "--rdzv-backend=c10d --rdzv-endpoint=<host>:<port> on several nodes)"
         )
 
 
@@ -137,6 +156,7 @@ def preflight(cfg: DictConfig, training: bool = True) -> ParallelDims:
     """Validates the run's shape and applies process settings; returns its parallel layout.
     ``training=False`` (eval.py) skips what only training needs: full batches."""
     check_positive(cfg)
+    check_torchrun_restarts()
     if cfg.paths.get("output_dir"):
         check_new_output_dir(cfg.paths.output_dir)
     dims = ParallelDims.from_config(cfg)

@@ -1,11 +1,14 @@
-"""The resolvers that conf/ uses (``${cwd:}``, ``${rank_suffix:}``, ``${requeue_dir:...}``,
-``${job_dirname:...}``), registered on import by every module that composes or runs a config:
-the recipes (trainkit.train, trainkit.evaluate) and trainkit.config."""
+"""The resolvers that conf/ uses (``${cwd:}``, ``${rank_suffix:}``, ``${run_name:}``,
+``${gpus_per_node:...}``, ``${job_dirname:...}``), registered on import by every module that
+composes or runs a config: the recipes (trainkit.train, trainkit.evaluate) and trainkit.config."""
 
 import hashlib
 import os
+from datetime import datetime
 
 from omegaconf import OmegaConf
+
+from trainkit.resume import slurm_job_id
 
 # ${cwd:} is the launch directory. Unlike ${hydra:runtime.cwd} it also resolves where Hydra computes
 # a sweep's directory, before any job runs.
@@ -19,20 +22,33 @@ OmegaConf.register_new_resolver(
 )
 
 
-def requeue_dir(job_root: str, default: str) -> str:
-    """Lightning's ``default_root_dir``: where it saves SLURM requeue checkpoints (``hpc_ckpt_<n>``)
-    and, when a job starts, looks for them. A requeued job is a new run with a new directory, so
-    under SLURM this is ``<job_root>/<job id>``, the same for every start of the job."""
+def run_name() -> str:
+    """A run directory's name: the launcher's id of the run where it has one, which every process
+    of the run and every restart of it share (``slurm_<job id>[_<step>]``, ``torchrun_<rdzv
+    id>``); else the time to the microsecond, so that runs started in the same second differ."""
     from lightning.fabric.plugins.environments import SLURMEnvironment
 
-    if not SLURMEnvironment.detect():
-        return default
-    array = os.environ.get("SLURM_ARRAY_JOB_ID")
-    job = f"{array}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array else os.environ["SLURM_JOB_ID"]
-    return f"{job_root}/{job}"
+    job = slurm_job_id()
+    if job is not None and SLURMEnvironment.detect():  # not in an interactive allocation's shell
+        step = os.environ.get("SLURM_STEP_ID")  # unset in the batch script
+        return f"slurm_{job}" + (f"_{step}" if step and step != "0" else "")
+    torchrun = os.environ.get("TORCHELASTIC_RUN_ID")
+    if torchrun and torchrun != "none":  # "none": torchrun's default --rdzv-id, not unique
+        return f"torchrun_{torchrun}"
+    return datetime.now().strftime("%Y-%m-%d_%H-%M-%S_%f")
 
 
-OmegaConf.register_new_resolver("requeue_dir", requeue_dir, replace=True)
+OmegaConf.register_new_resolver("run_name", run_name, replace=True)
+
+
+def gpus_per_node(accelerator: str, devices: object) -> object:
+    """``launcher=slurm``'s GPUs per node: none with ``accelerator=cpu`` (a CPU partition has none
+    to give), else ``devices``: ``auto`` asks for GPUs too, as a login node without GPUs cannot tell
+    what the compute nodes have (a GPU request on a CPU partition fails at submission, loudly)."""
+    return 0 if accelerator == "cpu" else devices
+
+
+OmegaConf.register_new_resolver("gpus_per_node", gpus_per_node, replace=True)
 
 
 def job_dirname(num: int, overrides: str, limit: int = 120) -> str:

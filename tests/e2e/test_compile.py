@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import run_python
+from helpers import run_python, run_weights
 
 # 800 training images in 4 full batches: the pipeline (which drops a partial batch) and one device
 # see the same steps
@@ -40,15 +40,10 @@ def runs(
     }
 
 
-def weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    path = run_dir / "checkpoints" / "last.ckpt"
-    return torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
-
-
 @shares_runs
 @pytest.mark.parametrize("name", ["compiled", "compiled_pipeline"])
 def test_compiled_blocks_train_to_the_eager_weights(runs: dict, name: str) -> None:
-    eager, compiled = weights(runs["eager"]), weights(runs[name])
+    eager, compiled = run_weights(runs["eager"]), run_weights(runs[name])
     assert compiled.keys() == eager.keys()  # compiled in place: the checkpoint's keys are eager's
     for key, tensor in eager.items():
         assert torch.allclose(compiled[key], tensor, rtol=0, atol=ATOL), key

@@ -18,6 +18,7 @@ import lightning as L
 import pytest
 import torch
 
+from helpers import max_diff
 from trainkit.config import compose_config
 from trainkit.data.synthetic import write_cifar10
 from trainkit.preflight import preflight
@@ -61,11 +62,6 @@ def runs(
 
 def last(run_dir: Path) -> dict:
     return torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
-
-
-def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
 @pytest.mark.parametrize("name", ["gpipe64", "interleaved64"])

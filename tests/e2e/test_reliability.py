@@ -3,7 +3,9 @@ exception in one process, in this one): nothing already written is lost, a faile
 non-zero, and a resumed run ends where an uninterrupted one would. (A
 failed save in one process: unit/test_checkpoint_io.py.)"""
 
+import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -12,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import run_python, start_python
+from helpers import alive, run_python, start_python
 
 pytestmark = pytest.mark.slow  # long end-to-end runs: CI's `slow` job
 STEPS_PER_EPOCH = 50  # 800 training images of the test MNIST, batch 16
@@ -112,70 +114,74 @@ def test_signal_saves_exits_nonzero_and_resumes_exactly(
         assert torch.equal(tensor, reference[name]), name  # the same samples, in the same order
 
 
-def test_ddp_sigterm_stops_every_rank_and_resumes(
-    base, overrides: tuple[str, ...], run_here, tmp_path: Path
-) -> None:
-    """Stopped mid-epoch on 2 ranks and resumed: no step repeated or skipped, so the weights of one
-    device on the same global batch, up to float sums in another order (measured 7e-6). The exact
-    resume of the same run is checked in one process, above."""
-    ddp = (*base, "strategy=ddp", "devices=2", "trainer.max_epochs=2")
-    hook = "+callbacks.signal_at"
-    stop_at = STEPS_PER_EPOCH // 2 + 5  # 25 steps an epoch on 2 ranks: mid-epoch 1
-    proc = train(
-        tmp_path / "logs", *ddp, f"{hook}._target_=helpers.SignalAt", f"{hook}.step={stop_at}"
-    )
-    assert proc.returncode == 143, proc.stderr[-3000:]
-    proc = train(tmp_path / "logs", *ddp, "ckpt_path=last")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    last = runs(tmp_path / "logs")[-1] / "checkpoints" / "last.ckpt"
-    resumed = torch.load(last, weights_only=True)
-    assert resumed["global_step"] == STEPS_PER_EPOCH  # 2 epochs of 25 steps
+@pytest.fixture(scope="module")
+def ddp_reference(overrides: tuple[str, ...], run_here) -> dict[str, torch.Tensor]:
+    """What 2 ddp ranks of batch 16 train in 2 epochs: one device's weights on the same global
+    batch, up to float sums in another order (measured 7e-6)."""
     one_device = run_here(
         "train.py", *overrides, "data.batch_size=32", "threads=1", "trainer.max_epochs=2"
     )
-    expected = weights(one_device / "checkpoints" / "last.ckpt")
-    diff = max((resumed["state_dict"][k] - expected[k]).abs().max().item() for k in expected)
+    return weights(one_device / "checkpoints" / "last.ckpt")
+
+
+def assert_ddp_reference(last: Path, reference: dict[str, torch.Tensor]) -> None:
+    resumed = torch.load(last, weights_only=True)
+    assert resumed["global_step"] == STEPS_PER_EPOCH  # 2 epochs of 25 steps: none lost or repeated
+    diff = max((resumed["state_dict"][k] - reference[k]).abs().max().item() for k in reference)
     assert diff < 3e-5, diff  # one step more or less moves weights by about lr = 1e-3
 
 
-SLURM_JOB = {
-    **{"SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "localhost"},
-    **{"SLURM_NTASKS": "1", "SLURM_NTASKS_PER_NODE": "1"},
-    **{"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"},
-}
+DDP2 = ("strategy=ddp", "devices=2", "trainer.max_epochs=2")  # 25 steps an epoch
+shares_ddp_reference = pytest.mark.xdist_group(name="reliability_ddp_reference")
 
 
-@shares_uninterrupted
-def test_slurm_requeue_signal_saves_requeues_and_the_next_start_resumes(
-    base, uninterrupted: Path, tmp_path: Path
-) -> None:
-    """SLURM, as far as one machine can play it: its environment, a real SIGUSR1 (the
-    ``--signal=USR1@120`` of launcher=slurm), a recording ``scontrol``, then SIGTERM as SLURM
-    sends before requeueing; the job's next start is the same command."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    calls = tmp_path / "scontrol.calls"
-    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
-    (bin_dir / "scontrol").chmod(0o755)
-    env = {**SLURM_JOB, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
-    usr1, term = "+callbacks.requeue_signal", "+callbacks.term_signal"
-    signals = (
-        *(f"{usr1}._target_=helpers.SignalAt", f"{usr1}.step=70", f"{usr1}.signal=SIGUSR1"),
-        *(f"{term}._target_=helpers.SignalAt", f"{term}.step=72"),
+@shares_ddp_reference
+def test_ddp_sigterm_stops_every_rank_and_resumes(base, ddp_reference, tmp_path: Path) -> None:
+    """Stopped mid-epoch on 2 ranks and resumed. The exact resume of the same run is checked in
+    one process, above."""
+    hook = "+callbacks.signal_at"
+    stop_at = STEPS_PER_EPOCH // 2 + 5  # mid-epoch 1
+    proc = train(
+        tmp_path / "logs",
+        *base,
+        *DDP2,
+        f"{hook}._target_=helpers.SignalAt",
+        f"{hook}.step={stop_at}",
     )
-    proc = train(tmp_path, *base, *signals, env=env)
     assert proc.returncode == 143, proc.stderr[-3000:]
-    assert calls.read_text().split() == ["requeue", "4242"]
-    hpc = tmp_path / "train" / "slurm_jobs" / "4242" / "hpc_ckpt_1.ckpt"
-    assert torch.load(hpc, weights_only=True)["global_step"] == 70
-
-    proc = train(tmp_path, *base, env=env)  # the requeued job: the same command
+    proc = train(tmp_path / "logs", *base, *DDP2, "ckpt_path=last")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert str(hpc) in proc.stderr + proc.stdout  # Lightning: "Restoring states from ..."
-    resumed = runs(tmp_path)[-1]
-    final = weights(resumed / "checkpoints" / "last.ckpt")
-    expected = weights(uninterrupted / "checkpoints" / "last.ckpt")
-    assert all(torch.equal(final[k], expected[k]) for k in expected)
+    assert_ddp_reference(runs(tmp_path / "logs")[-1] / "checkpoints" / "last.ckpt", ddp_reference)
+
+
+@shares_ddp_reference
+def test_torchrun_restart_after_a_killed_worker_resumes_the_run(
+    base, ddp_reference, tmp_path: Path
+) -> None:
+    """``torchrun --max-restarts=2``: the worker of rank 1 is killed (SIGKILL) in epoch 1, after
+    the first checkpoint; torchrun restarts both, and the restarted run continues in its own
+    directory from that checkpoint (not from step 0, not refused as an earlier run)."""
+    run_dir, kill = tmp_path / "run", "+callbacks.kill"
+    proc = start_python(
+        *("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=2"),
+        *("train.py", *base, *DDP2, f"hydra.run.dir={run_dir}"),
+        *(f"{kill}._target_=helpers.SignalAt", f"{kill}.step={STEPS_PER_EPOCH // 2 + 5}"),
+        *(f"{kill}.signal=SIGKILL", f"{kill}.rank=1", f"{kill}.first_start_only=true"),
+        log_dir=tmp_path / "logs",
+        env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    output = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 0, output[-3000:]
+    rank1 = re.findall(r"process (\{.*\})", (run_dir / "train_rank1.log").read_text())
+    assert len({json.loads(info)["pid"] for info in rank1}) == 2  # killed once, restarted once
+    log = (run_dir / "train.log").read_text()
+    assert f"Resuming from {run_dir / 'checkpoints' / 'last.ckpt'}" in log, log[-3000:]
+    assert_ddp_reference(run_dir / "checkpoints" / "last.ckpt", ddp_reference)
+    events = list((run_dir / "tensorboard").rglob("events.out.tfevents.*"))
+    assert {e.parent for e in events} == {run_dir / "tensorboard"}  # one TensorBoard run
+    assert len({e.name.rsplit(".", 2)[1] for e in events}) == 2  # by both starts (their pids)
 
 
 # --- a rank killed or stuck -------------------------------------------------------------------
@@ -185,9 +191,6 @@ def rank_pids(
     run_dir: Path, proc: subprocess.Popen | None = None, timeout: float = 120
 ) -> dict[int, int]:
     """Each rank's pid, from the ProcessInfo lines of the run's logs."""
-    import json
-    import re
-
     deadline = time.time() + timeout
     while time.time() < deadline:
         pids = {}
@@ -199,17 +202,6 @@ def rank_pids(
             return pids
         time.sleep(0.5)
     raise AssertionError(f"no process lines for 2 ranks in {run_dir}")
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is dead: its parent has not reaped it yet
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.parametrize("how", ["SIGKILL rank 1", "SIGSTOP rank 1"])

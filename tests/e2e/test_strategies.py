@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import readme_run, run_python, start_python
+from helpers import readme_run, run_python, run_weights, start_python
 from trainkit.data.synthetic import write_mnist
 
 N_TRAIN_FILE, VAL, N_TEST = 1001, 201, 251  # 800 training images: 12.5 batches of 64
@@ -70,11 +70,6 @@ def metrics(run_dir: Path) -> dict:
     return json.loads((run_dir / "metrics.json").read_text())
 
 
-def weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    path = run_dir / "checkpoints" / "last.ckpt"
-    return torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
-
-
 @shares_runs
 @pytest.mark.parametrize("name", ["ddp4", "spawn2"])
 def test_distributed_test_metrics_equal_single_device_eval(
@@ -94,7 +89,7 @@ def test_distributed_test_metrics_equal_single_device_eval(
 @pytest.mark.parametrize("name", ["ddp4", "spawn2"])
 def test_data_parallel_weights_equal_single_device(runs: dict, name: str) -> None:
     """Same seed, same data order, same global batch: the same weights after an epoch."""
-    single, distributed = weights(runs["single"]), weights(runs[name])
+    single, distributed = run_weights(runs["single"]), run_weights(runs[name])
     assert single.keys() == distributed.keys()
     for key in single:
         diff = (single[key] - distributed[key]).abs().max().item()

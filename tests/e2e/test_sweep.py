@@ -20,7 +20,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.backend.event_processing.plugin_event_multiplexer import EventMultiplexer
 from tensorboard.plugins.hparams import plugin_data_pb2
 
-from helpers import readme_run, run_python
+from helpers import max_diff, processes, readme_run, run_python, run_weights
 
 pytestmark = pytest.mark.slow  # long end-to-end runs: CI's `slow` job
 
@@ -48,31 +48,9 @@ def jobs(sweep: Path) -> list[dict]:
     return sorted(records, key=lambda job: job["num"])
 
 
-def processes(job_dir: Path, stage: str = "fit") -> list[dict]:
-    """The ``process {...}`` line every rank logged (ProcessInfo), from all the job's logs."""
-    found = []
-    for log in job_dir.glob("*.log"):
-        for line in log.read_text().splitlines():
-            if " - process {" in line:
-                info = json.loads(line.split(" - process ", 1)[1])
-                if info["stage"] == stage:
-                    found.append(info)
-    return sorted(found, key=lambda info: info["rank"])
-
-
 def value(overrides: list[str], key: str) -> str:
     (found,) = [o.split("=", 1)[1] for o in overrides if o.startswith(f"{key}=")]
     return found
-
-
-def weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
-    return ckpt["state_dict"]
-
-
-def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 def own_overrides(job: dict) -> list[str]:
@@ -168,13 +146,13 @@ def test_each_ddp_job_equals_the_job_run_alone(ddp_sweep: Path, alone: dict[int,
     """Same processes, data, seed and threads: bit for bit the weights of the job run alone.
     (Upstream, the devices=2 jobs trained in one process on half the data.)"""
     for job in jobs(ddp_sweep):
-        swept, single = weights(Path(job["dir"])), weights(alone[job["num"]])
+        swept, single = run_weights(Path(job["dir"])), run_weights(alone[job["num"]])
         assert all(torch.equal(swept[k], single[k]) for k in swept), job["overrides"]
         devices = int(value(job["overrides"], "devices"))
         if devices > 1:  # a process of its own, with a log per rank (devices=1 ran in this one)
             assert len(processes(alone[job["num"]])) == devices
     # and the jobs really differ from one another: lr and devices reached the weights
-    by_num = {job["num"]: weights(Path(job["dir"])) for job in jobs(ddp_sweep)}
+    by_num = {job["num"]: run_weights(Path(job["dir"])) for job in jobs(ddp_sweep)}
     assert max_diff(by_num[0], by_num[1]) > 1e-3
 
 
@@ -230,16 +208,16 @@ def test_spawn_dp_and_pipeline_jobs_in_one_sweep(sweep_runner, alone: dict[int, 
         "dp": (alone[0], 1e-4),
         "pipeline": (alone[0], 1e-4),
     }
-    other_lr = weights(alone[1])
+    other_lr = run_weights(alone[1])
     records = jobs(sweep)
     assert [value(j["overrides"], "strategy") for j in records] == list(world)
     for job in records:
         strategy = value(job["overrides"], "strategy")
         assert job["status"] == "completed"
         check_processes(job, world[strategy])
-        trained = weights(Path(job["dir"]))
+        trained = run_weights(Path(job["dir"]))
         run_dir, tolerance = reference[strategy]
-        assert max_diff(weights(run_dir), trained) < tolerance, strategy
+        assert max_diff(run_weights(run_dir), trained) < tolerance, strategy
         assert max_diff(other_lr, trained) > 1e-3
     logs = sorted(p.name for p in Path(records[0]["dir"]).glob("*.log"))
     assert logs == ["train.log", "train_ddp_process_1.log"]  # spawned ranks log too

@@ -7,10 +7,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 from omegaconf import OmegaConf
 
-from helpers import FAST, ROOT, copy_project, run_in
+from helpers import FAST, ROOT, copy_project, run_in, run_weights
 
 FILE_BLOCK = re.compile(r"<!-- file: (\S+) -->\n```\w*\n(.*?)```", re.S)
 RUN_BLOCK = re.compile(r"<!-- run -->\n```bash\n(.*?)```", re.S)
@@ -49,11 +48,6 @@ def train(project: Path, argv: list[str], data_root: Path, log_dir: Path) -> Pat
     return run_dir
 
 
-def weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
-    return ckpt["state_dict"]
-
-
 def test_add_a_model(project: Path, mnist_root: Path, tmp_path: Path) -> None:
     assert add_files(project, "add_a_model.md") == [
         "src/trainkit/models/convnet.py",
@@ -64,11 +58,11 @@ def test_add_a_model(project: Path, mnist_root: Path, tmp_path: Path) -> None:
     run_dir = train(project, plain, mnist_root, tmp_path)
     config = OmegaConf.load(run_dir / "config.yaml")
     assert config.model.net._target_ == "trainkit.models.convnet.ConvNet"
-    assert weights(run_dir)["net.0.0.weight"].shape == (32, 1, 3, 3)  # a conv, 32 channels
+    assert run_weights(run_dir)["net.0.0.weight"].shape == (32, 1, 3, 3)  # a conv, 32 channels
 
     run_dir = train(project, pipelined, mnist_root, tmp_path)
     assert OmegaConf.load(run_dir / "config.yaml").strategy.stages == 2
-    assert weights(run_dir)["net.0.0.weight"].shape == (16, 1, 3, 3)  # model.net.width=16
+    assert run_weights(run_dir)["net.0.0.weight"].shape == (16, 1, 3, 3)  # model.net.width=16
 
 
 def test_add_a_datamodule(project: Path, mnist_root: Path, tmp_path: Path) -> None:
@@ -96,9 +90,9 @@ def test_add_a_strategy(project: Path, mnist_root: Path, tmp_path: Path) -> None
     # SGD: its step is proportional to the gradient, so the rounding shows in the weights (Adam's
     # first steps are nearly the gradient's sign, which float16 keeps)
     sgd = ["model.optimizer._target_=torch.optim.SGD", "model.optimizer.lr=0.1"]
-    compressed = weights(train(project, [*argv, *sgd], mnist_root, tmp_path))
+    compressed = run_weights(train(project, [*argv, *sgd], mnist_root, tmp_path))
     reference_argv = [a.replace("ddp_fp16_grads", "ddp") for a in argv]
-    reference = weights(train(project, [*reference_argv, *sgd], mnist_root, tmp_path))
+    reference = run_weights(train(project, [*reference_argv, *sgd], mnist_root, tmp_path))
 
     # the same run but for the float16 rounding of the averaged gradients: the hook was used
     assert compressed.keys() == reference.keys()

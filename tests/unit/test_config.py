@@ -4,6 +4,7 @@ import inspect
 import io
 import json
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from trainkit.config import compose_config
 from trainkit.data import MNISTDataModule
 from trainkit.models import MLP
 from trainkit.parallel import ParallelDims
+from trainkit.resolvers import run_name
 from trainkit.tasks import ImageClassifier
 from trainkit.train import build, run
 
@@ -281,6 +283,43 @@ def test_seed_null_trains(compose, output_dir: Path) -> None:
     cfg = compose("seed=null", "debug=fast_dev_run", "logger=none", "tune_malloc=false")
     run(cfg)
     assert (output_dir / "metrics.json").is_file()
+
+
+# --- a run's directory -----------------------------------------------------------------------
+
+SLURM_TASK = {"SLURM_JOB_ID": "42", "SLURM_NTASKS": "2", "SLURM_JOB_NAME": "train"}
+
+
+@pytest.mark.parametrize(
+    ("env", "name"),
+    [
+        ({"TORCHELASTIC_RUN_ID": "a1b2"}, "torchrun_a1b2"),  # --standalone: a new id each torchrun
+        (SLURM_TASK, "slurm_42"),
+        ({**SLURM_TASK, "SLURM_STEP_ID": "0"}, "slurm_42"),  # the job's first srun
+        ({**SLURM_TASK, "SLURM_STEP_ID": "3"}, "slurm_42_3"),  # a later srun in the same job
+        ({**SLURM_TASK, "SLURM_ARRAY_JOB_ID": "40", "SLURM_ARRAY_TASK_ID": "2"}, "slurm_40_2"),
+    ],
+)
+def test_a_launchers_run_is_named_by_its_id(monkeypatch, env: dict, name: str) -> None:
+    """All processes of a torchrun or SLURM run, and all its restarts, share one directory."""
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert run_name() == name
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {},
+        {"TORCHELASTIC_RUN_ID": "none"},  # torchrun's default --rdzv-id: the same for every run
+        {**SLURM_TASK, "SLURM_JOB_NAME": "bash"},  # a shell in an interactive allocation
+    ],
+)
+def test_other_runs_are_named_by_the_time(monkeypatch, env: dict) -> None:
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    # to the microsecond: runs started in the same second get their own directories
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_\d{6}", run_name())
 
 
 # --- model hyperparameters -------------------------------------------------------------------

@@ -53,6 +53,18 @@ def test_sizes_that_disagree_with_torchrun_are_refused(compose, monkeypatch) -> 
         preflight(compose("devices=2"))
 
 
+def test_torchrun_restarts_need_a_store_per_attempt(compose, monkeypatch) -> None:
+    """What torchrun --max-restarts=2 sets in its workers. With its store shared across attempts
+    (its default) a restart cannot connect; without (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) the
+    run starts, and e2e/test_reliability.py restarts one."""
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    with pytest.raises(ConfigError, match=r"--max-restarts=2 .*TORCH_DISABLE_SHARE_RDZV_TCP_STORE"):
+        preflight(compose())
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    preflight(compose())
+
+
 def test_unknown_group_option_lists_the_options(compose) -> None:
     with pytest.raises((MissingConfigException, ConfigCompositionException)) as err:
         compose("strategy=ddpp")

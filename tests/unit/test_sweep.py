@@ -418,8 +418,18 @@ def test_slurm_launcher_follows_devices_and_num_nodes(slurm_launcher: dict[str, 
     assert slurm_launcher["gpus_per_node"] == 4
 
 
+def test_slurm_launcher_asks_no_gpus_on_a_cpu_partition() -> None:
+    """``accelerator=cpu``: no GPUs asked for, which a CPU partition would refuse; no memory
+    asked for either (the partition's default) unless ``hydra.launcher.mem_gb`` is set."""
+    cfg = compose_with_hydra(["launcher=slurm", "accelerator=cpu", "devices=2"])
+    launcher = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
+    assert (launcher["gpus_per_node"], launcher["tasks_per_node"]) == (0, 2)
+    assert launcher["mem_gb"] is None
+
+
 def test_slurm_signal_is_lightnings_requeue_signal(slurm_launcher: dict[str, Any]) -> None:
-    """SLURM must warn with the signal Lightning's auto-requeue handler listens to."""
+    """SLURM must warn with Lightning's requeue signal, which ``Preemption`` handles under SLURM
+    (saves, requeues; e2e/test_slurm.py)."""
     name, delay = slurm_launcher["additional_parameters"]["signal"].split("@")
     assert delay == str(slurm_launcher["signal_delay_s"])
     requeue = SLURMEnvironment().requeue_signal
@@ -449,7 +459,6 @@ def test_slurm_sbatch_script_has_one_usr1_signal(
         ntasks_per_node=launcher["tasks_per_node"],
         gpus_per_node=launcher["gpus_per_node"],
         cpus_per_task=launcher["cpus_per_task"],
-        mem=f"{launcher['mem_gb']}GB",
         time=launcher["timeout_min"],
         signal_delay_s=launcher["signal_delay_s"],
         additional_parameters=launcher["additional_parameters"],
@@ -482,5 +491,5 @@ def test_slurm_launcher_parameters_reach_the_sbatch_script(
     )
     script = executor._executor._make_submission_file_text("python x.py", "uid")
     assert_sbatch_resources(script)
-    assert "#SBATCH --mem=64GB" in script.splitlines()
+    assert not [line for line in script.splitlines() if line.startswith("#SBATCH --mem")]
     assert "#SBATCH --time=240" in script.splitlines()

@@ -1,14 +1,19 @@
-"""SIGTERM and SIGINT stop training cleanly: last.ckpt saved, non-zero exit
-(docs/design.md, "SIGTERM and Lightning's stop path")."""
+"""SIGTERM and SIGINT stop training cleanly: last.ckpt saved, non-zero exit; under SLURM its
+requeue signal too, then the job is requeued (docs/design.md, "SIGTERM and Lightning's stop
+path", "Restarts continue their run")."""
 
 import logging
 import signal
+import subprocess
 import threading
 from pathlib import Path
 
 import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.pytorch.plugins.environments import SLURMEnvironment
+
+from trainkit.resume import slurm_job_id
 
 log = logging.getLogger(__name__)
 
@@ -23,17 +28,23 @@ class Preempted(Exception):
 
 class Preemption(L.Callback):
     """SIGTERM (a scheduler's preemption) and SIGINT (Ctrl-C) stop training at the end of a step
-    with ``<dirpath>/last.ckpt`` saved, mid-epoch included, on every rank at the same step.
+    with ``<dirpath>/last.ckpt`` saved, mid-epoch included, on every rank at the same step. Under
+    SLURM so does its requeue signal (USR1: ``--signal=USR1@<s>``, ``scancel --signal=USR1``),
+    and then rank 0 requeues the job, whose next start resumes from that checkpoint.
 
     The signal handler only sets a flag. It is read every step in one process, and every
     ``check_every`` steps with several ranks, where one all-reduce makes them agree: a scheduler
     gives tens of seconds' notice, so a collective every step would not pay for itself.
+    (Lightning's own requeue handler saves from inside the handler, whenever the signal lands:
+    under ddp the ranks' collectives would then disagree; ``build_plugins`` turns it off.)
     """
 
     def __init__(self, dirpath: str, check_every: int = 10) -> None:
         self.dirpath, self.check_every = Path(dirpath), check_every
         self.signum: int | None = None
         self._previous: dict[int, object] = {}
+        # SLURMEnvironment's requeue signal, which conf/launcher/slurm.yaml asks SLURM to send
+        self.requeue_signal = signal.SIGUSR1 if SLURMEnvironment.detect() else None
 
     @property
     def checkpoint_path(self) -> Path:
@@ -46,8 +57,9 @@ class Preemption(L.Callback):
         def note(signum, frame) -> None:
             self.signum = self.signum or signum
 
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            self._previous[signum] = signal.signal(signum, note)
+        for signum in (signal.SIGTERM, signal.SIGINT, self.requeue_signal):
+            if signum is not None:
+                self._previous[signum] = signal.signal(signum, note)
         if trainer.received_sigterm:  # caught by Lightning's handler before training started
             self.signum = signal.SIGTERM
 
@@ -62,13 +74,22 @@ class Preemption(L.Callback):
         if not signum:
             return
         self.signum = signum
-        self._restore()
+        requeue = signum == self.requeue_signal
+        if not requeue:  # a second Ctrl-C or SIGTERM during the save ends the process
+            self._restore()  # (the requeue's own SIGTERM must not: it comes once we requeue)
         trainer.save_checkpoint(self.checkpoint_path)  # every rank: the strategy gathers
         name = signal.Signals(signum).name
-        message = (
-            f"{name}: stopped at step {trainer.global_step} (epoch {trainer.current_epoch}); "
-            f"saved {self.checkpoint_path}. Resume with ckpt_path=last"
-        )
+        stopped = f"{name}: stopped at step {trainer.global_step} (epoch {trainer.current_epoch})"
+        if requeue:
+            job = slurm_job_id()
+            if trainer.is_global_zero:
+                subprocess.run(["scontrol", "requeue", str(job)], check=True)
+            message = (
+                f"{stopped}; saved {self.checkpoint_path}; requeued SLURM job {job}, whose next "
+                "start resumes from it"
+            )
+        else:
+            message = f"{stopped}; saved {self.checkpoint_path}. Resume with ckpt_path=last"
         log.warning(message)
         raise Preempted(signum, message)
 

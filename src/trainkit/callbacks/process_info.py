@@ -41,4 +41,6 @@ class ProcessInfo(L.Callback):
             "stage": stage,
             "overrides": self.overrides,
         }
+        if "SLURMD_NODENAME" in os.environ:  # the SLURM node, where hosts run several
+            info["slurm_node"] = os.environ["SLURMD_NODENAME"]
         log.info("process %s", json.dumps(info))
