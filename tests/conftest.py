@@ -9,10 +9,11 @@ import pytest
 from omegaconf import DictConfig
 
 import trainkit.startup  # noqa: F401  first: before Lightning imports torchmetrics
-from helpers import ROOT, TRAINED_RUN, in_process_state, run_python
+from helpers import LAUNCHER_ENV, ROOT, TRAINED_RUN, in_process_state, run_python
 from trainkit import evaluate, runtime, train
 from trainkit.config import compose_config
 from trainkit.data.synthetic import write_mnist
+from trainkit.parallel import ParallelDims
 
 # 1000 training images (VAL_SIZE of them held out for validation) and 250 test images: big enough
 # to learn from in an epoch, small enough that a subprocess run is dominated by its imports.
@@ -134,6 +135,9 @@ def run_here(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
             output_dir = runs / f"{earlier:03d}-here"
             overrides = (*overrides, f"paths.log_dir={log_dir}")
         cfg = compose_config(task, output_dir, overrides)
+        if ParallelDims.from_config(cfg).world_size > 1:
+            # Lightning would start the other ranks by running this process's command: pytest's
+            raise ValueError("run_here runs one process; start a run of several with run_script")
         with in_process_state():
             (train.run if task == "train" else evaluate.run)(cfg)
         return output_dir
@@ -162,3 +166,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         suffix = "@" + "_".join(sorted(names))
         if names and hasattr(item, "_id") and not item.nodeid.endswith(suffix):
             item._id = type(item._id).parse(item.nodeid + suffix)
+
+
+@pytest.fixture
+def launched_by(monkeypatch: pytest.MonkeyPatch) -> Callable[[dict[str, str]], None]:
+    """``launched_by(env)``: this process as a launcher would have started it: ``env`` on top of
+    no launcher's variables (whatever started the tests), all restored afterwards."""
+
+    def launch(env: dict[str, str]) -> None:
+        for key in LAUNCHER_ENV:
+            monkeypatch.delenv(key, raising=False)
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+
+    return launch

@@ -18,7 +18,6 @@ import io
 import json
 import os
 import re
-import resource
 import shlex
 import shutil
 import signal
@@ -34,7 +33,7 @@ import pytest
 import torch
 from PIL import Image
 
-from trainkit.resume import restart_count
+from trainkit.runtime import peak_rss_bytes
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -175,7 +174,26 @@ TRAINED_RUN = ("seed=0", "trainer.max_epochs=1")
 shares_trained_run = pytest.mark.xdist_group(name="trained_run")
 
 
+# --- launchers' environments ----------------------------------------------------------------------
+
+# what SLURM sets in a task of job 42, and torchrun in a worker (as Lightning detects them)
+SLURM_TASK = {"SLURM_JOB_ID": "42", "SLURM_NTASKS": "2", "SLURM_JOB_NAME": "train"}
+TORCHRUN_WORKER = {"RANK": "0", "GROUP_RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}
+LAUNCHER_ENV = (
+    *SLURM_TASK, *TORCHRUN_WORKER, "TORCHELASTIC_RUN_ID", "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_USE_AGENT_STORE", "SLURM_STEP_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID",
+    "SLURM_PROCID",
+)  # fmt: skip
+
+
 # --- a real signal at a known step ---------------------------------------------------------------
+
+
+def restarted() -> bool:
+    """Whether the launcher restarted this process (torchrun, SLURM requeue), by its counters;
+    enough on one node (torchrun's count is per node)."""
+    counters = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
+    return any(int(os.environ.get(name) or 0) for name in counters)
 
 
 class SignalAt(L.Callback):
@@ -190,7 +208,7 @@ class SignalAt(L.Callback):
         self.first_start_only = first_start_only
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        if self.first_start_only and restart_count():
+        if self.first_start_only and restarted():
             return
         if trainer.global_step == self.step and trainer.global_rank == self.rank:
             os.kill(os.getpid(), getattr(signal, self.signal))
@@ -205,7 +223,7 @@ class PauseAt(L.Callback):
         self.step, self.out = step, out
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        if restart_count() or trainer.global_step != self.step or trainer.global_rank != 0:
+        if restarted() or trainer.global_step != self.step or trainer.global_rank != 0:
             return
         Path(f"{self.out}.paused").touch()
         deadline = time.time() + 300
@@ -264,7 +282,7 @@ class SaveWeights(L.Callback):
         self._grads = sorted(n for n, p in pl_module.named_parameters() if p.grad is not None)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self._train_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        self._train_peak = peak_rss_bytes()
 
     def on_train_end(self, trainer, pl_module) -> None:
         tensors = dict(pl_module.state_dict(keep_vars=True))
@@ -277,7 +295,7 @@ class SaveWeights(L.Callback):
                 "meta": sorted(k for k, v in tensors.items() if v.is_meta),
                 "grads": self._grads,  # at the last optimizer step
                 "optimizer": sorted(names[id(p)] for p, s in optimizer_state.items() if s),
-                "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                "peak_rss": peak_rss_bytes(),
                 "train_peak_rss": self._train_peak,  # after the last step, before checkpoints
                 "global_step": trainer.global_step,
                 "peak_vm": vm_peak(),

@@ -20,6 +20,7 @@ from omegaconf import DictConfig, open_dict
 
 from trainkit.checkpoint_io import AtomicCheckpointIO
 from trainkit.parallel import ParallelDims, strategy_flag
+from trainkit.resume import under_slurm
 from trainkit.strategies.ddp import DDPStrategy
 
 
@@ -79,7 +80,7 @@ def build_plugins(cfg: DictConfig, dims: ParallelDims) -> list[Any]:
     handler (``Preemption`` handles the requeue signal); ``sync_batchnorm``: torch's SyncBatchNorm
     needs CUDA, so on CPU (gloo) our own layer sync."""
     plugins: list[Any] = [AtomicCheckpointIO()]
-    if SLURMEnvironment.detect():
+    if under_slurm():
         plugins.append(SLURMEnvironment(auto_requeue=False))
     if not cfg.get("sync_batchnorm"):
         return plugins

@@ -10,7 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainkit.errors import ConfigError
 from trainkit.parallel import ParallelDims, strategy_flag
-from trainkit.resume import restart_count
+from trainkit.resume import is_restart
 from trainkit.runtime import BF16_FLAGS, cpu_flags, has_bf16_units
 
 log = logging.getLogger(__name__)
@@ -79,13 +79,18 @@ RUN_FILES = ("checkpoints", "metrics.json", "tensorboard")
 RANK_ENV = ("LOCAL_RANK", "RANK", "SLURM_PROCID")  # set in a process that is not the first
 
 
+def first_process() -> bool:
+    """Whether this is a run's first process (global rank 0, or a run of one process)."""
+    return all(os.environ.get(name, "0") == "0" for name in RANK_ENV)
+
+
 def check_new_output_dir(output_dir: str) -> None:
     """A run never writes into an earlier run's directory (``hydra.run.dir`` given twice): its
     checkpoints and logs would be mixed with or replace the earlier ones. A run its launcher
     restarted is the same run: it continues there (``resume.resolve_ckpt_path``)."""
-    if any(os.environ.get(name, "0") != "0" for name in RANK_ENV):
+    if not first_process():
         return  # the other ranks of a run share its directory
-    if restart_count():
+    if is_restart(output_dir):
         return
     found = [name for name in RUN_FILES if (Path(output_dir) / name).exists()]
     if found:
@@ -97,17 +102,28 @@ def check_new_output_dir(output_dir: str) -> None:
 
 
 def check_torchrun_restarts() -> None:
-    """torch 2.14.1's torchrun keeps the store it shares with its workers across restarts, and a
-    restarted process group reads the failed attempt's addresses from it: the restart it promised
-    fails to connect (pytorch/pytorch#167288; the cause in #135712). Without that sharing each
-    attempt gets a new store, which only a c10d rendezvous offers (a static one always shares)."""
+    """torchrun --max-restarts: a restart is recognised by torchrun's run id, which must be the
+    run's own (``--standalone`` draws one; the default "none" is every run's). And torch 2.14.1's
+    torchrun keeps the store it shares with its workers across restarts, where a restarted process
+    group reads the failed attempt's addresses and cannot connect (pytorch/pytorch#167288; the
+    cause in #135712): only a c10d rendezvous that does not share gives each attempt its own."""
     restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0)
-    if restarts and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+    if not restarts:
+        return
+    fix = (
+        "start it as TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone ... (several "
+        "nodes: --rdzv-backend=c10d --rdzv-endpoint=<host>:<port> --rdzv-id=<a new run name>)"
+    )
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         raise ConfigError(
             f"torchrun --max-restarts={restarts} would fail at its first restart: its shared store "
-            "hands the restarted workers the failed attempt's addresses (pytorch/pytorch#167288). "
-            "Start torchrun as TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone ... (or "
-            "--rdzv-backend=c10d --rdzv-endpoint=<host>:<port> on several nodes)"
+            f"hands the restarted workers the failed attempt's addresses "
+            f"(pytorch/pytorch#167288); {fix}"
+        )
+    if os.environ.get("TORCHELASTIC_RUN_ID", "none") == "none":
+        raise ConfigError(
+            f"torchrun --max-restarts={restarts} without a run id (--rdzv-id): a restart could "
+            f"not be told from another run; {fix}"
         )
 
 

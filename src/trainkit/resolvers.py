@@ -8,34 +8,24 @@ from datetime import datetime
 
 from omegaconf import OmegaConf
 
-from trainkit.resume import slurm_job_id
+from trainkit.resume import launcher_rank, launcher_run_id
 
 # ${cwd:} is the launch directory. Unlike ${hydra:runtime.cwd} it also resolves where Hydra computes
 # a sweep's directory, before any job runs.
 OmegaConf.register_new_resolver("cwd", os.getcwd, replace=True)
 
-# ${rank_suffix:} is "" on rank 0 and "_rank<N>" on the others when a launcher such as torchrun
-# sets RANK: the processes of a multi-node run share one run directory but not one log file.
+# ${rank_suffix:} is "" on rank 0 and "_rank<N>" on the others when a launcher (torchrun, SLURM)
+# started the ranks: the processes of a multi-node run share one run directory but not one log file.
 OmegaConf.register_new_resolver(
-    "rank_suffix",
-    lambda: f"_rank{os.environ['RANK']}" if os.environ.get("RANK", "0") != "0" else "",
+    "rank_suffix", lambda: f"_rank{rank}" if (rank := launcher_rank()) else ""
 )
 
 
 def run_name() -> str:
     """A run directory's name: the launcher's id of the run where it has one, which every process
-    of the run and every restart of it share (``slurm_<job id>[_<step>]``, ``torchrun_<rdzv
-    id>``); else the time to the microsecond, so that runs started in the same second differ."""
-    from lightning.fabric.plugins.environments import SLURMEnvironment
-
-    job = slurm_job_id()
-    if job is not None and SLURMEnvironment.detect():  # not in an interactive allocation's shell
-        step = os.environ.get("SLURM_STEP_ID")  # unset in the batch script
-        return f"slurm_{job}" + (f"_{step}" if step and step != "0" else "")
-    torchrun = os.environ.get("TORCHELASTIC_RUN_ID")
-    if torchrun and torchrun != "none":  # "none": torchrun's default --rdzv-id, not unique
-        return f"torchrun_{torchrun}"
-    return datetime.now().strftime("%Y-%m-%d_%H-%M-%S_%f")
+    of the run and every restart of it share (``resume.launcher_run_id``); else the time to the
+    microsecond, so that runs started in the same second differ."""
+    return launcher_run_id() or datetime.now().strftime("%Y-%m-%d_%H-%M-%S_%f")
 
 
 OmegaConf.register_new_resolver("run_name", run_name, replace=True)

@@ -2,11 +2,12 @@
 
 ``ckpt_path=last`` is the newest ``checkpoints/last.ckpt`` of an earlier run of the same task:
 every run has a new directory, where Lightning's own ``"last"`` would find nothing
-(docs/design.md, "Every run a new directory"). A run that its launcher restarted (torchrun's
-``--max-restarts``, SLURM's requeue) continues its own run, in its own directory, from its own
-``last.ckpt``, whatever ``ckpt_path`` says (docs/design.md, "Restarts continue their run").
+(docs/design.md, "Every run a new directory"). A start that is its launcher's restart of a run
+(torchrun's ``--max-restarts``, SLURM's requeue) continues that run, in its own directory, from its
+own ``last.ckpt``, whatever ``ckpt_path`` says (docs/design.md, "Restarts continue their run").
 """
 
+import json
 import os
 from pathlib import Path
 
@@ -14,13 +15,38 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainkit.errors import ConfigError
 
-# the launchers' restart counters: 0 or unset at the first start
-RESTART_ENV = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
+LAUNCH_FILE = "launch.json"  # in a run directory: what makes a later start a restart of the run
 
 
-def restart_count() -> int:
-    """How many times the launcher has restarted this run (torchrun, SLURM requeue)."""
-    return max(int(os.environ.get(name) or 0) for name in RESTART_ENV)
+def job_overrides() -> list[str]:
+    """This run's command-line overrides (a sweep job's own), as Hydra recorded them."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
+def under_torchrun() -> bool:
+    """torchrun started this process: its ranks, restarts and run id win over SLURM's, as in
+    Lightning's choice of environment (torchrun may run inside a SLURM allocation)."""
+    from lightning.fabric.plugins.environments import TorchElasticEnvironment
+
+    return TorchElasticEnvironment.detect()
+
+
+def under_slurm() -> bool:
+    """SLURM started this process as one of a job's tasks (not a shell in an interactive
+    allocation, not a torchrun worker inside a job)."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    return SLURMEnvironment.detect() and not under_torchrun()
+
+
+def launcher_rank() -> int:
+    """This process's global rank as its launcher set it (torchrun's ``RANK``, SLURM's
+    ``SLURM_PROCID``); 0 where no launcher started it."""
+    if "RANK" in os.environ:
+        return int(os.environ["RANK"])
+    return int(os.environ.get("SLURM_PROCID") or 0) if under_slurm() else 0
 
 
 def slurm_job_id() -> str | None:
@@ -30,6 +56,42 @@ def slurm_job_id() -> str | None:
     if array:
         return f"{array}_{os.environ['SLURM_ARRAY_TASK_ID']}"
     return os.environ.get("SLURM_JOB_ID")
+
+
+def launcher_run_id() -> str | None:
+    """The launcher's id of this run, which all its processes, on every node, and all its
+    restarts share: ``torchrun_<rendezvous id>``, ``slurm_<job id>[_<step>]``. None for a process
+    started by hand, or by torchrun with its default id "none", which every torchrun shares."""
+    if under_torchrun():
+        run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+        return None if run == "none" else f"torchrun_{run}"
+    if under_slurm():
+        step = os.environ.get("SLURM_STEP_ID")  # a job's first srun is step 0
+        return f"slurm_{slurm_job_id()}" + (f"_{step}" if step and step != "0" else "")
+    return None
+
+
+def _launch_record() -> dict | None:
+    run = launcher_run_id()
+    return None if run is None else {"run": run, "overrides": job_overrides()}
+
+
+def record_launch(output_dir: str) -> None:
+    """Written by the run's first process when it starts: its launcher's id and its overrides."""
+    record = _launch_record()
+    if record is not None:  # replaced whole: the other ranks may be reading it
+        path = Path(output_dir) / LAUNCH_FILE
+        path.with_suffix(".tmp").write_text(json.dumps(record, indent=1) + "\n")
+        os.replace(path.with_suffix(".tmp"), path)
+
+
+def is_restart(output_dir: str) -> bool:
+    """Whether this start is the launcher's restart of the run in ``output_dir``: its first start
+    recorded the same launcher id and overrides there. (Not the launchers' restart counters:
+    torchrun's is per node, and an agent that restarts its workers because another node failed
+    does not raise it.)"""
+    record, path = _launch_record(), Path(output_dir) / LAUNCH_FILE
+    return record is not None and path.is_file() and json.loads(path.read_text()) == record
 
 
 def newest_last_checkpoint(runs_dir: Path, exclude: Path) -> Path | None:
@@ -45,7 +107,7 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
     """The checkpoint file to resume from (None: start fresh); a one-line ConfigError if it is
     missing, not a trainkit checkpoint, or trained another model."""
     own = Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt"
-    if restart_count() and own.is_file():
+    if own.is_file() and is_restart(cfg.paths.output_dir):
         check_same_model(own, cfg)
         return str(own)
     if cfg.ckpt_path is None:

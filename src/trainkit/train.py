@@ -19,8 +19,8 @@ from trainkit.callbacks.preemption import Preempted
 from trainkit.launch import isolated_job
 from trainkit.loggers import flat_hparams, log_final
 from trainkit.parallel import ParallelDims
-from trainkit.preflight import preflight
-from trainkit.resume import resolve_ckpt_path
+from trainkit.preflight import first_process, preflight
+from trainkit.resume import job_overrides, record_launch, resolve_ckpt_path
 from trainkit.runtime import tune_malloc
 
 log = logging.getLogger(__name__)
@@ -40,13 +40,6 @@ def write_config(path: Path, cfg: DictConfig) -> None:
 
 def as_floats(metrics: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items()}
-
-
-def job_overrides() -> list[str]:
-    """This run's command-line overrides (a sweep job's own), as Hydra recorded them."""
-    from hydra.core.hydra_config import HydraConfig
-
-    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
 def build(
@@ -84,6 +77,8 @@ def run(cfg: DictConfig) -> float | None:
 def _train_and_test(cfg: DictConfig) -> float | None:
     dims = preflight(cfg)
     ckpt_path = resolve_ckpt_path(cfg)
+    if first_process():
+        record_launch(cfg.paths.output_dir)  # so that the launcher's restarts resume this run
     if ckpt_path:
         log.info("Resuming from %s", ckpt_path)
     if cfg.tune_malloc:

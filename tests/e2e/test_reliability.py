@@ -160,11 +160,12 @@ def test_torchrun_restart_after_a_killed_worker_resumes_the_run(
 ) -> None:
     """``torchrun --max-restarts=2``: the worker of rank 1 is killed (SIGKILL) in epoch 1, after
     the first checkpoint; torchrun restarts both, and the restarted run continues in its own
-    directory from that checkpoint (not from step 0, not refused as an earlier run)."""
-    run_dir, kill = tmp_path / "run", "+callbacks.kill"
+    directory, named by torchrun's run id, from that checkpoint (not from step 0, not refused as
+    an earlier run)."""
+    kill = "+callbacks.kill"
     proc = start_python(
         *("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=2"),
-        *("train.py", *base, *DDP2, f"hydra.run.dir={run_dir}"),
+        *("train.py", *base, *DDP2),
         *(f"{kill}._target_=helpers.SignalAt", f"{kill}.step={STEPS_PER_EPOCH // 2 + 5}"),
         *(f"{kill}.signal=SIGKILL", f"{kill}.rank=1", f"{kill}.first_start_only=true"),
         log_dir=tmp_path / "logs",
@@ -174,6 +175,8 @@ def test_torchrun_restart_after_a_killed_worker_resumes_the_run(
     )
     output = proc.communicate(timeout=600)[0]
     assert proc.returncode == 0, output[-3000:]
+    (run_dir,) = runs(tmp_path / "logs")  # one directory for both starts and both ranks
+    assert run_dir.name.startswith("torchrun_"), run_dir
     rank1 = re.findall(r"process (\{.*\})", (run_dir / "train_rank1.log").read_text())
     assert len({json.loads(info)["pid"] for info in rank1}) == 2  # killed once, restarted once
     log = (run_dir / "train.log").read_text()

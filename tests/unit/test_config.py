@@ -18,6 +18,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
+from helpers import SLURM_TASK, TORCHRUN_WORKER
 from trainkit.callbacks import ProfileSteps, RunConfig, StartupTime
 from trainkit.config import compose_config
 from trainkit.data import MNISTDataModule
@@ -287,23 +288,22 @@ def test_seed_null_trains(compose, output_dir: Path) -> None:
 
 # --- a run's directory -----------------------------------------------------------------------
 
-SLURM_TASK = {"SLURM_JOB_ID": "42", "SLURM_NTASKS": "2", "SLURM_JOB_NAME": "train"}
-
 
 @pytest.mark.parametrize(
     ("env", "name"),
     [
-        ({"TORCHELASTIC_RUN_ID": "a1b2"}, "torchrun_a1b2"),  # --standalone: a new id each torchrun
+        ({**TORCHRUN_WORKER, "TORCHELASTIC_RUN_ID": "a1b2"}, "torchrun_a1b2"),
+        # torchrun inside a SLURM job: its workers are torchrun's, as Lightning takes them
+        ({**SLURM_TASK, **TORCHRUN_WORKER, "TORCHELASTIC_RUN_ID": "a1b2"}, "torchrun_a1b2"),
         (SLURM_TASK, "slurm_42"),
         ({**SLURM_TASK, "SLURM_STEP_ID": "0"}, "slurm_42"),  # the job's first srun
         ({**SLURM_TASK, "SLURM_STEP_ID": "3"}, "slurm_42_3"),  # a later srun in the same job
         ({**SLURM_TASK, "SLURM_ARRAY_JOB_ID": "40", "SLURM_ARRAY_TASK_ID": "2"}, "slurm_40_2"),
     ],
 )
-def test_a_launchers_run_is_named_by_its_id(monkeypatch, env: dict, name: str) -> None:
+def test_a_launchers_run_is_named_by_its_id(launched_by, env: dict, name: str) -> None:
     """All processes of a torchrun or SLURM run, and all its restarts, share one directory."""
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
+    launched_by(env)
     assert run_name() == name
 
 
@@ -311,15 +311,34 @@ def test_a_launchers_run_is_named_by_its_id(monkeypatch, env: dict, name: str) -
     "env",
     [
         {},
-        {"TORCHELASTIC_RUN_ID": "none"},  # torchrun's default --rdzv-id: the same for every run
+        # torchrun's default --rdzv-id: the same for every run
+        {**TORCHRUN_WORKER, "TORCHELASTIC_RUN_ID": "none"},
         {**SLURM_TASK, "SLURM_JOB_NAME": "bash"},  # a shell in an interactive allocation
     ],
 )
-def test_other_runs_are_named_by_the_time(monkeypatch, env: dict) -> None:
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
+def test_other_runs_are_named_by_the_time(launched_by, env: dict) -> None:
+    launched_by(env)
     # to the microsecond: runs started in the same second get their own directories
     assert re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_\d{6}", run_name())
+
+
+@pytest.mark.parametrize(
+    ("env", "log_file"),
+    [
+        ({}, "train.log"),
+        ({**TORCHRUN_WORKER, "RANK": "3"}, "train_rank3.log"),
+        ({**SLURM_TASK, "SLURM_PROCID": "1"}, "train_rank1.log"),  # a task of a job on 2 nodes
+        ({**SLURM_TASK, "SLURM_PROCID": "0"}, "train.log"),
+        # a shell in an interactive allocation is not a task of a run
+        ({**SLURM_TASK, "SLURM_JOB_NAME": "bash", "SLURM_PROCID": "1"}, "train.log"),
+    ],
+)
+def test_each_rank_of_a_launchers_run_logs_to_its_own_file(
+    launched_by, env: dict, log_file: str
+) -> None:
+    """conf/hydra/default.yaml names the log file ``${hydra.job.name}${rank_suffix:}.log``."""
+    launched_by(env)
+    assert OmegaConf.create({"file": "train${rank_suffix:}.log"}).file == log_file
 
 
 # --- model hyperparameters -------------------------------------------------------------------

@@ -11,13 +11,15 @@ import pytest
 import torch
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
+from helpers import SLURM_TASK
 from trainkit.build import model_config
+from trainkit.config import compose_config
 from trainkit.data import MNISTDataModule
 from trainkit.errors import ConfigError
 from trainkit.evaluate import check_stages
 from trainkit.parallel import ParallelDims
-from trainkit.preflight import check_compile, preflight
-from trainkit.resume import resolve_ckpt_path
+from trainkit.preflight import check_compile, check_new_output_dir, preflight
+from trainkit.resume import is_restart, record_launch, resolve_ckpt_path
 from trainkit.runtime import cpu_flags, has_bf16_units
 
 
@@ -53,16 +55,67 @@ def test_sizes_that_disagree_with_torchrun_are_refused(compose, monkeypatch) -> 
         preflight(compose("devices=2"))
 
 
-def test_torchrun_restarts_need_a_store_per_attempt(compose, monkeypatch) -> None:
-    """What torchrun --max-restarts=2 sets in its workers. With its store shared across attempts
-    (its default) a restart cannot connect; without (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) the
-    run starts, and e2e/test_reliability.py restarts one."""
-    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
-    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
-    with pytest.raises(ConfigError, match=r"--max-restarts=2 .*TORCH_DISABLE_SHARE_RDZV_TCP_STORE"):
+RESTARTABLE = {"TORCHELASTIC_MAX_RESTARTS": "2", "TORCHELASTIC_RUN_ID": "a1b2"}
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [  # what torchrun --max-restarts=2 sets in its workers
+        ({**RESTARTABLE, "TORCHELASTIC_USE_AGENT_STORE": "True"}, "failed attempt's addresses"),
+        ({**RESTARTABLE, "TORCHELASTIC_RUN_ID": "none"}, r"without a run id \(--rdzv-id\)"),
+        ({**RESTARTABLE, "TORCHELASTIC_USE_AGENT_STORE": "False"}, None),
+    ],
+)
+def test_torchrun_restarts_need_a_store_per_attempt_and_a_run_id(
+    compose, launched_by, env: dict, message: str | None
+) -> None:
+    """Its default shares one store across attempts, where a restart cannot connect; without
+    (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone) the run starts, and
+    e2e/test_reliability.py restarts one."""
+    launched_by(env)
+    if message is None:
         preflight(compose())
-    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
-    preflight(compose())
+        return
+    with pytest.raises(ConfigError, match=rf"--max-restarts=2 .*{message}.*SHARE_RDZV_TCP_STORE"):
+        preflight(compose())
+
+
+# --- restarts: recognised by what the first start recorded, not by the launchers' counters ------
+
+
+@pytest.fixture
+def earlier_run(tmp_path: Path, launched_by) -> Path:
+    """A run directory that SLURM job 42's first start wrote (launch.json, checkpoints)."""
+    launched_by(SLURM_TASK)
+    run_dir = tmp_path / "slurm_42"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    record_launch(str(run_dir))
+    return run_dir
+
+
+def test_the_launchers_restart_continues_in_its_directory(earlier_run: Path, overrides) -> None:
+    """The same job's next start (no restart counter needed: torchrun's is per node)."""
+    cfg = compose_config("train", earlier_run, overrides)
+    assert is_restart(str(earlier_run))
+    preflight(cfg)  # not refused as an earlier run's directory
+    assert resolve_ckpt_path(cfg) is None  # no last.ckpt yet: starts as the first start did
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {},  # a run started by hand into that directory
+        {**SLURM_TASK, "SLURM_JOB_ID": "43", "SLURM_RESTART_COUNT": "1"},  # another, requeued job
+        {**SLURM_TASK, "SLURM_STEP_ID": "1"},  # a second srun of the same job
+    ],
+)
+def test_another_run_into_that_directory_is_refused(
+    earlier_run: Path, launched_by, env: dict
+) -> None:
+    launched_by(env)
+    assert not is_restart(str(earlier_run))
+    with pytest.raises(ConfigError, match="already holds a run"):
+        check_new_output_dir(str(earlier_run))
 
 
 def test_unknown_group_option_lists_the_options(compose) -> None:

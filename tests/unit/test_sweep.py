@@ -30,6 +30,8 @@ from tensorboard.plugins.hparams import metadata as hparams_metadata
 from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
 from torch.utils.tensorboard.summary import hparams
 
+from helpers import SLURM_TASK
+from trainkit.callbacks import Preemption
 from trainkit.config import CONF_DIR, compose_config
 from trainkit.launch import ENTRY_POINT_ENV, job_command
 from trainkit.loggers import flat_hparams, log_final
@@ -427,14 +429,18 @@ def test_slurm_launcher_asks_no_gpus_on_a_cpu_partition() -> None:
     assert launcher["mem_gb"] is None
 
 
-def test_slurm_signal_is_lightnings_requeue_signal(slurm_launcher: dict[str, Any]) -> None:
-    """SLURM must warn with Lightning's requeue signal, which ``Preemption`` handles under SLURM
-    (saves, requeues; e2e/test_slurm.py)."""
+def test_slurm_signal_is_the_one_preemption_requeues_on(
+    slurm_launcher: dict[str, Any], launched_by
+) -> None:
+    """SLURM must warn with the signal that ``Preemption`` handles as SLURM's requeue signal
+    (saves, requeues; e2e/test_slurm.py), Lightning's own."""
     name, delay = slurm_launcher["additional_parameters"]["signal"].split("@")
     assert delay == str(slurm_launcher["signal_delay_s"])
-    requeue = SLURMEnvironment().requeue_signal
-    assert signal.Signals[f"SIG{name}"] == requeue
-    assert requeue.name == "SIGUSR1"
+    launched_by({})
+    lightnings = SLURMEnvironment().requeue_signal
+    assert Preemption("unused").requeue_signal is None  # outside SLURM: no requeue to ask for
+    launched_by(SLURM_TASK)
+    assert signal.Signals[f"SIG{name}"] == Preemption("unused").requeue_signal == lightnings
 
 
 def assert_sbatch_resources(script: str) -> None:

@@ -2,12 +2,13 @@
 loops so that both sides of every ratio are measured alike."""
 
 import json
-import resource
 import statistics
 import time
 from pathlib import Path
 
 import torch
+
+from trainkit.runtime import peak_rss_bytes
 
 
 def _sync() -> None:
@@ -101,7 +102,7 @@ def peak_memory_mb(device: torch.device) -> float:
     """Peak allocated CUDA memory on a GPU; the process's peak resident set size on CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: kB
+    return peak_rss_bytes() / 2**20
 
 
 def write_record(out: str | Path, rank: int, record: dict[str, object]) -> None:

@@ -11,9 +11,8 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.distributed as dist
-from lightning.pytorch.plugins.environments import SLURMEnvironment
 
-from trainkit.resume import slurm_job_id
+from trainkit.resume import slurm_job_id, under_slurm
 
 log = logging.getLogger(__name__)
 
@@ -35,33 +34,32 @@ class Preemption(L.Callback):
     The signal handler only sets a flag. It is read every step in one process, and every
     ``check_every`` steps with several ranks, where one all-reduce makes them agree: a scheduler
     gives tens of seconds' notice, so a collective every step would not pay for itself.
-    (Lightning's own requeue handler saves from inside the handler, whenever the signal lands:
-    under ddp the ranks' collectives would then disagree; ``build_plugins`` turns it off.)
+    (Lightning's own requeue handler saves from inside the handler, wherever in a step the signal
+    lands; ``build_plugins`` turns it off.) The requeue signal is handled from setup to teardown,
+    so that it never kills a process; before training it stops at the first step, after training
+    (``test``) it is ignored: the run is done.
     """
 
     def __init__(self, dirpath: str, check_every: int = 10) -> None:
         self.dirpath, self.check_every = Path(dirpath), check_every
         self.signum: int | None = None
+        self.requeued = False
         self._previous: dict[int, object] = {}
         # SLURMEnvironment's requeue signal, which conf/launcher/slurm.yaml asks SLURM to send
-        self.requeue_signal = signal.SIGUSR1 if SLURMEnvironment.detect() else None
+        self.requeue_signal = signal.SIGUSR1 if under_slurm() else None
 
     @property
     def checkpoint_path(self) -> Path:
         return self.dirpath / "last.ckpt"
 
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if self.requeue_signal is not None:
+            self._handle(self.requeue_signal)
+
     def on_train_start(self, trainer, pl_module) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return  # signals reach the main thread only
-
-        def note(signum, frame) -> None:
-            self.signum = self.signum or signum
-
-        for signum in (signal.SIGTERM, signal.SIGINT, self.requeue_signal):
-            if signum is not None:
-                self._previous[signum] = signal.signal(signum, note)
+        self._handle(signal.SIGTERM, signal.SIGINT)
         if trainer.received_sigterm:  # caught by Lightning's handler before training started
-            self.signum = signal.SIGTERM
+            self.signum = self.signum or signal.SIGTERM
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         signum = self.signum or 0
@@ -74,32 +72,55 @@ class Preemption(L.Callback):
         if not signum:
             return
         self.signum = signum
-        requeue = signum == self.requeue_signal
-        if not requeue:  # a second Ctrl-C or SIGTERM during the save ends the process
-            self._restore()  # (the requeue's own SIGTERM must not: it comes once we requeue)
+        self.requeued = signum == self.requeue_signal
+        if not self.requeued:  # a second Ctrl-C during the save ends the process
+            self._restore(signal.SIGTERM, signal.SIGINT)
         trainer.save_checkpoint(self.checkpoint_path)  # every rank: the strategy gathers
         name = signal.Signals(signum).name
         stopped = f"{name}: stopped at step {trainer.global_step} (epoch {trainer.current_epoch})"
-        if requeue:
-            job = slurm_job_id()
-            if trainer.is_global_zero:
-                subprocess.run(["scontrol", "requeue", str(job)], check=True)
-            message = (
-                f"{stopped}; saved {self.checkpoint_path}; requeued SLURM job {job}, whose next "
-                "start resumes from it"
-            )
+        if self.requeued:
+            message = f"{stopped}; saved {self.checkpoint_path}; {self._requeue(trainer)}"
         else:
             message = f"{stopped}; saved {self.checkpoint_path}. Resume with ckpt_path=last"
         log.warning(message)
         raise Preempted(signum, message)
 
+    def _requeue(self, trainer) -> str:
+        """Rank 0 asks SLURM to requeue the job; what became of it, for the message."""
+        job = slurm_job_id()
+        if not trainer.is_global_zero:
+            return f"rank 0 requeues SLURM job {job}"
+        try:
+            command = ["scontrol", "requeue", str(job)]
+            subprocess.run(command, check=True, capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.SubprocessError) as err:  # no scontrol, refused, timed out
+            why = (getattr(err, "stderr", None) or str(err)).strip()
+            return f"could not requeue SLURM job {job} ({why}); resume with ckpt_path=last"
+        return f"requeued SLURM job {job}, whose next start resumes from it"
+
     def on_train_end(self, trainer, pl_module) -> None:
-        self._restore()
+        self._restore(signal.SIGTERM, signal.SIGINT)
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        self._restore()
+        if not self.requeued:  # requeued: SLURM's SIGTERM follows, and must find our handler
+            self._restore(*list(self._previous))
 
-    def _restore(self) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-        self._previous.clear()
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        if not self.requeued:
+            self._restore(*list(self._previous))
+
+    def _handle(self, *signums: int) -> None:
+        """Replaces the handlers of ``signums`` with one that records the first signal."""
+        if threading.current_thread() is not threading.main_thread():
+            return  # signals reach the main thread only
+
+        def note(signum, frame) -> None:
+            self.signum = self.signum or signum
+
+        for signum in signums:
+            self._previous.setdefault(signum, signal.signal(signum, note))
+
+    def _restore(self, *signums: int) -> None:
+        for signum in signums:
+            if signum in self._previous:
+                signal.signal(signum, self._previous.pop(signum))
