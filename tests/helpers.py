@@ -304,6 +304,36 @@ class SaveWeights(L.Callback):
         )
 
 
+class ShardSizes(L.Callback):
+    """How much of each parameter this rank holds when training ends: elements of the parameter,
+    of its gradient at the last optimizer step and of each optimizer state tensor, beside the
+    parameter's whole size. Writes ``shards.rank<r>.json`` into the run's directory."""
+
+    @staticmethod
+    def _held(tensor: torch.Tensor) -> int:
+        from torch.distributed.tensor import DTensor
+
+        return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).numel()
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        grads = {n: p.grad for n, p in pl_module.named_parameters() if p.grad is not None}
+        self._grads = {n: self._held(g) for n, g in grads.items()}
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        state = trainer.optimizers[0].state
+        sizes = {
+            name: {
+                "shape": list(p.shape),  # a DTensor's shape is the whole parameter's
+                "param": self._held(p),
+                "grad": self._grads.get(name, 0),
+                "optimizer": [self._held(v) for v in state[p].values() if v.dim() > 0],
+            }
+            for name, p in pl_module.named_parameters()
+        }
+        out = Path(trainer.default_root_dir) / f"shards.rank{trainer.global_rank}.json"
+        out.write_text(json.dumps(sizes))
+
+
 # --- image-folder trees --------------------------------------------------------------------------
 # Real PNG and JPEG files written with PIL. Every image of a class is grey noise around the class's
 # level, so a label can be read back from the pixels after any resize or crop; RGBA images carry a
@@ -467,6 +497,8 @@ README_RUN_BY_E2E = {
         "### Sweeps",
         "python train.py -m strategy=ddp devices=1,2 model.optimizer.lr=1e-3,3e-3",
     ),
+    "fsdp3": (STRATEGIES, "python train.py strategy=fsdp devices=3"),  # e2e/test_fsdp.py
+    "fsdp_sweep": ("### Sweeps", "python train.py -m strategy=ddp,fsdp devices=2"),  # the same
 }
 
 

@@ -9,7 +9,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from trainkit.errors import ConfigError
-from trainkit.parallel import ParallelDims, strategy_flag
+from trainkit.parallel import ParallelDims, strategy_class, strategy_flag
 from trainkit.resume import is_restart
 from trainkit.runtime import BF16_FLAGS, cpu_flags, has_bf16_units
 
@@ -52,6 +52,17 @@ def check_precision(cfg: DictConfig, accelerator: str) -> None:
     raise ConfigError(
         f"precision={precision} is not one of {', '.join(CPU_PRECISIONS)}, 16-mixed on CPU"
     )
+
+
+def check_strategy_precision(cfg: DictConfig) -> None:
+    """A strategy that runs only some precisions says which (``precisions``); the rest are
+    refused here rather than by Lightning once the Trainer is built."""
+    allowed = getattr(strategy_class(cfg.strategy), "precisions", None)
+    if allowed and str(cfg.precision) not in allowed:
+        raise ConfigError(
+            f"precision={cfg.precision} cannot run under {cfg.strategy._target_.split('.')[-1]}: "
+            f"use precision={' or '.join(allowed)}, or another strategy (strategy=ddp)"
+        )
 
 
 def set_threads(cfg: DictConfig, processes_per_node: int) -> int:
@@ -177,6 +188,7 @@ def preflight(cfg: DictConfig, training: bool = True) -> ParallelDims:
         check_new_output_dir(cfg.paths.output_dir)
     dims = ParallelDims.from_config(cfg)
     check_precision(cfg, dims.accelerator)
+    check_strategy_precision(cfg)
     check_compile(cfg, dims)
     if training:
         resolve_drop_last(cfg)

@@ -1,7 +1,7 @@
 """One CUDA GPU: the paths a CPU run cannot reach. Train and eval on cuda, 16-mixed with its
-gradient scaler, bf16-mixed, channels_last, the CUDA memory scalars, pinned ImageFolder batches
-and the benchmark's GPU cells. Skipped without CUDA; CI's gpu job runs them (the 2-GPU ones are in
-the test_dp.py files)."""
+gradient scaler, bf16-mixed, channels_last, fsdp on NCCL (with bf16 and CPU offload), the CUDA
+memory scalars, pinned ImageFolder batches and the benchmark's GPU cells. Skipped without CUDA;
+CI's gpu job runs them (the 2-GPU ones are in the test_dp.py files)."""
 
 import json
 import math
@@ -37,10 +37,17 @@ def gpu_runs(run_script: Callable[..., Path], overrides: tuple[str, ...], tmp_pa
             *("experiment=cifar10_resnet50", f"data.root={cifar}", "data.download=false"),
             *("data.val_size=8", "data.batch_size=8", "model.net.channels_last=true", *GPU),
         ),
+        # strategy=fsdp on NCCL: one rank here, its whole shard on the GPU, or offloaded
+        "fsdp": (*base, *GPU, "strategy=fsdp"),
+        "fsdp_bf16_offload": (
+            *(*base, *GPU, "strategy=fsdp", "precision=bf16-mixed", "strategy.cpu_offload=true"),
+        ),
     }
     runs = {k: run_script("train.py", *v, log_dir=log_dir) for k, v in commands.items()}
-    best = runs["32-true"] / "checkpoints" / "best.ckpt"
-    runs["eval"] = run_script("eval.py", f"ckpt_path={best}", "accelerator=gpu", log_dir=log_dir)
+    for name in ("32-true", "fsdp"):
+        best = runs[name] / "checkpoints" / "best.ckpt"
+        evaluated = run_script("eval.py", f"ckpt_path={best}", "accelerator=gpu", log_dir=log_dir)
+        runs["eval" if name == "32-true" else f"eval_{name}"] = evaluated
     return runs
 
 
@@ -61,6 +68,13 @@ def test_eval_on_the_gpu_equals_the_training_runs_test(gpu_runs: dict) -> None:
 
 
 @shares_runs
+def test_fsdp_checkpoint_evaluates_to_the_logged_metrics(gpu_runs: dict) -> None:
+    trained, evaluated = metrics(gpu_runs["fsdp"]), metrics(gpu_runs["eval_fsdp"])
+    assert evaluated["test"] == pytest.approx(trained["test"], rel=1e-4)
+    assert trained["fit"]["val/acc"] > 0.5
+
+
+@shares_runs
 def test_16_mixed_runs_its_gradient_scaler_and_checkpoints_it(gpu_runs: dict) -> None:
     saved = checkpoint(gpu_runs["16-mixed"])
     assert "scale" in saved["MixedPrecision"]  # Lightning's MixedPrecision: the GradScaler's state
@@ -69,7 +83,7 @@ def test_16_mixed_runs_its_gradient_scaler_and_checkpoints_it(gpu_runs: dict) ->
 
 
 @shares_runs
-@pytest.mark.parametrize("name", ["bf16-mixed", "channels_last"])
+@pytest.mark.parametrize("name", ["bf16-mixed", "channels_last", "fsdp_bf16_offload"])
 def test_runs_train_to_finite_metrics(gpu_runs: dict, name: str) -> None:
     assert all(math.isfinite(v) for v in metrics(gpu_runs[name])["fit"].values())
     weights = checkpoint(gpu_runs[name])["state_dict"]

@@ -13,6 +13,7 @@ from trainkit.build import build_strategy
 from trainkit.config import compose_config
 from trainkit.errors import ConfigError
 from trainkit.preflight import preflight
+from trainkit.strategies.fsdp import FSDPStrategy
 from trainkit.train import build
 
 
@@ -83,4 +84,60 @@ def test_precision_trains_two_steps_on_cpu(
 def test_precision_16_true_is_refused_on_cpu(overrides: tuple[str, ...], tmp_path: Path) -> None:
     cfg = compose_config("train", tmp_path, [*overrides, "precision=16-true"])
     with pytest.raises(ConfigError, match=r"precision=16-true is refused on CPU.*bf16"):
+        preflight(cfg)
+
+
+# --- fsdp: built from its config, and refused before any process where it cannot shard ----------
+
+
+def test_fsdp_config_builds_our_fsdp_strategy(tmp_path: Path) -> None:
+    cfg = compose_config("train", tmp_path, ["strategy=fsdp", "strategy.timeout.seconds=30"])
+    strategy = instantiate(cfg.strategy)
+    assert isinstance(strategy, FSDPStrategy)
+    assert (strategy.module, strategy.reshard_after_forward, strategy.cpu_offload) == (
+        "net",
+        True,
+        False,
+    )
+    assert strategy._timeout == timedelta(seconds=30)
+
+
+class _NoBlocks(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(4, 2)
+
+
+class _ParameterOutsideTheBlocks(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 2))
+        self.temperature = torch.nn.Parameter(torch.ones(()))
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        (_NoBlocks(), r"_NoBlocks.net is Linear: give strategy.module="),
+        (_ParameterOutsideTheBlocks(), r"also trains \['temperature'\]: move them into net"),
+    ],
+)
+def test_fsdp_refuses_a_task_it_cannot_shard(model: torch.nn.Module, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        FSDPStrategy().check_run(model, devices=2, batch_size=32, num_nodes=1)
+
+
+def test_fsdp_check_runs_before_any_process(compose) -> None:
+    """train.py's build: the default MLP passes; a wrong ``strategy.module`` is refused there."""
+    build(compose("strategy=fsdp", "devices=2"), preflight(compose("strategy=fsdp", "devices=2")))
+    cfg = compose("strategy=fsdp", "devices=2", "strategy.module=head")
+    with pytest.raises(ConfigError, match=r"ImageClassifier\.head is NoneType"):
+        build(cfg, preflight(cfg))
+
+
+def test_fsdp_refuses_a_precision_it_cannot_run(compose) -> None:
+    """Before any process, naming the precisions it runs (Lightning would refuse 64-true once the
+    Trainer is built, naming Fabric)."""
+    cfg = compose("strategy=fsdp", "devices=2", "precision=64-true")
+    with pytest.raises(ConfigError, match=r"precision=64-true cannot run under FSDPStrategy"):
         preflight(cfg)

@@ -1,0 +1,142 @@
+"""``strategy=fsdp``: fully sharded data parallel (torch's FSDP2, ``fully_shard``) over every
+rank, on CPU (gloo) and GPU (NCCL).
+
+Lightning's ``ModelParallelStrategy`` does the rest: the process group and device mesh, the
+full-state checkpoint, its loading. Lightning expects the task's ``configure_model`` to shard the
+model; here the strategy does it, so the task knows nothing of it: each block of the task's block
+sequence (``module``, ``model.net``) is one FSDP unit, the sequence itself the root unit.
+Lightning's own ``strategy="fsdp"`` (FSDP1) refuses a CPU accelerator (Lightning #21812).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+
+from trainkit.errors import ConfigError
+from trainkit.launch import JobScriptLauncher
+
+# precision -> (parameter dtype for compute, gradient reduction dtype): FSDP2's mixed precision,
+# chosen by the run's ``precision`` rather than a second knob
+MIXED_PRECISION = {"bf16-mixed": (torch.bfloat16, torch.float32)}
+
+
+class FSDPStrategy(ModelParallelStrategy):
+    """Each rank holds 1/N of every block's parameters, gradients and optimizer state; a block's
+    whole parameters exist only during its own forward and backward (all-gathered, then freed
+    again where ``reshard_after_forward``). Checkpoints are one full file, written by rank 0, that
+    every strategy and ``eval.py`` load."""
+
+    # what Lightning's ModelParallelStrategy runs (no 64-true, no float16 gradient scaler)
+    precisions = ("32-true", "bf16-mixed", "bf16-true", "16-true")
+
+    def __init__(
+        self,
+        module: str = "net",
+        reshard_after_forward: bool = True,
+        cpu_offload: bool = False,
+        process_group_backend: str | None = None,
+        timeout: timedelta = timedelta(seconds=180),
+    ) -> None:
+        super().__init__(
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=False,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self.module, self.reshard_after_forward, self.cpu_offload = (
+            module,
+            reshard_after_forward,
+            cpu_offload,
+        )
+
+    def check_run(self, model: nn.Module, devices: int, batch_size: int, num_nodes: int) -> None:
+        """Before any process starts: the task has a block sequence to shard, and no trainable
+        parameter outside it (no unit would reduce its gradients across the ranks)."""
+        self.blocks(model)
+        prefix = f"{self.module}."
+        outside = [n for n, p in model.named_parameters() if not n.startswith(prefix)]
+        if outside:
+            raise ConfigError(
+                f"strategy=fsdp shards {type(model).__name__}.{self.module} only, but the task "
+                f"also trains {outside[:3]}: move them into {self.module}, or use strategy=ddp"
+            )
+
+    def blocks(self, model: nn.Module) -> list[nn.Module]:
+        net = getattr(model, self.module, None)
+        if not isinstance(net, nn.Sequential) or len(net) == 0:
+            raise ConfigError(
+                f"strategy=fsdp shards each block of the task's {self.module!r} (an nn.Sequential "
+                f"of blocks), but {type(model).__name__}.{self.module} is "
+                f"{type(net).__name__}: give strategy.module=<the attribute that holds the blocks>"
+            )
+        return list(net)
+
+    def _configure_launcher(self) -> None:
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = JobScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
+
+    def setup_environment(self) -> None:
+        # every rank one data-parallel shard: a (world, 1) mesh, no tensor parallelism
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        super().setup_environment()
+
+    def setup(self, trainer: Any) -> None:
+        self._shard(self.lightning_module)
+        super().setup(trainer)
+
+    # FSDP shards parameters only: each rank keeps its own buffers (BatchNorm's running
+    # statistics, updated from its own batches). DDP evaluates with rank 0's, which it broadcasts
+    # at every forward; here once, when an evaluation starts, so every rank evaluates the model
+    # that rank 0 writes to the checkpoint.
+
+    def on_validation_start(self) -> None:
+        self._broadcast_buffers()
+
+    def on_test_start(self) -> None:
+        self._broadcast_buffers()
+
+    def on_predict_start(self) -> None:
+        self._broadcast_buffers()
+
+    def _broadcast_buffers(self) -> None:
+        import torch.distributed as dist
+
+        for buffer in self.lightning_module.buffers():
+            dist.broadcast(buffer, src=0)
+
+    def _shard(self, model: nn.Module) -> None:
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            FSDPModule,
+            MixedPrecisionPolicy,
+            fully_shard,
+        )
+
+        if isinstance(getattr(model, self.module), FSDPModule):
+            return  # sharded for fit; test after fit runs on the same units
+        options: dict[str, Any] = {
+            "mesh": self.device_mesh["data_parallel"],
+            "reshard_after_forward": self.reshard_after_forward,
+        }
+        if self.cpu_offload:
+            options["offload_policy"] = CPUOffloadPolicy()
+        precision = str(self.precision_plugin.precision)
+        if precision in MIXED_PRECISION:
+            param_dtype, reduce_dtype = MIXED_PRECISION[precision]
+            options["mp_policy"] = MixedPrecisionPolicy(param_dtype, reduce_dtype)
+        if self.cpu_offload and self.root_device.type == "cpu":
+            raise ConfigError(
+                "strategy.cpu_offload=true keeps GPU weights on the CPU: on a CPU "
+                "run the weights are there already; set it to false"
+            )
+        for block in self.blocks(model):
+            if any(p.requires_grad for p in block.parameters()):
+                fully_shard(block, **options)
+        fully_shard(getattr(model, self.module), **options)  # the root: the sequence's own
