@@ -102,6 +102,16 @@ def test_fsdp_weights_equal_single_device(runs: dict, name: str, single: str) ->
 
 
 @shares_runs
+def test_fsdp_trains_and_evaluates_as_ddp_bit_for_bit(runs: dict) -> None:
+    """The sweep's two jobs: the same gradients, reduce-scattered instead of all-reduced, give the
+    same weights and metrics to the last bit (measured)."""
+    fsdp, ddp = run_weights(runs["fsdp"]), run_weights(runs["ddp"])
+    assert fsdp.keys() == ddp.keys()
+    assert all(torch.equal(fsdp[k], ddp[k]) for k in ddp)
+    assert metrics(runs["fsdp"])["test"] == metrics(runs["ddp"])["test"]
+
+
+@shares_runs
 def test_fsdp_checkpoint_evaluates_under_auto_to_the_logged_metrics(
     runs: dict, run_here: Callable[..., Path]
 ) -> None:
