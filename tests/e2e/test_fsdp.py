@@ -1,8 +1,9 @@
 """strategy=fsdp on CPU (gloo), end to end, in real ``python train.py`` processes: each rank holds
 its share of every parameter, gradient and optimizer state; 2 and 3 ranks train one device's
 weights on the same global batch; the full checkpoint evaluates under strategy=auto to the
-metrics the run logged, and resumes. The 2-rank run is the fsdp job of the README's
-``-m strategy=ddp,fsdp devices=2`` sweep; the 3-rank run is its ``strategy=fsdp devices=3``.
+metrics the run logged; SIGTERM stops every rank with a checkpoint, and the run resumes. The
+2-rank run is the fsdp job of the README's ``-m strategy=ddp,fsdp devices=2`` sweep; the 3-rank
+run is its ``strategy=fsdp devices=3``.
 """
 
 import json
@@ -19,7 +20,8 @@ from helpers import max_diff, readme_run, run_python, run_weights
 WEIGHT_ATOL = 1e-5
 EPOCH = ("seed=0", "threads=1", "trainer.max_epochs=1")
 SHARDS = "+callbacks.shards._target_=helpers.ShardSizes"
-THREE = ("trainer.limit_train_batches=8",)  # 798 of 800 images on 3 ranks: 8 full steps of 96
+THREE = ("trainer.limit_train_batches=8",)
+STOP_AT = 20  # 798 of 800 images on 3 ranks: 8 full steps of 96
 shares_runs = pytest.mark.xdist_group(name="fsdp_runs")
 
 
@@ -41,25 +43,31 @@ def runs(
     chosen = [[o for o in job["overrides"] if o.startswith("strategy=")] for job in jobs]
     assert chosen == [["strategy=ddp"], ["strategy=fsdp"]], jobs
     ddp, fsdp = (Path(job["dir"]) for job in jobs)
-    last = fsdp / "checkpoints" / "last.ckpt"
     three = ("data.batch_size=32", *THREE)
     two_epochs = (*EPOCH[:-1], "trainer.max_epochs=2")
     return {
         "ddp": ddp,
         "fsdp": fsdp,
         "fsdp3": run_script("train.py", *readme_run("fsdp3", *overrides, *EPOCH, *three, SHARDS)),
-        "resumed": run_script(
-            "train.py",
-            *overrides,
-            *two_epochs,
-            *two,
-            "strategy=fsdp",
-            f"ckpt_path='{last}'",  # quoted: the job's directory name holds = and ,
+        "resumed": resumed_after_sigterm(
+            (*overrides, *two_epochs, *two, "strategy=fsdp"), log_dir / "stopped"
         ),
         "single": run_here("train.py", *overrides, *EPOCH, "data.batch_size=64"),
         "single3": run_here("train.py", *overrides, *EPOCH, *THREE, "data.batch_size=96"),
         "single2epochs": run_here("train.py", *overrides, *two_epochs, "data.batch_size=64"),
     }
+
+
+def resumed_after_sigterm(overrides: tuple[str, ...], log_dir: Path) -> tuple[Path, Path]:
+    """SIGTERM to rank 0 at step 20 (of 26): every rank stops there and saves; then the same
+    command with ``ckpt_path=last``. The stopped run's directory and the resumed one's."""
+    stop = ("+callbacks.stop._target_=helpers.SignalAt", f"+callbacks.stop.step={STOP_AT}")
+    stopped = run_python("train.py", *overrides, *stop, log_dir=log_dir)
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    resumed = run_python("train.py", *overrides, "ckpt_path=last", log_dir=log_dir)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    first, second = sorted((log_dir / "train" / "runs").iterdir())
+    return first, second
 
 
 def metrics(run_dir: Path) -> dict:
@@ -127,14 +135,17 @@ def test_fsdp_checkpoint_evaluates_under_auto_to_the_logged_metrics(
 
 
 @shares_runs
-def test_fsdp_resumes_from_its_checkpoint(runs: dict) -> None:
-    """Epoch 2 from the 2-rank run's last.ckpt (weights and each rank's optimizer state): one
-    device's 2 epochs, with Adam's step count carried on."""
-    resumed = torch.load(runs["resumed"] / "checkpoints" / "last.ckpt", weights_only=True)
-    reference = run_weights(runs["single2epochs"])
-    assert resumed["global_step"] == 2 * 13  # 800 images, 2 x 32 a step: 12.5 -> 13 steps
-    assert max_diff(resumed["state_dict"], reference) < WEIGHT_ATOL
-    steps = {float(s["step"]) for s in resumed["optimizer_states"][0]["state"].values()}
+def test_fsdp_stops_on_sigterm_and_resumes(runs: dict) -> None:
+    """Stopped at step 20 of 2 epochs on 2 ranks, its last.ckpt gathered from both, resumed with
+    ckpt_path=last (weights and each rank's shard of the Adam state): one device's 2 epochs, with
+    Adam's step count carried on."""
+    stopped, resumed = runs["resumed"]
+    saved = torch.load(stopped / "checkpoints" / "last.ckpt", weights_only=True)
+    assert saved["global_step"] == STOP_AT
+    final = torch.load(resumed / "checkpoints" / "last.ckpt", weights_only=True)
+    assert final["global_step"] == 2 * 13  # 800 images, 2 x 32 a step: 12.5 -> 13 steps
+    assert max_diff(final["state_dict"], run_weights(runs["single2epochs"])) < WEIGHT_ATOL
+    steps = {float(s["step"]) for s in final["optimizer_states"][0]["state"].values()}
     assert steps == {26.0}
-    log = (runs["resumed"] / "train.log").read_text()
-    assert f"Resuming from {runs['fsdp'] / 'checkpoints' / 'last.ckpt'}" in log
+    log = (resumed / "train.log").read_text()
+    assert f"Resuming from {stopped / 'checkpoints' / 'last.ckpt'}" in log

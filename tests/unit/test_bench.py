@@ -13,7 +13,7 @@ from trainkit.bench.cells import (
     MEMORY_BASELINE,
     MEMORY_MATRIX,
     MEMORY_ONE_DEVICE,
-    MEMORY_STAGES,
+    MEMORY_SPLITS,
     Cell,
     merge_rounds,
 )
@@ -190,7 +190,7 @@ def test_memory_per_rank_above_the_baseline_against_one_device() -> None:
         _cell(MEMORY_BASELINE.name, "mlp_b64", "template", 1, 1.0, peak_mem_mb=[700.0]),
         _cell(MEMORY_ONE_DEVICE.name, "mlp_wide", "template", 1, 1.0, peak_mem_mb=[2700.0]),
         _cell(
-            MEMORY_STAGES[0].name,
+            MEMORY_SPLITS[0].name,
             "mlp_wide",
             "template",
             2,
@@ -225,4 +225,4 @@ def test_memory_per_rank_above_the_baseline_against_one_device() -> None:
 
 def test_memory_cells_are_their_own_matrix() -> None:
     assert not set(MEMORY_MATRIX) & set(DEFAULT_MATRIX)
-    assert MEMORY_STAGES[1].devices == 3 and "strategy.stages=3" in MEMORY_STAGES[1].extra
+    assert MEMORY_SPLITS[1].devices == 3 and "strategy.stages=3" in MEMORY_SPLITS[1].extra

@@ -24,7 +24,7 @@ from trainkit.data.synthetic import write_cifar10, write_mnist
 from trainkit.runtime import free_port
 
 # Strategies whose processes each take their own share of the batch: data.batch_size is per process.
-DATA_PARALLEL = {"ddp", "ddp_spawn"}
+DATA_PARALLEL = {"ddp", "ddp_spawn", "fsdp"}
 
 
 @dataclass(frozen=True)
@@ -117,6 +117,7 @@ DEFAULT_MATRIX: tuple[Cell, ...] = (
     Cell("mlp", "plain", "ddp", 2),
     Cell("mlp", "template", "ddp", 2),
     Cell("mlp", "template", "ddp_spawn", 2),
+    Cell("mlp", "template", "fsdp", 2),
     pipeline("mlp", 1),
     pipeline("mlp", 2),
     pipeline("mlp", 4),
@@ -124,16 +125,22 @@ DEFAULT_MATRIX: tuple[Cell, ...] = (
     Cell("resnet50", "template"),
     Cell("resnet50", "plain", "ddp", 2),
     Cell("resnet50", "template", "ddp", 2),
+    Cell("resnet50", "template", "fsdp", 2),
     pipeline("resnet50_b256", 1),
     pipeline("resnet50_b256", 4, "interleaved"),
 )
 
-# --memory: peak memory per process of the wide MLP on one device and on 2 and 3 stages, each above
-# the default MLP's on one device (what every process holds anyway: torch, Lightning, the data)
+# --memory: peak memory per process of the wide MLP on one device, on 2 and 3 stages and sharded
+# over 2 ranks (fsdp, batch 32 each), each above the default MLP's on one device (what every process
+# holds anyway: torch, Lightning, the data)
 MEMORY_BASELINE = Cell("mlp_b64", "template")
 MEMORY_ONE_DEVICE = Cell("mlp_wide", "template")
-MEMORY_STAGES = (pipeline("mlp_wide", 4), pipeline("mlp_wide", 4, stages=3))
-MEMORY_MATRIX: tuple[Cell, ...] = (MEMORY_BASELINE, MEMORY_ONE_DEVICE, *MEMORY_STAGES)
+MEMORY_SPLITS = (
+    pipeline("mlp_wide", 4),
+    pipeline("mlp_wide", 4, stages=3),
+    Cell("mlp_wide", "template", "fsdp", 2),
+)
+MEMORY_MATRIX: tuple[Cell, ...] = (MEMORY_BASELINE, MEMORY_ONE_DEVICE, *MEMORY_SPLITS)
 
 
 @dataclass

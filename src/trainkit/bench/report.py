@@ -9,7 +9,7 @@ from trainkit.bench.cells import (
     LOGGING_OFF,
     MEMORY_BASELINE,
     MEMORY_ONE_DEVICE,
-    MEMORY_STAGES,
+    MEMORY_SPLITS,
     MLP_COMPILED,
     MLP_TEMPLATE,
     Cell,
@@ -95,7 +95,8 @@ def compile_warmup_s(cells: list[dict]) -> float | None:
     return None
 
 
-# the largest pipeline rank's peak memory above the baseline, against one device's: at most this
+# the largest rank's peak memory above the baseline, against one device's, in a run that splits the
+# model (pipeline stages, fsdp shards): at most this
 MEMORY_GOAL = 0.6
 
 
@@ -108,7 +109,7 @@ def memory(cells: list[dict]) -> dict | None:
     base = by_name[MEMORY_BASELINE.name]["peak_mem_mb"][0]
     one = by_name[MEMORY_ONE_DEVICE.name]["peak_mem_mb"][0] - base
     rows = []
-    for cell in (MEMORY_ONE_DEVICE, *MEMORY_STAGES):
+    for cell in (MEMORY_ONE_DEVICE, *MEMORY_SPLITS):
         if cell.name in by_name:
             above = [mb - base for mb in by_name[cell.name]["peak_mem_mb"]]
             largest = max(above) / one
@@ -279,7 +280,7 @@ def markdown(report: dict) -> str:
         lines += [
             "",
             f"Peak memory per rank above the default MLP's on one device ({mem['baseline_mb']:,.0f}"
-            " MB), and against one device's; goal: every pipeline rank at most "
+            " MB), and against one device's; goal: every rank of a split model at most "
             f"{mem['goal']}x.",
             "",
             "| run | " + " | ".join(f"rank {r}" for r in range(ranks)) + " | largest | goal |",
