@@ -54,14 +54,32 @@ def check_precision(cfg: DictConfig, accelerator: str) -> None:
     )
 
 
-def check_strategy_precision(cfg: DictConfig) -> None:
-    """A strategy that runs only some precisions says which (``precisions``); the rest are
-    refused here rather than by Lightning once the Trainer is built."""
-    allowed = getattr(strategy_class(cfg.strategy), "precisions", None)
-    if allowed and str(cfg.precision) not in allowed:
+# Lightning's short precision names, as it reads them
+PRECISION_ALIASES = {"32": "32-true", "64": "64-true", "16": "16-mixed", "bf16": "bf16-mixed"}
+
+
+def check_strategy(cfg: DictConfig, dims: ParallelDims) -> None:
+    """What a strategy declares it cannot run (``precisions``, ``no_layer_sync``), and a GPU-only
+    option on a CPU run, refused here rather than by Lightning or in every rank."""
+    strategy = strategy_class(cfg.strategy)
+    name = getattr(strategy, "__name__", str(cfg.strategy.get("name")))
+    allowed = getattr(strategy, "precisions", None)
+    precision = PRECISION_ALIASES.get(str(cfg.precision), str(cfg.precision))
+    if allowed and precision not in allowed:
+        usable = [p for p in allowed if dims.accelerator == "gpu" or not p.startswith("16")]
         raise ConfigError(
-            f"precision={cfg.precision} cannot run under {cfg.strategy._target_.split('.')[-1]}: "
-            f"use precision={' or '.join(allowed)}, or another strategy (strategy=ddp)"
+            f"precision={cfg.precision} cannot run under {name}: use precision="
+            f"{' or '.join(usable)}, or another strategy (strategy=ddp)"
+        )
+    if cfg.get("sync_batchnorm") and strategy_flag(cfg.strategy, "no_layer_sync"):
+        raise ConfigError(
+            f"sync_batchnorm=true: {name} syncs no layers. Use strategy=ddp, or a norm that "
+            "needs no sync (model.net.norm=group)"
+        )
+    if cfg.strategy.get("cpu_offload") and dims.accelerator != "gpu":
+        raise ConfigError(
+            "strategy.cpu_offload=true keeps a GPU run's weights on the CPU; on "
+            f"accelerator={cfg.accelerator} they are there already: set it to false"
         )
 
 
@@ -188,7 +206,7 @@ def preflight(cfg: DictConfig, training: bool = True) -> ParallelDims:
         check_new_output_dir(cfg.paths.output_dir)
     dims = ParallelDims.from_config(cfg)
     check_precision(cfg, dims.accelerator)
-    check_strategy_precision(cfg)
+    check_strategy(cfg, dims)
     check_compile(cfg, dims)
     if training:
         resolve_drop_last(cfg)

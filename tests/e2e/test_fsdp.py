@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from helpers import max_diff, readme_run, run_python, run_weights
+from trainkit.data.synthetic import write_cifar10
 
 # float sums in another order (reduce-scatter, then Adam): measured 2.4e-6 after 2 epochs
 WEIGHT_ATOL = 1e-5
@@ -81,6 +82,7 @@ def test_each_rank_holds_its_share_of_parameters_gradients_and_optimizer_state(
 ) -> None:
     """FSDP2 shards every parameter on its first dimension, as ``torch.chunk`` splits it."""
     held = [json.loads((runs[name] / f"shards.rank{r}.json").read_text()) for r in range(ranks)]
+    assert held[0] and all(h.keys() == held[0].keys() for h in held)
     for param, sizes in held[0].items():
         rows, *rest = sizes["shape"]
         chunks = [len(c) for c in torch.arange(rows).chunk(ranks)]
@@ -97,6 +99,7 @@ def test_ddp_holds_the_whole_model_on_each_rank(runs: dict) -> None:
     """The sweep's other job, for contrast: the callback reads whole tensors there."""
     for rank in range(2):
         held = json.loads((runs["ddp"] / f"shards.rank{rank}.json").read_text())
+        assert held
         assert all(s["param"] == s["grad"] == math.prod(s["shape"]) for s in held.values())
 
 
@@ -149,3 +152,29 @@ def test_fsdp_stops_on_sigterm_and_resumes(runs: dict) -> None:
     assert steps == {26.0}
     log = (resumed / "train.log").read_text()
     assert f"Resuming from {stopped / 'checkpoints' / 'last.ckpt'}" in log
+
+
+@pytest.mark.xdist_group(name="fsdp_batchnorm")
+def test_ranks_validate_with_rank_zeros_batchnorm_statistics(
+    run_script: Callable[..., Path], run_here: Callable[..., Path], tmp_path_factory
+) -> None:
+    """ResNet-50 with BatchNorm on 2 ranks: each rank updates its own running statistics from its
+    own batches, and FSDP does not shard or sync buffers. The run's distributed validation equals
+    one device's validation of its checkpoint (rank 0's statistics): every rank validated with
+    rank 0's, broadcast when validation starts."""
+    root = write_cifar10(tmp_path_factory.mktemp("fsdp-cifar"), n_per_batch=20, n_test=16)
+    resnet = (
+        *("model=resnet50", "model.optimizer.lr=0.01", "data=cifar10", f"data.root={root}"),
+        "data.download=false",
+        *("data.val_size=16", "data.augment=false", "accelerator=cpu", "seed=0", "threads=1"),
+    )
+    run = run_script(
+        "train.py", *resnet, "strategy=fsdp", "devices=2", "data.batch_size=4",
+        "trainer.max_epochs=1", "trainer.limit_train_batches=2", "trainer.num_sanity_val_steps=0",
+    )  # fmt: skip
+    last = run / "checkpoints" / "last.ckpt"
+    validated = run_here("eval.py", f"ckpt_path={last}", "stages=[validate]", "data.batch_size=8")
+    one_device = metrics(validated)["validate"]["val/loss"]
+    # (2 steps leave BatchNorm's running statistics near their initial values, so the eval-mode
+    # loss is huge; without the broadcast the ranks' differed by 10%)
+    assert metrics(run)["fit"]["val/loss"] == pytest.approx(one_device, rel=1e-4)

@@ -135,9 +135,26 @@ def test_fsdp_check_runs_before_any_process(compose) -> None:
         build(cfg, preflight(cfg))
 
 
-def test_fsdp_refuses_a_precision_it_cannot_run(compose) -> None:
-    """Before any process, naming the precisions it runs (Lightning would refuse 64-true once the
-    Trainer is built, naming Fabric)."""
-    cfg = compose("strategy=fsdp", "devices=2", "precision=64-true")
-    with pytest.raises(ConfigError, match=r"precision=64-true cannot run under FSDPStrategy"):
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            ("precision=64-true",),
+            r"precision=64-true cannot run under FSDPStrategy: use "
+            r"precision=32-true or bf16-mixed or bf16-true, or",
+        ),
+        (("precision=64",), r"precision=64 cannot run"),  # Lightning's short name for 64-true
+        (("sync_batchnorm=true",), r"sync_batchnorm=true: FSDPStrategy syncs no layers"),
+        (("strategy.cpu_offload=true",), r"cpu_offload=true keeps a GPU run's weights"),
+    ],
+)
+def test_fsdp_refuses_what_it_cannot_run(compose, extra: tuple[str, ...], message: str) -> None:
+    """Before any process (Lightning would refuse 64-true once the Trainer is built, naming
+    Fabric, ignore sync_batchnorm, and the offload would fail in every rank)."""
+    cfg = compose("strategy=fsdp", "devices=2", *extra)
+    with pytest.raises(ConfigError, match=message):
         preflight(cfg)
+
+
+def test_fsdp_takes_lightnings_short_precision_names(compose) -> None:
+    preflight(compose("strategy=fsdp", "devices=2", "precision=32"))  # 32-true

@@ -13,26 +13,26 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-import torch
+import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
 from trainkit.errors import ConfigError
 from trainkit.launch import JobScriptLauncher
 
-# precision -> (parameter dtype for compute, gradient reduction dtype): FSDP2's mixed precision,
-# chosen by the run's ``precision`` rather than a second knob
-MIXED_PRECISION = {"bf16-mixed": (torch.bfloat16, torch.float32)}
-
 
 class FSDPStrategy(ModelParallelStrategy):
     """Each rank holds 1/N of every block's parameters, gradients and optimizer state; a block's
     whole parameters exist only during its own forward and backward (all-gathered, then freed
     again where ``reshard_after_forward``). Checkpoints are one full file, written by rank 0, that
-    every strategy and ``eval.py`` load."""
+    every strategy and ``eval.py`` load. Mixed precision is Lightning's autocast, as under every
+    other strategy (FSDP2's bf16 parameter policy would cast BatchNorm's weights but not its
+    running statistics, and make bf16 gradients)."""
 
-    # what Lightning's ModelParallelStrategy runs (no 64-true, no float16 gradient scaler)
+    # What Lightning's ModelParallelStrategy runs (no 64-true, no float16 gradient scaler), and it
+    # applies no layer sync (sync_batchnorm): preflight refuses the rest before any process starts
     precisions = ("32-true", "bf16-mixed", "bf16-true", "16-true")
+    no_layer_sync = True
 
     def __init__(
         self,
@@ -48,18 +48,18 @@ class FSDPStrategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self.module, self.reshard_after_forward, self.cpu_offload = (
-            module,
-            reshard_after_forward,
-            cpu_offload,
-        )
+        self.module = module
+        self.reshard_after_forward = reshard_after_forward
+        self.cpu_offload = cpu_offload
 
     def check_run(self, model: nn.Module, devices: int, batch_size: int, num_nodes: int) -> None:
         """Before any process starts: the task has a block sequence to shard, and no trainable
         parameter outside it (no unit would reduce its gradients across the ranks)."""
         self.blocks(model)
         prefix = f"{self.module}."
-        outside = [n for n, p in model.named_parameters() if not n.startswith(prefix)]
+        outside = [
+            n for n, p in model.named_parameters() if p.requires_grad and not n.startswith(prefix)
+        ]
         if outside:
             raise ConfigError(
                 f"strategy=fsdp shards {type(model).__name__}.{self.module} only, but the task "
@@ -91,6 +91,34 @@ class FSDPStrategy(ModelParallelStrategy):
         self._shard(self.lightning_module)
         super().setup(trainer)
 
+    def _shard(self, model: nn.Module) -> None:
+        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
+
+        net = getattr(model, self.module)
+        if isinstance(net, FSDPModule):
+            return  # sharded for fit; test after fit runs on the same units
+        options: dict[str, Any] = {
+            "mesh": self.device_mesh["data_parallel"],
+            "reshard_after_forward": self.reshard_after_forward,
+        }
+        if self.cpu_offload:
+            options["offload_policy"] = CPUOffloadPolicy()
+        for block in self.blocks(model):
+            if any(p.requires_grad for p in block.parameters()):
+                fully_shard(block, **options)
+        fully_shard(net, **options)  # the root: the sequence's own
+
+    def model_to_device(self) -> None:
+        """Everything to the device but, with ``cpu_offload``, the shards that FSDP keeps on the
+        CPU (moved to the GPU, its first forward would refuse them)."""
+        if not self.cpu_offload:
+            return super().model_to_device()
+        net = getattr(self.lightning_module, self.module)
+        for child in self.lightning_module.children():
+            if child is not net:
+                child.to(self.root_device)
+        return None
+
     # FSDP shards parameters only: each rank keeps its own buffers (BatchNorm's running
     # statistics, updated from its own batches). DDP evaluates with rank 0's, which it broadcasts
     # at every forward; here once, when an evaluation starts, so every rank evaluates the model
@@ -106,37 +134,5 @@ class FSDPStrategy(ModelParallelStrategy):
         self._broadcast_buffers()
 
     def _broadcast_buffers(self) -> None:
-        import torch.distributed as dist
-
         for buffer in self.lightning_module.buffers():
             dist.broadcast(buffer, src=0)
-
-    def _shard(self, model: nn.Module) -> None:
-        from torch.distributed.fsdp import (
-            CPUOffloadPolicy,
-            FSDPModule,
-            MixedPrecisionPolicy,
-            fully_shard,
-        )
-
-        if isinstance(getattr(model, self.module), FSDPModule):
-            return  # sharded for fit; test after fit runs on the same units
-        options: dict[str, Any] = {
-            "mesh": self.device_mesh["data_parallel"],
-            "reshard_after_forward": self.reshard_after_forward,
-        }
-        if self.cpu_offload:
-            options["offload_policy"] = CPUOffloadPolicy()
-        precision = str(self.precision_plugin.precision)
-        if precision in MIXED_PRECISION:
-            param_dtype, reduce_dtype = MIXED_PRECISION[precision]
-            options["mp_policy"] = MixedPrecisionPolicy(param_dtype, reduce_dtype)
-        if self.cpu_offload and self.root_device.type == "cpu":
-            raise ConfigError(
-                "strategy.cpu_offload=true keeps GPU weights on the CPU: on a CPU "
-                "run the weights are there already; set it to false"
-            )
-        for block in self.blocks(model):
-            if any(p.requires_grad for p in block.parameters()):
-                fully_shard(block, **options)
-        fully_shard(getattr(model, self.module), **options)  # the root: the sequence's own
