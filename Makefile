@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# the servers the tests start (MLflow's tracking server), apart from the project's own packages
+SERVERS := .venv-servers
+SERVERS_STAMP := $(SERVERS)/.installed
 ARGS   ?=
 # 2 workers; tests of one xdist_group (a shared run) on one; the 20 slowest tests listed
 PYTEST_ARGS ?= -n 2 --dist loadgroup --durations=20
@@ -11,7 +14,7 @@ PORT   ?= 6006
 OUT    ?= docs/img
 
 .DEFAULT_GOAL := help
-.PHONY: help install train eval test lint format tensorboard screenshots bench rename clean
+.PHONY: help install servers train eval test lint format tensorboard screenshots bench rename clean
 
 help:  ## list the targets
 	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -20,10 +23,17 @@ $(STAMP): pyproject.toml constraints.txt
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "trainkit needs Python 3.10+; run make PYTHON=python3.X")'
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev]"
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev,loggers]"
 	@touch $(STAMP)
 
 install: $(STAMP)  ## create .venv with the pinned, tested set
+
+$(SERVERS_STAMP): constraints.txt
+	$(PYTHON) -m venv $(SERVERS)
+	$(SERVERS)/bin/python -m pip install --quiet -c constraints.txt mlflow
+	@touch $(SERVERS_STAMP)
+
+servers: $(SERVERS_STAMP)  ## the tracking server the tests start: MLflow, in .venv-servers
 
 train: $(STAMP)  ## train: make train ARGS="strategy=ddp devices=2"
 	$(BIN)/python train.py $(ARGS)
@@ -31,7 +41,7 @@ train: $(STAMP)  ## train: make train ARGS="strategy=ddp devices=2"
 eval: $(STAMP)  ## evaluate a checkpoint: make eval ARGS="ckpt_path=..."
 	$(BIN)/python eval.py $(ARGS)
 
-test: $(STAMP)  ## run the test suite
+test: $(STAMP) $(SERVERS_STAMP)  ## run the test suite
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)  ## the pre-commit hooks on every file: ruff lint and format, whitespace, YAML, TOML
@@ -55,5 +65,5 @@ rename:  ## rename the package, imports, configs and docs: make rename NAME=mypr
 	$(PYTHON) tools/rename.py $(NAME)
 
 clean:  ## remove the virtualenv, caches and logs
-	rm -rf $(VENV) .pytest_cache .ruff_cache src/*.egg-info logs outputs multirun
+	rm -rf $(VENV) $(SERVERS) .pytest_cache .ruff_cache src/*.egg-info logs outputs multirun
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

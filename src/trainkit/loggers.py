@@ -1,11 +1,12 @@
-"""TensorBoard logging that compares runs: one HParams entry per run, with its final metrics."""
+"""What a run tells its loggers beyond metrics: TensorBoard's one HParams entry per run, with its
+final metrics; the trackers' (MLflow) parameters and tags."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 
 # Config subtrees that describe where and how a run is recorded, not what it trains.
@@ -50,3 +51,34 @@ def log_final(
     for summary in hparams(params, metrics):
         writer.add_summary(summary)
     logger.experiment.flush()
+
+
+def run_tags(cfg: Mapping[str, Any], overrides: list[str]) -> dict[str, str]:
+    """What a tracker's run list is filtered by: the task, the strategy, the devices and the
+    job's own overrides (a sweep job's)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    strategy = cfg["strategy"].get("name") or str(cfg["strategy"]["_target_"]).rsplit(".", 1)[-1]
+    if HydraConfig.initialized():  # the option as the command chose it: ddp, not DDPStrategy
+        strategy = HydraConfig.get().runtime.choices.get("strategy", strategy)
+    return {
+        "task": str(cfg["task_name"]),
+        "strategy": str(strategy),
+        "devices": str(cfg["devices"]),
+        "overrides": " ".join(overrides),
+    }
+
+
+def log_run_config(loggers: list[Logger], params: dict[str, Any], tags: dict[str, str]) -> None:
+    """Trackers that keep a run's parameters get the whole config (``flat_hparams``) and its
+    tags as training starts, from rank 0. TensorBoard gets its config at the end (``log_final``);
+    CSV keeps none."""
+    if rank_zero_only.rank != 0:
+        return
+    for logger in loggers:
+        if isinstance(logger, (TensorBoardLogger, CSVLogger)):
+            continue
+        logger.log_hyperparams(params)
+        if isinstance(logger, MLFlowLogger):
+            for key, value in tags.items():
+                logger.experiment.set_tag(logger.run_id, key, value)

@@ -29,6 +29,8 @@ def run_name() -> str:
 
 
 OmegaConf.register_new_resolver("run_name", run_name, replace=True)
+# ${basename:<path>}: a run's name in a tracker, from its directory (a sweep job's overrides)
+OmegaConf.register_new_resolver("basename", lambda path: os.path.basename(str(path)), replace=True)
 
 
 def gpus_per_node(accelerator: str, devices: object) -> object:

@@ -17,7 +17,7 @@ from trainkit.build import build_model, build_trainer, prepare_data_once
 from trainkit.callbacks import NonFiniteLossStop, Preemption, ProcessInfo, RunConfig
 from trainkit.callbacks.preemption import Preempted
 from trainkit.launch import isolated_job
-from trainkit.loggers import flat_hparams, log_final
+from trainkit.loggers import flat_hparams, log_final, log_run_config, run_tags
 from trainkit.parallel import ParallelDims
 from trainkit.preflight import first_process, preflight
 from trainkit.resume import job_overrides, record_launch, resolve_ckpt_path
@@ -87,6 +87,8 @@ def _train_and_test(cfg: DictConfig) -> float | None:
         L.seed_everything(cfg.seed, workers=True)
     datamodule, model, trainer = build(cfg, dims)
     prepare_data_once(datamodule, dims)
+    hparams = flat_hparams(OmegaConf.to_container(cfg, resolve=True))
+    log_run_config(trainer.loggers, hparams, run_tags(cfg, job_overrides()))
 
     try:
         trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
@@ -107,7 +109,6 @@ def _train_and_test(cfg: DictConfig) -> float | None:
     final = {f"final/{k}": v for k, v in {**fit_metrics, **test_metrics}.items()}
     if score is not None:
         final[f"best/{cfg.monitor}"] = score
-    hparams = flat_hparams(OmegaConf.to_container(cfg, resolve=True))
     for logger in trainer.loggers:
         if isinstance(logger, TensorBoardLogger):
             log_final(logger, hparams, final, trainer.global_step)

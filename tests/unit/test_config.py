@@ -14,7 +14,7 @@ import pytest
 import torch
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
@@ -120,6 +120,18 @@ def check_csv(cfg, dm, model, trainer, out):
     assert Path(logger.log_dir) == out / "csv"
 
 
+def check_many(cfg, dm, model, trainer, out):
+    assert [type(logger) for logger in trainer.loggers] == [TensorBoardLogger, CSVLogger]
+
+
+def check_mlflow(cfg, dm, model, trainer, out):
+    """The local store beside the runs, the run named by its directory (no run created yet)."""
+    [logger] = trainer.loggers
+    assert isinstance(logger, MLFlowLogger)
+    assert logger._tracking_uri == f"sqlite:///{cfg.paths.log_dir}/mlflow.db"
+    assert (logger._experiment_name, logger._run_name) == ("train", out.name)
+
+
 def check_no_logger(cfg, dm, model, trainer, out):
     assert trainer.loggers == []
     assert trainer.logger is None
@@ -175,6 +187,8 @@ def check_experiment(cfg, dm, model, trainer, out):
         ("logger=tensorboard", check_tensorboard),
         ("logger=csv", check_csv),
         ("logger=none", check_no_logger),
+        ("logger=many", check_many),
+        ("logger=mlflow", check_mlflow),
         ("callbacks=default", check_default_callbacks),
         ("callbacks=none", check_no_callbacks),
         ("debug=fast_dev_run", check_fast_dev_run),
@@ -187,7 +201,8 @@ def check_experiment(cfg, dm, model, trainer, out):
     ids=lambda v: v if isinstance(v, str) else "",
 )
 def test_group_option_builds(built, output_dir: Path, override: str, check) -> None:
-    cfg, dm, model, trainer = built(override)
+    # where a logger keeps runs of several directories (logger=mlflow's store), not the repo's logs/
+    cfg, dm, model, trainer = built(override, f"paths.log_dir={output_dir.parent / 'logs'}")
     assert isinstance(dm, MNISTDataModule) and isinstance(model, ImageClassifier)
     check(cfg, dm, model, trainer, output_dir)
 
