@@ -417,7 +417,7 @@ def write_corrupt_file(path: Path) -> Path:
 # caches; ``run_in`` runs its code with its src/ first on PYTHONPATH, before the editable install
 # of the original.
 
-SKIP_ANYWHERE = {".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache"}
+SKIP_ANYWHERE = {".git", ".venv", ".venv-servers", "__pycache__", ".pytest_cache", ".ruff_cache"}
 SKIP_TOP_LEVEL = {"data", "logs", "outputs", "multirun"}
 
 

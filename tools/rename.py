@@ -19,7 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # Not the project's source: environments and caches anywhere, data and run outputs at the top.
-SKIP_DIRS = {".git", ".venv", "venv", "node_modules", "__pycache__"}
+SKIP_DIRS = {".git", ".venv", ".venv-servers", "venv", "node_modules", "__pycache__"}
 SKIP_SUFFIXES = (".egg-info", "_cache")
 SKIP_TOP_LEVEL = {"data", "logs", "outputs", "multirun"}
 TEXT_SUFFIXES = {".py", ".yaml", ".yml", ".toml", ".md", ".txt", ".cfg", ".ini", ".json", ".sh"}
