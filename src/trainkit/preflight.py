@@ -10,7 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainkit.errors import ConfigError
 from trainkit.parallel import ParallelDims, strategy_class, strategy_flag
-from trainkit.resume import is_restart
+from trainkit.resume import first_process, is_restart
 from trainkit.runtime import BF16_FLAGS, cpu_flags, has_bf16_units
 
 log = logging.getLogger(__name__)
@@ -105,12 +105,6 @@ def set_threads(cfg: DictConfig, processes_per_node: int) -> int:
 
 
 RUN_FILES = ("checkpoints", "metrics.json", "tensorboard")
-RANK_ENV = ("LOCAL_RANK", "RANK", "SLURM_PROCID")  # set in a process that is not the first
-
-
-def first_process() -> bool:
-    """Whether this is a run's first process (global rank 0, or a run of one process)."""
-    return all(os.environ.get(name, "0") == "0" for name in RANK_ENV)
 
 
 def check_new_output_dir(output_dir: str) -> None:

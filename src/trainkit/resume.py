@@ -49,6 +49,12 @@ def launcher_rank() -> int:
     return int(os.environ.get("SLURM_PROCID") or 0) if under_slurm() else 0
 
 
+def first_process() -> bool:
+    """Whether this is a run's first process: global rank 0 of its launcher, and not a rank that
+    Lightning's ddp launcher started (``LOCAL_RANK``)."""
+    return launcher_rank() == 0 and os.environ.get("LOCAL_RANK", "0") == "0"
+
+
 def slurm_job_id() -> str | None:
     """This SLURM job's id as ``scontrol`` takes it (``<array job>_<task>`` in a job array), or
     None outside SLURM."""

@@ -19,8 +19,8 @@ from trainkit.callbacks.preemption import Preempted
 from trainkit.launch import isolated_job
 from trainkit.loggers import flat_hparams, log_final, log_run_config, run_tags
 from trainkit.parallel import ParallelDims
-from trainkit.preflight import first_process, preflight
-from trainkit.resume import job_overrides, record_launch, resolve_ckpt_path
+from trainkit.preflight import preflight
+from trainkit.resume import first_process, job_overrides, record_launch, resolve_ckpt_path
 from trainkit.runtime import tune_malloc
 
 log = logging.getLogger(__name__)
