@@ -267,10 +267,12 @@ class SaveWeights(L.Callback):
     when training ends the tensors held (``state``: every parameter and buffer not on the meta
     device), the names on meta, of parameters with a gradient at the last optimizer step and of
     those with optimizer state, and the process's peak RSS (also as it was after the last training
-    step, before the epoch's checkpoint) and virtual memory in bytes."""
+    step, before the epoch's checkpoint) and virtual memory in bytes. ``tensors=False`` leaves
+    the tensors out (a memory test's GBs of weights, which it does not read)."""
 
-    def __init__(self, out: str) -> None:
+    def __init__(self, out: str, tensors: bool = True) -> None:
         self.out = out
+        self.tensors = tensors
 
     def _save(self, trainer, what: dict, when: str) -> None:
         torch.save(what, f"{self.out}.{when}.rank{trainer.global_rank}.pt")
@@ -291,7 +293,9 @@ class SaveWeights(L.Callback):
         self._save(
             trainer,
             {
-                "state": {k: v.detach().cpu() for k, v in tensors.items() if not v.is_meta},
+                "state": {k: v.detach().cpu() for k, v in tensors.items() if not v.is_meta}
+                if self.tensors
+                else {},
                 "meta": sorted(k for k, v in tensors.items() if v.is_meta),
                 "grads": self._grads,  # at the last optimizer step
                 "optimizer": sorted(names[id(p)] for p, s in optimizer_state.items() if s),
