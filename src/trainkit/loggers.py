@@ -1,16 +1,43 @@
 """What a run tells its loggers beyond metrics: TensorBoard's one HParams entry per run, with its
-final metrics; the trackers' (MLflow) parameters and tags."""
+final metrics; the trackers' (MLflow, W&B) parameters, tags and images; the trackers' run ids,
+which a checkpoint carries so that a resumed run continues its tracker runs."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger
+import numpy as np
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger
+from lightning.pytorch.loggers import MLFlowLogger as LightningMLFlowLogger
 from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import DictConfig, open_dict
 
 # Config subtrees that describe where and how a run is recorded, not what it trains.
 NOT_HPARAMS = ("hydra", "paths", "callbacks", "logger")
+
+
+class MLFlowLogger(LightningMLFlowLogger):
+    """Lightning's MLFlowLogger, except that ``log_model=true`` uploads the files of every
+    ModelCheckpoint at the end: conf/callbacks has two (best and last), and Lightning's keeps only
+    the one that saved last."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._checkpoint_callbacks: list[ModelCheckpoint] = []
+
+    def after_save_checkpoint(self, checkpoint_callback: ModelCheckpoint) -> None:
+        super().after_save_checkpoint(checkpoint_callback)
+        if self._checkpoint_callback is checkpoint_callback not in self._checkpoint_callbacks:
+            self._checkpoint_callbacks.append(checkpoint_callback)
+
+    @rank_zero_only
+    def finalize(self, status: str = "success") -> None:
+        for callback in self._checkpoint_callbacks:  # Lightning's then uploads nothing twice
+            if callback is not self._checkpoint_callback:
+                self._scan_and_log_checkpoints(callback)
+        super().finalize(status)
 
 
 def flat_hparams(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -72,13 +99,72 @@ def run_tags(cfg: Mapping[str, Any], overrides: list[str]) -> dict[str, str]:
 def log_run_config(loggers: list[Logger], params: dict[str, Any], tags: dict[str, str]) -> None:
     """Trackers that keep a run's parameters get the whole config (``flat_hparams``) and its
     tags as training starts, from rank 0. TensorBoard gets its config at the end (``log_final``);
-    CSV keeps none."""
+    CSV keeps none. A continued MLflow run keeps the params it has (MLflow refuses to change one:
+    a resumed run's ``ckpt_path`` or ``trainer.max_epochs``) and gets the new ones."""
     if rank_zero_only.rank != 0:
         return
     for logger in loggers:
         if isinstance(logger, (TensorBoardLogger, CSVLogger)):
             continue
-        logger.log_hyperparams(params)
-        if isinstance(logger, MLFlowLogger):
+        if isinstance(logger, LightningMLFlowLogger):
+            logged = logger.experiment.get_run(logger.run_id).data.params
+            logger.log_hyperparams({k: v for k, v in params.items() if k not in logged})
             for key, value in tags.items():
                 logger.experiment.set_tag(logger.run_id, key, value)
+            continue
+        logger.log_hyperparams(params)
+        if isinstance(logger, WandbLogger):  # W&B's tags are labels of up to 64 characters
+            logger.experiment.tags = [f"{k}={tags[k]}"[:64] for k in ("strategy", "devices")]
+
+
+def log_image(logger: Logger, key: str, image: np.ndarray, step: int) -> None:
+    """One HWC uint8 image under ``key`` at ``step``, in whichever way ``logger`` keeps images
+    (TensorBoard's Images tab, W&B's media, MLflow's image artifacts); CSV keeps none."""
+    if isinstance(logger, TensorBoardLogger):
+        logger.experiment.add_image(key, image, step, dataformats="HWC")
+    elif isinstance(logger, WandbLogger):
+        logger.log_image(key, [image], step=step)
+    elif isinstance(logger, LightningMLFlowLogger):
+        logger.experiment.log_image(logger.run_id, image, key=key, step=step)
+
+
+# The trackers whose runs a resumed run continues: the constructor argument that names the run.
+_RUN_ID_ARGUMENT = {"MLFlowLogger": "run_id", "WandbLogger": "id"}
+
+
+def _tracker(cls: type) -> str | None:
+    """``"MLFlowLogger"`` for Lightning's MLFlowLogger and its subclasses (ours), ...; None for a
+    logger without runs to continue."""
+    return next(
+        (c.__name__ for c in (LightningMLFlowLogger, WandbLogger) if issubclass(cls, c)), None
+    )
+
+
+def tracker_run_ids(loggers: list[Logger]) -> dict[str, str]:
+    """``{"MLFlowLogger": <run id>, "WandbLogger": <run id>}``: the tracker runs this run logs to
+    (rank 0's; the other ranks have none)."""
+    if rank_zero_only.rank != 0:
+        return {}
+    ids = {}
+    for logger in loggers:
+        tracker = _tracker(type(logger))
+        if tracker is not None and logger.version:  # MLflow's run id, W&B's run id
+            ids[tracker] = str(logger.version)
+    return ids
+
+
+def continue_tracker_runs(logger_cfg: DictConfig | None, ids: Mapping[str, str]) -> None:
+    """Points the trackers in ``logger_cfg`` at the runs a resumed checkpoint logged to (``ids``,
+    from ``tracker_run_ids``): a resumed run continues them, metrics and steps, instead of opening
+    new ones (W&B: ``resume="allow"``)."""
+    from hydra.utils import get_class
+
+    for entry in (logger_cfg or {}).values():
+        if not isinstance(entry, DictConfig) or "_target_" not in entry:
+            continue
+        tracker = _tracker(get_class(entry._target_))
+        if tracker in ids:
+            with open_dict(entry):
+                entry[_RUN_ID_ARGUMENT[tracker]] = ids[tracker]
+                if tracker == "WandbLogger":
+                    entry.resume = "allow"

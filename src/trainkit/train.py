@@ -16,8 +16,15 @@ import trainkit.resolvers  # noqa: F401  registers the resolvers that conf/ uses
 from trainkit.build import build_model, build_trainer, prepare_data_once
 from trainkit.callbacks import NonFiniteLossStop, Preemption, ProcessInfo, RunConfig
 from trainkit.callbacks.preemption import Preempted
+from trainkit.callbacks.run_config import read_checkpoint_tracker_runs
 from trainkit.launch import isolated_job
-from trainkit.loggers import flat_hparams, log_final, log_run_config, run_tags
+from trainkit.loggers import (
+    continue_tracker_runs,
+    flat_hparams,
+    log_final,
+    log_run_config,
+    run_tags,
+)
 from trainkit.parallel import ParallelDims
 from trainkit.preflight import preflight
 from trainkit.resume import first_process, job_overrides, record_launch, resolve_ckpt_path
@@ -81,6 +88,7 @@ def _train_and_test(cfg: DictConfig) -> float | None:
         record_launch(cfg.paths.output_dir)  # so that the launcher's restarts resume this run
     if ckpt_path:
         log.info("Resuming from %s", ckpt_path)
+        continue_tracker_runs(cfg.get("logger"), read_checkpoint_tracker_runs(ckpt_path))
     if cfg.tune_malloc:
         tune_malloc()
     if cfg.seed is not None:

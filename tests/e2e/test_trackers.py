@@ -1,10 +1,13 @@
-"""logger=mlflow for real: a ``mlflow server`` on 127.0.0.1 that the test starts (its own SQLite
-store and artifact root in a temporary directory) and stops by pid, written to by a 2-rank ddp
-run; and the local store a 2-job sweep writes without a server. Read back with MLflow's client."""
+"""The trackers for real. logger=mlflow: a ``mlflow server`` on 127.0.0.1 that the test starts
+(its own SQLite store and artifact root in a temporary directory) and stops by pid, written to by a
+2-rank ddp run; the local store a 2-job sweep writes without a server, and a job resumed into its
+own run. Read back with MLflow's client. logger=wandb: the offline run a 2-rank ddp run writes,
+read back from W&B's own run file, and its resumed run."""
 
 import json
 import os
 import signal
+import struct
 import subprocess
 import time
 import urllib.request
@@ -13,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
+from PIL import Image
 
 from helpers import ROOT, run_python
 from trainkit.loggers import flat_hparams
@@ -73,10 +77,12 @@ def test_ddp_run_writes_one_mlflow_run_to_a_server(
     mlflow_server: str, overrides: tuple[str, ...], tmp_path: Path
 ) -> None:
     """Params are the resolved config (flattened as TensorBoard's HParams); val/acc has one value
-    per epoch; the test metrics are there; rank 1 created no run of its own."""
+    per epoch; the test metrics are there; rank 1 created no run of its own; each validation's
+    images and, with log_model=true, the best and last checkpoints are the run's artifacts."""
     proc = run_python(
         "train.py", *overrides, *TWO_EPOCHS, "strategy=ddp", "devices=2", "logger=mlflow",
-        f"logger.mlflow.tracking_uri={mlflow_server}", log_dir=tmp_path,
+        f"logger.mlflow.tracking_uri={mlflow_server}", "logger.mlflow.log_model=true",
+        log_dir=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = (tmp_path / "train" / "runs").iterdir()
@@ -95,12 +101,21 @@ def test_ddp_run_writes_one_mlflow_run_to_a_server(
     assert run.data.metrics["test/acc"] == pytest.approx(logged["test"]["test/acc"])
     assert run.data.metrics["test/loss"] == pytest.approx(logged["test"]["test/loss"])
 
+    images = [a.path for a in client.list_artifacts(run.info.run_id, "images")]
+    for key in ("val~samples", "val~confusion_matrix"):  # MLflow's file names for val/...
+        assert len([p for p in images if key in p and p.endswith(".png")]) == 2, images
+    for name in ("best", "last"):  # the checkpoint files, uploaded through the server
+        served = client.download_artifacts(run.info.run_id, f"{name}/{name}.ckpt", str(tmp_path))
+        checkpoint = run_dir / "checkpoints" / f"{name}.ckpt"
+        assert Path(served).read_bytes() == checkpoint.read_bytes()
+
 
 def test_sweep_jobs_are_runs_of_one_experiment_in_the_local_store(
     overrides: tuple[str, ...], tmp_path: Path
 ) -> None:
     """Without a server: the SQLite store beside the runs; each job a run named by its
-    directory (its overrides), tagged with them."""
+    directory (its overrides), tagged with them. A job resumed from its checkpoint for one more
+    epoch continues its own run."""
     lrs = ("0.001", "0.003")
     proc = run_python(
         "train.py", "-m", *overrides, "seed=0", "threads=1", "trainer.max_epochs=1",
@@ -116,3 +131,118 @@ def test_sweep_jobs_are_runs_of_one_experiment_in_the_local_store(
         assert f"model.optimizer.lr={lr}" in run.data.tags["overrides"].split()
         assert run.data.params["model.optimizer.lr"] == lr
         assert "val/acc" in run.data.metrics
+
+    first = sweep / jobs[0] / "checkpoints" / "last.ckpt"
+    resumed = run_python(
+        "train.py", *overrides, "seed=0", "threads=1", "trainer.max_epochs=2", "logger=mlflow",
+        f"model.optimizer.lr={lrs[0]}", f"ckpt_path='{first}'", log_dir=tmp_path,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert len(runs_of(client, "train")) == 2  # no third run
+    history = client.get_metric_history(runs[0].info.run_id, "val/acc")
+    assert len(history) == 2 and history[0].step < history[1].step  # epochs 1 and 2
+
+
+# --- W&B, offline ------------------------------------------------------------------------------
+
+# W&B's run file (``run-<id>.wandb``): LevelDB's log format after a 7-byte header (":W&B", a magic
+# number, a version): 32 KiB blocks of chunks, each with a 7-byte header (CRC-32C, length, type:
+# 1 a whole record, 2/3/4 its first/middle/last part), each record one protobuf ``Record``.
+# wandb sync reads it in Go (wandb-core); the Python package keeps only the message definitions.
+BLOCK, HEADER = 32 * 1024, 7
+WHOLE, LAST = 1, 4
+
+
+def wandb_records(run_file: Path) -> Iterator:
+    from wandb.proto.wandb_internal_pb2 import Record
+
+    data = run_file.read_bytes()
+    assert data[:4] == b":W&B", data[:HEADER]
+    pos, parts = HEADER, b""
+    while pos + HEADER <= len(data):
+        left = BLOCK - pos % BLOCK
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + HEADER])
+        if left < HEADER or kind == 0:  # a block's zero-filled tail
+            pos += left
+            continue
+        parts += data[pos + HEADER : pos + HEADER + length]
+        pos += HEADER + length
+        if kind in (WHOLE, LAST):
+            yield Record.FromString(parts)
+            parts = b""
+
+
+def wandb_run(run_dir: Path) -> dict:
+    """The one offline W&B run under a trainkit run's directory: its id, name, project, tags,
+    config, the history of each metric (``[(step, value), ...]``) and the image files logged."""
+    (offline,) = (run_dir / "wandb").glob("offline-run-*")
+    (run_file,) = offline.glob("run-*.wandb")
+    run: dict = {"dir": offline, "config": {}, "history": {}, "images": {}}
+    for record in wandb_records(run_file):
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            info = record.run
+            run |= {"id": info.run_id, "name": info.display_name, "project": info.project}
+            run["tags"] = list(info.tags)
+            updates = info.config.update
+        elif kind == "config":
+            updates = record.config.update
+        elif kind == "history":
+            row = {
+                i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                for i in record.history.item
+            }
+            step = row.get("trainer/global_step")
+            for key, value in row.items():
+                if key.endswith("/filenames"):  # a list of images: their files under files/
+                    run["images"].setdefault(key.removesuffix("/filenames"), []).extend(value)
+                elif not key.startswith("_") and isinstance(value, (int, float)):
+                    run["history"].setdefault(key, []).append((step, value))
+            continue
+        else:
+            continue
+        run["config"] |= {u.key: json.loads(u.value_json) for u in updates if u.key != "_wandb"}
+    return run
+
+
+def test_wandb_offline_run_holds_the_config_metrics_and_images_and_resumes_into_it(
+    overrides: tuple[str, ...], tmp_path: Path
+) -> None:
+    """ddp on 2 ranks with logger=wandb: one offline run (rank 1 made none), named by the run's
+    directory in the project of the task, with the resolved config, val/acc for each epoch and
+    each validation's images as PNG files; a run resumed from its checkpoint continues the same
+    W&B run id."""
+    pytest.importorskip("wandb", reason='the loggers extra: pip install -e ".[loggers]"')
+    proc = run_python(
+        "train.py", *overrides, *TWO_EPOCHS, "strategy=ddp", "devices=2", "logger=wandb",
+        log_dir=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = (tmp_path / "train" / "runs").iterdir()
+    run = wandb_run(run_dir)
+    assert (run["name"], run["project"]) == (run_dir.name, "train")
+    assert sorted(run["tags"]) == ["devices=2", "strategy=ddp"]
+    config = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"))
+    assert {k: run["config"].get(k) for k in flat_hparams(config)} == flat_hparams(config)
+    logged = json.loads((run_dir / "metrics.json").read_text())
+    assert len(run["history"]["val/acc"]) == 2  # one validation an epoch
+    assert run["history"]["val/acc"][-1][1] == pytest.approx(logged["fit"]["val/acc"])
+    assert run["history"]["test/acc"][-1][1] == pytest.approx(logged["test"]["test/acc"])
+    for key in ("val/samples", "val/confusion_matrix"):
+        assert len(run["images"][key]) == 2, run["images"]
+        for path in run["images"][key]:
+            with Image.open(run["dir"] / "files" / path) as image:
+                assert image.format == "PNG" and min(image.size) > 32
+
+    last = run_dir / "checkpoints" / "last.ckpt"
+    resumed = run_python(
+        "train.py", *overrides, *TWO_EPOCHS[:-1], "trainer.max_epochs=3", "logger=wandb",
+        f"ckpt_path='{last}'", log_dir=tmp_path,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    (resumed_dir,) = {p for p in (tmp_path / "train" / "runs").iterdir()} - {run_dir}
+    again = wandb_run(resumed_dir)
+    assert again["id"] == run["id"]
+    # the third epoch's validation, at steps after the first run's
+    (third,) = again["history"]["val/acc"]
+    assert third[0] > run["history"]["val/acc"][-1][0]

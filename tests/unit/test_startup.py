@@ -12,7 +12,7 @@ from helpers import run_python
 REPORT = """
 import json, sys, types
 loaded = {m: m in sys.modules for m in ("scipy.signal", "torch.utils.tensorboard", "optuna",
-                                         "joblib", "submitit", "matplotlib", "mlflow")}
+                                         "joblib", "submitit", "matplotlib", "mlflow", "wandb")}
 import scipy.signal
 real = sys.modules["scipy.signal"]
 stale = [name for name, mod in list(sys.modules.items())

@@ -6,13 +6,24 @@ import torch
 import yaml
 
 from trainkit.errors import ConfigError
+from trainkit.loggers import tracker_run_ids
 
 CONFIG_KEY = "trainkit_config"
+TRACKERS_KEY = "trainkit_tracker_runs"  # loggers.tracker_run_ids
 
 
 def read_checkpoint_config(ckpt_path: str | Path) -> dict[str, Any]:
     """The resolved config a trainkit checkpoint carries (train.py's resume, eval.py's rebuild);
     a one-line ConfigError that names the fix when there is none."""
+    return _read_checkpoint(ckpt_path)[CONFIG_KEY]
+
+
+def read_checkpoint_tracker_runs(ckpt_path: str | Path) -> dict[str, str]:
+    """The tracker runs (MLflow, W&B) that the run which wrote the checkpoint logged to."""
+    return dict(_read_checkpoint(ckpt_path).get(TRACKERS_KEY) or {})
+
+
+def _read_checkpoint(ckpt_path: str | Path) -> dict[str, Any]:
     path = Path(ckpt_path).expanduser()
     if not path.is_file():
         raise ConfigError(
@@ -29,12 +40,13 @@ def read_checkpoint_config(ckpt_path: str | Path) -> dict[str, Any]:
             f"so the run cannot be rebuilt from it. Use a trainkit checkpoint, or load foreign "
             f"weights in your model's code"
         )
-    return checkpoint[CONFIG_KEY]
+    return checkpoint
 
 
 class RunConfig(L.Callback):
-    """Stores the run's resolved config in every checkpoint, as plain containers, and shows it in
-    TensorBoard's Text tab (``config``).
+    """Stores the run's resolved config in every checkpoint, as plain containers, with the ids of
+    its tracker runs (which a resumed run continues), and shows it in TensorBoard's Text tab
+    (``config``).
 
     ``eval.py ckpt_path=...`` rebuilds model and data from it with no other input, and
     ``torch.load(weights_only=True)`` reads it (docs/design.md, "Checkpoints carry their config and
@@ -56,3 +68,4 @@ class RunConfig(L.Callback):
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
         checkpoint[CONFIG_KEY] = self.config
+        checkpoint[TRACKERS_KEY] = tracker_run_ids(trainer.loggers)

@@ -5,6 +5,8 @@ from PIL import Image, ImageDraw
 from torch import Tensor
 from torchmetrics.classification import MulticlassConfusionMatrix
 
+from trainkit.loggers import log_image
+
 
 def _labels(trainer: L.Trainer, num_classes: int) -> list[str]:
     names = list(getattr(trainer.datamodule, "classes", None) or [])
@@ -62,9 +64,10 @@ def confusion_image(matrix: Tensor, labels: list[str], cell: int = 28) -> np.nda
 
 
 class ValidationImages(L.Callback):
-    """TensorBoard images at the end of each validation (not the sanity check):
-    ``val/samples`` (the first ``samples`` validation images with predicted/true labels) and
-    ``val/confusion_matrix`` (over the whole validation set, every rank, row-normalised)."""
+    """Images for every logger that keeps them (``loggers.log_image``), at the end of each
+    validation (not the sanity check): ``val/samples`` (the first ``samples`` validation images
+    with predicted/true labels) and ``val/confusion_matrix`` (over the whole validation set, every
+    rank, row-normalised)."""
 
     def __init__(self, samples: int = 16) -> None:
         self.samples = samples
@@ -100,15 +103,10 @@ class ValidationImages(L.Callback):
             return
         labels = _labels(trainer, matrix.shape[0])
         step = trainer.global_step
+        images = {"val/confusion_matrix": confusion_image(matrix, labels)}
+        if self._kept:
+            kept, targets, preds = (torch.cat(parts) for parts in zip(*self._kept, strict=True))
+            images["val/samples"] = sample_grid(kept, targets, preds, labels)
         for logger in trainer.loggers:
-            experiment = getattr(logger, "experiment", None)
-            if not hasattr(experiment, "add_image"):
-                continue
-            if self._kept:
-                images, targets, preds = (
-                    torch.cat(parts) for parts in zip(*self._kept, strict=True)
-                )
-                grid = sample_grid(images, targets, preds, labels)
-                experiment.add_image("val/samples", grid, step, dataformats="HWC")
-            image = confusion_image(matrix, labels)
-            experiment.add_image("val/confusion_matrix", image, step, dataformats="HWC")
+            for key, image in images.items():
+                log_image(logger, key, image, step)
