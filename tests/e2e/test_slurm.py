@@ -1,8 +1,8 @@
 """What SLURM users do, on a real SLURM cluster that this module starts and stops: Debian's
 slurm-wlm and munge run as root from a temporary directory, two slurmd "nodes" (n1, n2) on
-127.0.0.1. A ``launcher=slurm`` sweep of ddp jobs over both nodes; the requeue signal SLURM sends
-before a time limit; ``scancel``. Skipped, with the reason, where the packages or root are missing
-(``.ci/run`` installs the packages where apt can)."""
+127.0.0.1. A ``launcher=slurm`` sweep of a ddp and an fsdp job over both nodes; the requeue
+signal SLURM sends before a time limit; ``scancel``. Skipped, with the reason, where the packages
+or root are missing (``.ci/run`` installs the packages where apt can)."""
 
 import json
 import os
@@ -179,38 +179,36 @@ def base(overrides: tuple[str, ...]) -> tuple[str, ...]:
     return (*overrides, "data.batch_size=50", "threads=1")
 
 
-# --- a launcher=slurm sweep of ddp jobs over the two nodes ------------------------------------
+# --- a launcher=slurm sweep of ddp and fsdp jobs over the two nodes ---------------------------
 
 
-def test_sweep_of_ddp_jobs_over_two_nodes(
+def test_sweep_of_ddp_and_fsdp_jobs_over_two_nodes(
     cluster: Cluster, job_env: dict, base: tuple[str, ...], run_here, tmp_path: Path
 ) -> None:
-    """``-m launcher=slurm``: Hydra's submitit launcher submits a job array; each job runs one
-    task on each node (ranks from SLURM's environment), writes its own directory and result, and
-    trains one device's weights on the same global batch."""
-    lrs = ("0.001", "0.003")
+    """``-m launcher=slurm strategy=ddp,fsdp``: Hydra's submitit launcher submits a job array;
+    each job runs one task on each node (ranks from SLURM's environment), writes its own directory
+    and result, and trains one device's weights on the same global batch."""
+    strategies = ("ddp", "fsdp")
     proc = run_python(
-        "train.py", "-m", "launcher=slurm", *base, "strategy=ddp", "devices=1", "num_nodes=2",
-        f"model.optimizer.lr={','.join(lrs)}", "trainer.max_epochs=1",
-        "hydra.launcher.cpus_per_task=1",
+        "train.py", "-m", "launcher=slurm", *base, f"strategy={','.join(strategies)}",
+        "devices=1", "num_nodes=2", "trainer.max_epochs=1", "hydra.launcher.cpus_per_task=1",
         log_dir=tmp_path, env=job_env,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (sweep,) = (tmp_path / "train" / "multiruns").iterdir()
     summary = json.loads((sweep / "sweep.json").read_text())
     assert [job["status"] for job in summary["jobs"]] == ["completed", "completed"], summary
-    for job, lr in zip(summary["jobs"], lrs, strict=True):
+    alone = run_here(
+        "train.py", *base[:-2], "data.batch_size=100", "threads=1", "trainer.max_epochs=1"
+    )
+    for job, strategy in zip(summary["jobs"], strategies, strict=True):
         job_dir = Path(job["dir"])
-        assert job_dir.parent == sweep and f"model.optimizer.lr={lr}" in job["overrides"]
+        assert job_dir.parent == sweep and f"strategy={strategy}" in job["overrides"]
         procs = processes(job_dir)
         assert [(p["rank"], p["world_size"]) for p in procs] == [(0, 2), (1, 2)], procs
         assert {p["slurm_node"] for p in procs} == set(NODES)  # one task on each node
         assert all(p["overrides"] == job["overrides"] for p in procs)
         assert 0.0 <= job["return_value"] <= 1.0  # the job's best val/acc, as the sweep returns
-        alone = run_here(
-            "train.py", *base[:-2], "data.batch_size=100", "threads=1",
-            f"model.optimizer.lr={lr}", "trainer.max_epochs=1",
-        )  # fmt: skip
         # one device's weights, up to float sums in another order
         assert max_diff(run_weights(job_dir), run_weights(alone)) < 3e-5
     assert cluster.jobs() == []
