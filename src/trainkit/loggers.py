@@ -128,6 +128,17 @@ def log_image(logger: Logger, key: str, image: np.ndarray, step: int) -> None:
         logger.experiment.log_image(logger.run_id, image, key=key, step=step)
 
 
+def end_tracker_runs(loggers: list[Logger], failed: bool) -> None:
+    """Ends this job's W&B run. Lightning leaves it open until the process exits, and the next job
+    of a sweep in the same process would log into it (``WandbLogger`` takes over an active run)."""
+    if rank_zero_only.rank != 0 or not any(isinstance(x, WandbLogger) for x in loggers):
+        return
+    import wandb
+
+    if wandb.run is not None:
+        wandb.finish(exit_code=1 if failed else 0)
+
+
 # The trackers whose runs a resumed run continues: the constructor argument that names the run.
 _RUN_ID_ARGUMENT = {"MLFlowLogger": "run_id", "WandbLogger": "id"}
 

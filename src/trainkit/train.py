@@ -20,6 +20,7 @@ from trainkit.callbacks.run_config import read_checkpoint_tracker_runs
 from trainkit.launch import isolated_job
 from trainkit.loggers import (
     continue_tracker_runs,
+    end_tracker_runs,
     flat_hparams,
     log_final,
     log_run_config,
@@ -94,6 +95,23 @@ def _train_and_test(cfg: DictConfig) -> float | None:
     if cfg.seed is not None:
         L.seed_everything(cfg.seed, workers=True)
     datamodule, model, trainer = build(cfg, dims)
+    failed = True
+    try:
+        score = _fit_and_test(cfg, dims, datamodule, model, trainer, ckpt_path)
+        failed = False
+        return score
+    finally:  # before the next job of a sweep in this process starts its own
+        end_tracker_runs(trainer.loggers, failed)
+
+
+def _fit_and_test(
+    cfg: DictConfig,
+    dims: ParallelDims,
+    datamodule: L.LightningDataModule,
+    model: L.LightningModule,
+    trainer: L.Trainer,
+    ckpt_path: str | None,
+) -> float | None:
     prepare_data_once(datamodule, dims)
     hparams = flat_hparams(OmegaConf.to_container(cfg, resolve=True))
     log_run_config(trainer.loggers, hparams, run_tags(cfg, job_overrides()))

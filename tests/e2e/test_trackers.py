@@ -1,8 +1,8 @@
-"""The trackers for real. logger=mlflow: a ``mlflow server`` on 127.0.0.1 that the test starts
-(its own SQLite store and artifact root in a temporary directory) and stops by pid, written to by a
-2-rank ddp run; the local store a 2-job sweep writes without a server, and a job resumed into its
-own run. Read back with MLflow's client. logger=wandb: the offline run a 2-rank ddp run writes,
-read back from W&B's own run file, and its resumed run."""
+"""The trackers for real, composed as ``logger=[mlflow,wandb]``. A 2-rank ddp run logs to a
+``mlflow server`` on 127.0.0.1 that the test starts (its own SQLite store and artifact root in a
+temporary directory) and stops by pid, and to W&B offline; a 2-job sweep logs to MLflow's local
+store and W&B offline, and a job resumed from its checkpoint continues both runs. Read back with
+MLflow's client and from W&B's own run file."""
 
 import json
 import os
@@ -23,6 +23,9 @@ from trainkit.loggers import flat_hparams
 from trainkit.runtime import free_port
 
 mlflow = pytest.importorskip("mlflow", reason='the loggers extra: pip install -e ".[loggers]"')
+pytest.importorskip("wandb", reason='the loggers extra: pip install -e ".[loggers]"')
+# the tests that read the module's ddp run: one worker makes it
+shares_ddp_run = pytest.mark.xdist_group(name="trackers_ddp_run")
 # MLflow's server needs the whole of MLflow (pandas, scikit-learn, matplotlib, Flask): `make
 # servers` installs it in a virtualenv of its own, which `make test` makes first
 SERVER = ROOT / ".venv-servers" / "bin" / "mlflow"
@@ -71,76 +74,6 @@ def mlflow_server(tmp_path_factory) -> Iterator[str]:
 def runs_of(client, experiment: str) -> list:
     found = client.get_experiment_by_name(experiment)
     return client.search_runs([found.experiment_id]) if found else []
-
-
-def test_ddp_run_writes_one_mlflow_run_to_a_server(
-    mlflow_server: str, overrides: tuple[str, ...], tmp_path: Path
-) -> None:
-    """Params are the resolved config (flattened as TensorBoard's HParams); val/acc has one value
-    per epoch; the test metrics are there; rank 1 created no run of its own; each validation's
-    images and, with log_model=true, the best and last checkpoints are the run's artifacts."""
-    proc = run_python(
-        "train.py", *overrides, *TWO_EPOCHS, "strategy=ddp", "devices=2", "logger=mlflow",
-        f"logger.mlflow.tracking_uri={mlflow_server}", "logger.mlflow.log_model=true",
-        log_dir=tmp_path,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (run_dir,) = (tmp_path / "train" / "runs").iterdir()
-    client = mlflow.MlflowClient(mlflow_server)
-    (run,) = runs_of(client, "train")
-    assert run.info.run_name == run_dir.name and run.info.status == "FINISHED"
-    config = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"))
-    expected = {k: str(v)[:250] for k, v in flat_hparams(config).items()}  # Lightning's cut
-    assert {k: run.data.params.get(k) for k in expected} == expected
-    tags = run.data.tags
-    assert (tags["task"], tags["strategy"], tags["devices"]) == ("train", "ddp", "2")
-    assert "strategy=ddp" in tags["overrides"].split()
-    history = client.get_metric_history(run.info.run_id, "val/acc")
-    assert len(history) == 2  # one a validation, one validation an epoch
-    logged = json.loads((run_dir / "metrics.json").read_text())
-    assert run.data.metrics["test/acc"] == pytest.approx(logged["test"]["test/acc"])
-    assert run.data.metrics["test/loss"] == pytest.approx(logged["test"]["test/loss"])
-
-    images = [a.path for a in client.list_artifacts(run.info.run_id, "images")]
-    for key in ("val~samples", "val~confusion_matrix"):  # MLflow's file names for val/...
-        assert len([p for p in images if key in p and p.endswith(".png")]) == 2, images
-    for name in ("best", "last"):  # the checkpoint files, uploaded through the server
-        served = client.download_artifacts(run.info.run_id, f"{name}/{name}.ckpt", str(tmp_path))
-        checkpoint = run_dir / "checkpoints" / f"{name}.ckpt"
-        assert Path(served).read_bytes() == checkpoint.read_bytes()
-
-
-def test_sweep_jobs_are_runs_of_one_experiment_in_the_local_store(
-    overrides: tuple[str, ...], tmp_path: Path
-) -> None:
-    """Without a server: the SQLite store beside the runs; each job a run named by its
-    directory (its overrides), tagged with them. A job resumed from its checkpoint for one more
-    epoch continues its own run."""
-    lrs = ("0.001", "0.003")
-    proc = run_python(
-        "train.py", "-m", *overrides, "seed=0", "threads=1", "trainer.max_epochs=1",
-        "logger=mlflow", f"model.optimizer.lr={','.join(lrs)}", log_dir=tmp_path,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
-    runs = sorted(runs_of(client, "train"), key=lambda r: r.info.run_name)
-    (sweep,) = (tmp_path / "train" / "multiruns").iterdir()
-    jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir() and p.name[0].isdigit())
-    assert [r.info.run_name for r in runs] == jobs
-    for run, lr in zip(runs, lrs, strict=True):
-        assert f"model.optimizer.lr={lr}" in run.data.tags["overrides"].split()
-        assert run.data.params["model.optimizer.lr"] == lr
-        assert "val/acc" in run.data.metrics
-
-    first = sweep / jobs[0] / "checkpoints" / "last.ckpt"
-    resumed = run_python(
-        "train.py", *overrides, "seed=0", "threads=1", "trainer.max_epochs=2", "logger=mlflow",
-        f"model.optimizer.lr={lrs[0]}", f"ckpt_path='{first}'", log_dir=tmp_path,
-    )  # fmt: skip
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert len(runs_of(client, "train")) == 2  # no third run
-    history = client.get_metric_history(runs[0].info.run_id, "val/acc")
-    assert len(history) == 2 and history[0].step < history[1].step  # epochs 1 and 2
 
 
 # --- W&B, offline ------------------------------------------------------------------------------
@@ -205,26 +138,65 @@ def wandb_run(run_dir: Path) -> dict:
     return run
 
 
-def test_wandb_offline_run_holds_the_config_metrics_and_images_and_resumes_into_it(
-    overrides: tuple[str, ...], tmp_path: Path
-) -> None:
-    """ddp on 2 ranks with logger=wandb: one offline run (rank 1 made none), named by the run's
-    directory in the project of the task, with the resolved config, val/acc for each epoch and
-    each validation's images as PNG files; a run resumed from its checkpoint continues the same
-    W&B run id."""
-    pytest.importorskip("wandb", reason='the loggers extra: pip install -e ".[loggers]"')
+@pytest.fixture(scope="module")
+def ddp_run(mlflow_server: str, overrides: tuple[str, ...], tmp_path_factory) -> Path:
+    """2 epochs on 2 ddp ranks with ``logger=[mlflow,wandb]``: to the server, and W&B offline."""
+    log_dir = tmp_path_factory.mktemp("ddp-trackers")
     proc = run_python(
-        "train.py", *overrides, *TWO_EPOCHS, "strategy=ddp", "devices=2", "logger=wandb",
-        log_dir=tmp_path,
+        "train.py", *overrides, *TWO_EPOCHS, "strategy=ddp", "devices=2", "logger=[mlflow,wandb]",
+        f"logger.mlflow.tracking_uri={mlflow_server}", "logger.mlflow.log_model=true",
+        log_dir=log_dir,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (run_dir,) = (tmp_path / "train" / "runs").iterdir()
-    run = wandb_run(run_dir)
-    assert (run["name"], run["project"]) == (run_dir.name, "train")
+    (run_dir,) = (log_dir / "train" / "runs").iterdir()
+    return run_dir
+
+
+def expected_params(run_dir: Path) -> dict:
+    return flat_hparams(OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml")))
+
+
+@shares_ddp_run
+def test_ddp_run_writes_one_mlflow_run_to_a_server(
+    ddp_run: Path, mlflow_server: str, tmp_path: Path
+) -> None:
+    """Params are the resolved config (flattened as TensorBoard's HParams); val/acc has one value
+    per epoch; the test metrics are there; rank 1 created no run of its own; each validation's
+    images and, with log_model=true, the best and last checkpoints are the run's artifacts."""
+    client = mlflow.MlflowClient(mlflow_server)
+    (run,) = runs_of(client, "train")
+    assert run.info.run_name == ddp_run.name and run.info.status == "FINISHED"
+    expected = {k: str(v)[:250] for k, v in expected_params(ddp_run).items()}  # Lightning's cut
+    assert {k: run.data.params.get(k) for k in expected} == expected
+    tags = run.data.tags
+    assert (tags["task"], tags["strategy"], tags["devices"]) == ("train", "ddp", "2")
+    assert "strategy=ddp" in tags["overrides"].split()
+    history = client.get_metric_history(run.info.run_id, "val/acc")
+    assert len(history) == 2  # one a validation, one validation an epoch
+    logged = json.loads((ddp_run / "metrics.json").read_text())
+    assert run.data.metrics["test/acc"] == pytest.approx(logged["test"]["test/acc"])
+    assert run.data.metrics["test/loss"] == pytest.approx(logged["test"]["test/loss"])
+
+    images = [a.path for a in client.list_artifacts(run.info.run_id, "images")]
+    for key in ("val~samples", "val~confusion_matrix"):  # MLflow's file names for val/...
+        assert len([p for p in images if key in p and p.endswith(".png")]) == 2, images
+    for name in ("best", "last"):  # the checkpoint files, uploaded through the server
+        served = client.download_artifacts(run.info.run_id, f"{name}/{name}.ckpt", str(tmp_path))
+        checkpoint = ddp_run / "checkpoints" / f"{name}.ckpt"
+        assert Path(served).read_bytes() == checkpoint.read_bytes()
+
+
+@shares_ddp_run
+def test_the_same_ddp_run_is_one_wandb_offline_run(ddp_run: Path) -> None:
+    """One offline run (rank 1 made none), named by the run's directory in the project of the
+    task, with the resolved config, val/acc for each epoch and each validation's images as PNG
+    files."""
+    run = wandb_run(ddp_run)
+    assert (run["name"], run["project"]) == (ddp_run.name, "train")
     assert sorted(run["tags"]) == ["devices=2", "strategy=ddp"]
-    config = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"))
-    assert {k: run["config"].get(k) for k in flat_hparams(config)} == flat_hparams(config)
-    logged = json.loads((run_dir / "metrics.json").read_text())
+    expected = expected_params(ddp_run)
+    assert {k: run["config"].get(k) for k in expected} == expected
+    logged = json.loads((ddp_run / "metrics.json").read_text())
     assert len(run["history"]["val/acc"]) == 2  # one validation an epoch
     assert run["history"]["val/acc"][-1][1] == pytest.approx(logged["fit"]["val/acc"])
     assert run["history"]["test/acc"][-1][1] == pytest.approx(logged["test"]["test/acc"])
@@ -234,15 +206,44 @@ def test_wandb_offline_run_holds_the_config_metrics_and_images_and_resumes_into_
             with Image.open(run["dir"] / "files" / path) as image:
                 assert image.format == "PNG" and min(image.size) > 32
 
-    last = run_dir / "checkpoints" / "last.ckpt"
+
+def test_sweep_jobs_are_runs_of_one_experiment_and_a_resumed_job_continues_its_runs(
+    overrides: tuple[str, ...], tmp_path: Path
+) -> None:
+    """Without a server: MLflow's SQLite store beside the runs, each job a run named by its
+    directory (its overrides) and tagged with them; W&B offline, each job a run of its own. A job
+    resumed from its checkpoint for one more epoch continues its MLflow run and its W&B run."""
+    lrs = ("0.001", "0.003")
+    proc = run_python(
+        "train.py", "-m", *overrides, "seed=0", "threads=1", "trainer.max_epochs=1",
+        "logger=[mlflow,wandb]", f"model.optimizer.lr={','.join(lrs)}", log_dir=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    runs = sorted(runs_of(client, "train"), key=lambda r: r.info.run_name)
+    (sweep,) = (tmp_path / "train" / "multiruns").iterdir()
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and p.name[0].isdigit())
+    assert [r.info.run_name for r in runs] == [job.name for job in jobs]
+    for run, lr in zip(runs, lrs, strict=True):
+        assert f"model.optimizer.lr={lr}" in run.data.tags["overrides"].split()
+        assert run.data.params["model.optimizer.lr"] == lr
+        assert "val/acc" in run.data.metrics
+    wandb_runs = [wandb_run(job) for job in jobs]
+    assert [r["name"] for r in wandb_runs] == [job.name for job in jobs]
+    assert [r["config"]["model.optimizer.lr"] for r in wandb_runs] == [float(lr) for lr in lrs]
+    assert wandb_runs[0]["id"] != wandb_runs[1]["id"]
+
     resumed = run_python(
-        "train.py", *overrides, *TWO_EPOCHS[:-1], "trainer.max_epochs=3", "logger=wandb",
-        f"ckpt_path='{last}'", log_dir=tmp_path,
+        "train.py", *overrides, "seed=0", "threads=1", "trainer.max_epochs=2",
+        "logger=[mlflow,wandb]", f"model.optimizer.lr={lrs[0]}",
+        f"ckpt_path='{jobs[0] / 'checkpoints' / 'last.ckpt'}'", log_dir=tmp_path,
     )  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    (resumed_dir,) = {p for p in (tmp_path / "train" / "runs").iterdir()} - {run_dir}
-    again = wandb_run(resumed_dir)
-    assert again["id"] == run["id"]
-    # the third epoch's validation, at steps after the first run's
-    (third,) = again["history"]["val/acc"]
-    assert third[0] > run["history"]["val/acc"][-1][0]
+    assert len(runs_of(client, "train")) == 2  # no third run
+    history = client.get_metric_history(runs[0].info.run_id, "val/acc")
+    assert len(history) == 2 and history[0].step < history[1].step  # epochs 1 and 2
+    (resumed_dir,) = (tmp_path / "train" / "runs").iterdir()
+    again = wandb_run(resumed_dir)  # W&B offline: a second directory of the same run id
+    assert again["id"] == wandb_runs[0]["id"]
+    (second,) = again["history"]["val/acc"]  # epoch 2, after epoch 1's steps
+    assert second[0] > wandb_runs[0]["history"]["val/acc"][-1][0]
