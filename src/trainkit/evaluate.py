@@ -14,6 +14,7 @@ from trainkit.callbacks import PredictionWriter
 from trainkit.callbacks.run_config import read_checkpoint_config
 from trainkit.errors import ConfigError
 from trainkit.launch import isolated_job
+from trainkit.loggers import ending_tracker_runs
 from trainkit.preflight import preflight
 from trainkit.train import as_floats, write_json
 
@@ -67,17 +68,18 @@ def _evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
     prepare_data_once(datamodule, dims)
 
     results: dict[str, dict[str, float]] = {}
-    for stage in stages:
-        run_stage = getattr(trainer, stage)
-        if stage == "predict":
-            run_stage(
-                model, datamodule=datamodule, ckpt_path=cfg.ckpt_path, return_predictions=False
-            )
-            log.info("predictions written to %s", writer.path)
-        else:
-            results[stage] = as_floats(
-                run_stage(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)[0]
-            )
+    with ending_tracker_runs(trainer.loggers):
+        for stage in stages:
+            run_stage = getattr(trainer, stage)
+            if stage == "predict":
+                run_stage(
+                    model, datamodule=datamodule, ckpt_path=cfg.ckpt_path, return_predictions=False
+                )
+                log.info("predictions written to %s", writer.path)
+            else:
+                results[stage] = as_floats(
+                    run_stage(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)[0]
+                )
     checkpoint = str(Path(cfg.ckpt_path).resolve())
     write_json(output_dir / "metrics.json", {**results, "checkpoint": checkpoint})
     return results

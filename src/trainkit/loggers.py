@@ -4,39 +4,66 @@ which a checkpoint carries so that a resumed run continues its tracker runs."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import logging
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
+from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.loggers import MLFlowLogger as LightningMLFlowLogger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, open_dict
 
+log = logging.getLogger(__name__)
+
 # Config subtrees that describe where and how a run is recorded, not what it trains.
 NOT_HPARAMS = ("hydra", "paths", "callbacks", "logger")
 
 
 class MLFlowLogger(LightningMLFlowLogger):
-    """Lightning's MLFlowLogger, except that ``log_model=true`` uploads the files of every
-    ModelCheckpoint at the end: conf/callbacks has two (best and last), and Lightning's keeps only
-    the one that saved last."""
+    """Lightning's MLFlowLogger, made to continue a run and to keep every checkpoint:
+
+    - ``run_id`` of a run this store does not hold (a checkpoint from another machine or store)
+      starts a new run, with a warning, instead of failing;
+    - params the run already holds are not logged again: MLflow refuses to change one, and a
+      continued run's ``ckpt_path`` or ``trainer.max_epochs`` differ;
+    - ``log_model=true`` uploads, when training ends well, the files of every ModelCheckpoint
+      (conf/callbacks has two: best and last), where Lightning's keeps only the one that saved
+      last."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._checkpoint_callbacks: list[ModelCheckpoint] = []
+        if self._run_id is not None:
+            from mlflow.exceptions import MlflowException
+
+            try:
+                self._mlflow_client.get_run(self._run_id)
+            except MlflowException as err:
+                log.warning("MLflow run %s: %s; starting a new run", self._run_id, err.message)
+                self._run_id = None
+
+    @rank_zero_only
+    def log_hyperparams(self, params: Any) -> None:
+        held = self.experiment.get_run(self.run_id).data.params
+        flat = _flatten_dict(_convert_params(params))
+        super().log_hyperparams({k: v for k, v in flat.items() if k not in held})
 
     def after_save_checkpoint(self, checkpoint_callback: ModelCheckpoint) -> None:
         super().after_save_checkpoint(checkpoint_callback)
-        if self._checkpoint_callback is checkpoint_callback not in self._checkpoint_callbacks:
+        waits = self._checkpoint_callback is checkpoint_callback  # log_model=true: for the end
+        if waits and checkpoint_callback not in self._checkpoint_callbacks:
             self._checkpoint_callbacks.append(checkpoint_callback)
 
     @rank_zero_only
     def finalize(self, status: str = "success") -> None:
-        for callback in self._checkpoint_callbacks:  # Lightning's then uploads nothing twice
-            if callback is not self._checkpoint_callback:
-                self._scan_and_log_checkpoints(callback)
+        if self._initialized and status == "success":  # Lightning's then uploads nothing twice
+            for callback in self._checkpoint_callbacks:
+                if callback is not self._checkpoint_callback:
+                    self._scan_and_log_checkpoints(callback)
         super().finalize(status)
 
 
@@ -99,22 +126,21 @@ def run_tags(cfg: Mapping[str, Any], overrides: list[str]) -> dict[str, str]:
 def log_run_config(loggers: list[Logger], params: dict[str, Any], tags: dict[str, str]) -> None:
     """Trackers that keep a run's parameters get the whole config (``flat_hparams``) and its
     tags as training starts, from rank 0. TensorBoard gets its config at the end (``log_final``);
-    CSV keeps none. A continued MLflow run keeps the params it has (MLflow refuses to change one:
-    a resumed run's ``ckpt_path`` or ``trainer.max_epochs``) and gets the new ones."""
+    CSV keeps none."""
     if rank_zero_only.rank != 0:
         return
     for logger in loggers:
         if isinstance(logger, (TensorBoardLogger, CSVLogger)):
             continue
+        logger.log_hyperparams(params)
         if isinstance(logger, LightningMLFlowLogger):
-            logged = logger.experiment.get_run(logger.run_id).data.params
-            logger.log_hyperparams({k: v for k, v in params.items() if k not in logged})
             for key, value in tags.items():
                 logger.experiment.set_tag(logger.run_id, key, value)
-            continue
-        logger.log_hyperparams(params)
-        if isinstance(logger, WandbLogger):  # W&B's tags are labels of up to 64 characters
+        elif isinstance(logger, WandbLogger):  # W&B's tags are labels of up to 64 characters
             logger.experiment.tags = [f"{k}={tags[k]}"[:64] for k in ("strategy", "devices")]
+
+
+IMAGE_LOGGERS = (TensorBoardLogger, WandbLogger, LightningMLFlowLogger)  # what log_image serves
 
 
 def log_image(logger: Logger, key: str, image: np.ndarray, step: int) -> None:
@@ -128,26 +154,37 @@ def log_image(logger: Logger, key: str, image: np.ndarray, step: int) -> None:
         logger.experiment.log_image(logger.run_id, image, key=key, step=step)
 
 
-def end_tracker_runs(loggers: list[Logger], failed: bool) -> None:
-    """Ends this job's W&B run. Lightning leaves it open until the process exits, and the next job
-    of a sweep in the same process would log into it (``WandbLogger`` takes over an active run)."""
-    if rank_zero_only.rank != 0 or not any(isinstance(x, WandbLogger) for x in loggers):
-        return
-    import wandb
+@contextlib.contextmanager
+def ending_tracker_runs(loggers: list[Logger]) -> Iterator[None]:
+    """Ends this job's W&B run when the block ends. Lightning leaves it open until the process
+    exits, and the next job of a sweep in the same process would log into it (``WandbLogger``
+    takes over an active run). A failure to end it does not hide the job's own error."""
+    failed = True
+    try:
+        yield
+        failed = False
+    finally:
+        if rank_zero_only.rank == 0 and any(isinstance(x, WandbLogger) for x in loggers):
+            import wandb
 
-    if wandb.run is not None:
-        wandb.finish(exit_code=1 if failed else 0)
+            try:
+                if wandb.run is not None:
+                    wandb.finish(exit_code=1 if failed else 0)
+            except Exception:
+                if not failed:
+                    raise
+                log.warning("could not end the W&B run", exc_info=True)
 
 
-# The trackers whose runs a resumed run continues: the constructor argument that names the run.
-_RUN_ID_ARGUMENT = {"MLFlowLogger": "run_id", "WandbLogger": "id"}
+# The trackers whose runs a resumed run continues, and the constructor argument that names the run
+# (WandbLogger's ``version`` is another name for its ``id``; it resumes with resume="allow").
+_RUN_ID_ARGUMENTS = {MLFlowLogger: ("run_id",), WandbLogger: ("id", "version")}
 
 
-def _tracker(cls: type) -> str | None:
-    """``"MLFlowLogger"`` for Lightning's MLFlowLogger and its subclasses (ours), ...; None for a
-    logger without runs to continue."""
+def _tracker(target: Any) -> type | None:
+    """The tracker class ``target`` is or derives from; None for anything else."""
     return next(
-        (c.__name__ for c in (LightningMLFlowLogger, WandbLogger) if issubclass(cls, c)), None
+        (c for c in _RUN_ID_ARGUMENTS if isinstance(target, type) and issubclass(target, c)), None
     )
 
 
@@ -160,22 +197,23 @@ def tracker_run_ids(loggers: list[Logger]) -> dict[str, str]:
     for logger in loggers:
         tracker = _tracker(type(logger))
         if tracker is not None and logger.version:  # MLflow's run id, W&B's run id
-            ids[tracker] = str(logger.version)
+            ids[tracker.__name__] = str(logger.version)
     return ids
 
 
 def continue_tracker_runs(logger_cfg: DictConfig | None, ids: Mapping[str, str]) -> None:
     """Points the trackers in ``logger_cfg`` at the runs a resumed checkpoint logged to (``ids``,
     from ``tracker_run_ids``): a resumed run continues them, metrics and steps, instead of opening
-    new ones (W&B: ``resume="allow"``)."""
-    from hydra.utils import get_class
+    new ones. A run id the config sets itself is kept."""
+    from hydra.utils import get_object
 
     for entry in (logger_cfg or {}).values():
         if not isinstance(entry, DictConfig) or "_target_" not in entry:
             continue
-        tracker = _tracker(get_class(entry._target_))
-        if tracker in ids:
+        tracker = _tracker(get_object(entry._target_))
+        if tracker is None or tracker.__name__ not in ids:
+            continue
+        names = _RUN_ID_ARGUMENTS[tracker]
+        if all(entry.get(name) is None for name in names):
             with open_dict(entry):
-                entry[_RUN_ID_ARGUMENT[tracker]] = ids[tracker]
-                if tracker == "WandbLogger":
-                    entry.resume = "allow"
+                entry[names[0]] = ids[tracker.__name__]

@@ -17,10 +17,10 @@ from trainkit.build import build_model, build_trainer, prepare_data_once
 from trainkit.callbacks import NonFiniteLossStop, Preemption, ProcessInfo, RunConfig
 from trainkit.callbacks.preemption import Preempted
 from trainkit.callbacks.run_config import read_checkpoint_tracker_runs
-from trainkit.launch import isolated_job
+from trainkit.launch import in_multirun, isolated_job
 from trainkit.loggers import (
     continue_tracker_runs,
-    end_tracker_runs,
+    ending_tracker_runs,
     flat_hparams,
     log_final,
     log_run_config,
@@ -28,7 +28,13 @@ from trainkit.loggers import (
 )
 from trainkit.parallel import ParallelDims
 from trainkit.preflight import preflight
-from trainkit.resume import first_process, job_overrides, record_launch, resolve_ckpt_path
+from trainkit.resume import (
+    first_process,
+    is_restart,
+    job_overrides,
+    record_launch,
+    resolve_ckpt_path,
+)
 from trainkit.runtime import tune_malloc
 
 log = logging.getLogger(__name__)
@@ -85,23 +91,22 @@ def run(cfg: DictConfig) -> float | None:
 def _train_and_test(cfg: DictConfig) -> float | None:
     dims = preflight(cfg)
     ckpt_path = resolve_ckpt_path(cfg)
+    restart = is_restart(cfg.paths.output_dir)
     if first_process():
         record_launch(cfg.paths.output_dir)  # so that the launcher's restarts resume this run
     if ckpt_path:
         log.info("Resuming from %s", ckpt_path)
+    # A resumed run logs on into its tracker runs, except a sweep's jobs that all start from one
+    # checkpoint: each gets runs of its own
+    if ckpt_path and (restart or not in_multirun()):
         continue_tracker_runs(cfg.get("logger"), read_checkpoint_tracker_runs(ckpt_path))
     if cfg.tune_malloc:
         tune_malloc()
     if cfg.seed is not None:
         L.seed_everything(cfg.seed, workers=True)
     datamodule, model, trainer = build(cfg, dims)
-    failed = True
-    try:
-        score = _fit_and_test(cfg, dims, datamodule, model, trainer, ckpt_path)
-        failed = False
-        return score
-    finally:  # before the next job of a sweep in this process starts its own
-        end_tracker_runs(trainer.loggers, failed)
+    with ending_tracker_runs(trainer.loggers):
+        return _fit_and_test(cfg, dims, datamodule, model, trainer, ckpt_path)
 
 
 def _fit_and_test(

@@ -245,5 +245,3 @@ def test_sweep_jobs_are_runs_of_one_experiment_and_a_resumed_job_continues_its_r
     (resumed_dir,) = (tmp_path / "train" / "runs").iterdir()
     again = wandb_run(resumed_dir)  # W&B offline: a second directory of the same run id
     assert again["id"] == wandb_runs[0]["id"]
-    (second,) = again["history"]["val/acc"]  # epoch 2, after epoch 1's steps
-    assert second[0] > wandb_runs[0]["history"]["val/acc"][-1][0]

@@ -1,21 +1,56 @@
-"""What a run tells its trackers: which runs a resumed run continues (``continue_tracker_runs``),
-read from the ids its checkpoint carries."""
+"""What a run tells its trackers: which runs a resumed run continues (``continue_tracker_runs``,
+from the ids its checkpoint carries), and how our MLFlowLogger continues one, on a real local
+MLflow store."""
 
-from trainkit.loggers import continue_tracker_runs
+import logging
+from pathlib import Path
+
+import pytest
+
+from trainkit.loggers import MLFlowLogger, continue_tracker_runs
 
 
 def test_a_resumed_run_points_each_tracker_at_its_run(compose) -> None:
     cfg = compose("logger=[tensorboard,mlflow,wandb]")
     continue_tracker_runs(cfg.logger, {"MLFlowLogger": "abc123", "WandbLogger": "x7y8"})
     assert cfg.logger.mlflow.run_id == "abc123"
-    assert (cfg.logger.wandb.id, cfg.logger.wandb.resume) == ("x7y8", "allow")
-    assert "run_id" not in cfg.logger.tensorboard and "id" not in cfg.logger.tensorboard
+    assert cfg.logger.wandb.id == "x7y8"  # WandbLogger resumes with resume="allow" itself
 
 
 def test_a_tracker_the_checkpoint_did_not_log_to_starts_a_new_run(compose) -> None:
-    """A checkpoint of a run that logged to MLflow only, resumed with W&B added."""
-    cfg = compose("logger=[mlflow,wandb]")
+    """A checkpoint of a run that logged to MLflow only, resumed with W&B added; a run id the
+    command sets itself wins."""
+    cfg = compose("logger=[mlflow,wandb]", "+logger.mlflow.run_id=mine")
     continue_tracker_runs(cfg.logger, {"MLFlowLogger": "abc123"})
-    assert cfg.logger.mlflow.run_id == "abc123"
+    assert cfg.logger.mlflow.run_id == "mine"
     assert "id" not in cfg.logger.wandb
     continue_tracker_runs(None, {"MLFlowLogger": "abc123"})  # logger=none
+
+
+def importorskip_mlflow():
+    return pytest.importorskip("mlflow", reason='the loggers extra: pip install -e ".[loggers]"')
+
+
+def test_a_continued_mlflow_run_keeps_its_params_and_takes_new_ones(tmp_path: Path) -> None:
+    """MLflow refuses to change a param: a resumed run's changed ones are left as they were."""
+    mlflow = importorskip_mlflow()
+    store = f"sqlite:///{tmp_path}/mlflow.db"
+    first = MLFlowLogger(experiment_name="train", tracking_uri=store)
+    first.log_hyperparams({"trainer.max_epochs": 1, "ckpt_path": "null"})
+    again = MLFlowLogger(experiment_name="train", tracking_uri=store, run_id=first.run_id)
+    again.log_hyperparams({"trainer.max_epochs": 2, "ckpt_path": "last.ckpt", "compile": True})
+    assert again.run_id == first.run_id
+    params = mlflow.MlflowClient(store).get_run(first.run_id).data.params
+    assert params == {"trainer.max_epochs": "1", "ckpt_path": "null", "compile": "True"}
+
+
+def test_a_run_id_this_store_does_not_hold_starts_a_new_run(tmp_path: Path, caplog) -> None:
+    """A checkpoint brought from another machine or store."""
+    mlflow = importorskip_mlflow()
+    store = f"sqlite:///{tmp_path}/mlflow.db"
+    with caplog.at_level(logging.WARNING, logger="trainkit.loggers"):
+        logger = MLFlowLogger(experiment_name="train", tracking_uri=store, run_id="f" * 32)
+    assert "starting a new run" in caplog.text
+    logger.log_hyperparams({"seed": 0})
+    assert logger.run_id != "f" * 32
+    assert mlflow.MlflowClient(store).get_run(logger.run_id).data.params == {"seed": "0"}

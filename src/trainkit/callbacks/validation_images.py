@@ -5,7 +5,7 @@ from PIL import Image, ImageDraw
 from torch import Tensor
 from torchmetrics.classification import MulticlassConfusionMatrix
 
-from trainkit.loggers import log_image
+from trainkit.loggers import IMAGE_LOGGERS, log_image
 
 
 def _labels(trainer: L.Trainer, num_classes: int) -> list[str]:
@@ -99,7 +99,8 @@ class ValidationImages(L.Callback):
         if trainer.sanity_checking or self._matrix is None:
             return
         matrix = self._matrix.compute()  # a collective: every rank computes
-        if not trainer.is_global_zero:
+        loggers = [x for x in trainer.loggers if isinstance(x, IMAGE_LOGGERS)]
+        if not trainer.is_global_zero or not loggers:
             return
         labels = _labels(trainer, matrix.shape[0])
         step = trainer.global_step
@@ -107,6 +108,6 @@ class ValidationImages(L.Callback):
         if self._kept:
             kept, targets, preds = (torch.cat(parts) for parts in zip(*self._kept, strict=True))
             images["val/samples"] = sample_grid(kept, targets, preds, labels)
-        for logger in trainer.loggers:
+        for logger in loggers:
             for key, image in images.items():
                 log_image(logger, key, image, step)
