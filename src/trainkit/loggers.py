@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -14,6 +15,7 @@ from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.loggers import MLFlowLogger as LightningMLFlowLogger
+from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, open_dict
 
@@ -34,10 +36,17 @@ class MLFlowLogger(LightningMLFlowLogger):
       (conf/callbacks has two: best and last), where Lightning's keeps only the one that saved
       last."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, **kwargs: Any) -> None:
+        with _store_lock(kwargs.get("tracking_uri")):  # the client opens the store right away
+            super().__init__(**kwargs)
         self._checkpoint_callbacks: list[ModelCheckpoint] = []
-        if self._run_id is not None:
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> Any:
+        """Lightning's, on rank 0 only as there (the other ranks never open the store: two
+        processes creating a new SQLite store at once fail), after checking the run to continue."""
+        if self._run_id is not None and not self._initialized:
             from mlflow.exceptions import MlflowException
 
             try:
@@ -45,6 +54,7 @@ class MLFlowLogger(LightningMLFlowLogger):
             except MlflowException as err:
                 log.warning("MLflow run %s: %s; starting a new run", self._run_id, err.message)
                 self._run_id = None
+        return super().experiment
 
     @rank_zero_only
     def log_hyperparams(self, params: Any) -> None:
@@ -65,6 +75,19 @@ class MLFlowLogger(LightningMLFlowLogger):
                 if callback is not self._checkpoint_callback:
                     self._scan_and_log_checkpoints(callback)
         super().finalize(status)
+
+
+def _store_lock(tracking_uri: str | None) -> contextlib.AbstractContextManager:
+    """A lock file beside a local SQLite store. The first client to open the store creates its
+    tables, and two processes doing so at once fail ("duplicate column name"): the ranks that
+    torchrun or SLURM start together, the jobs of a parallel sweep."""
+    if not (tracking_uri or "").startswith("sqlite:///"):
+        return contextlib.nullcontext()
+    from filelock import FileLock  # torch's own dependency
+
+    path = Path(tracking_uri.removeprefix("sqlite:///"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return FileLock(f"{path}.lock")
 
 
 def flat_hparams(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -3,6 +3,7 @@ exception in one process, in this one): nothing already written is lost, a faile
 non-zero, and a resumed run ends where an uninterrupted one would. (A
 failed save in one process: unit/test_checkpoint_io.py.)"""
 
+import importlib.util
 import json
 import os
 import re
@@ -161,11 +162,13 @@ def test_torchrun_restart_after_a_killed_worker_resumes_the_run(
     """``torchrun --max-restarts=2``: the worker of rank 1 is killed (SIGKILL) in epoch 1, after
     the first checkpoint; torchrun restarts both, and the restarted run continues in its own
     directory, named by torchrun's run id, from that checkpoint (not from step 0, not refused as
-    an earlier run)."""
+    an earlier run), and its TensorBoard run and (with the loggers extra) its MLflow run."""
     kill = "+callbacks.kill"
+    mlflow = importlib.util.find_spec("mlflow") is not None  # the loggers extra
+    loggers = "logger=[tensorboard,mlflow]" if mlflow else "logger=tensorboard"
     proc = start_python(
         *("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=2"),
-        *("train.py", *base, *DDP2),
+        *("train.py", *base, *DDP2, loggers),
         *(f"{kill}._target_=helpers.SignalAt", f"{kill}.step={STEPS_PER_EPOCH // 2 + 5}"),
         *(f"{kill}.signal=SIGKILL", f"{kill}.rank=1", f"{kill}.first_start_only=true"),
         log_dir=tmp_path / "logs",
@@ -185,6 +188,15 @@ def test_torchrun_restart_after_a_killed_worker_resumes_the_run(
     events = list((run_dir / "tensorboard").rglob("events.out.tfevents.*"))
     assert {e.parent for e in events} == {run_dir / "tensorboard"}  # one TensorBoard run
     assert len({e.name.rsplit(".", 2)[1] for e in events}) == 2  # by both starts (their pids)
+    if mlflow:  # one MLflow run, continued by the restart and finished by it
+        from mlflow import MlflowClient
+
+        client = MlflowClient(f"sqlite:///{tmp_path / 'logs' / 'mlflow.db'}")
+        experiment = client.get_experiment_by_name("train")
+        (run,) = client.search_runs([experiment.experiment_id])
+        assert run.info.status == "FINISHED" and run.info.run_name == run_dir.name
+        logged = json.loads((run_dir / "metrics.json").read_text())
+        assert run.data.metrics["test/acc"] == pytest.approx(logged["test"]["test/acc"])
 
 
 # --- a rank killed or stuck -------------------------------------------------------------------

@@ -48,9 +48,9 @@ def test_a_run_id_this_store_does_not_hold_starts_a_new_run(tmp_path: Path, capl
     """A checkpoint brought from another machine or store."""
     mlflow = importorskip_mlflow()
     store = f"sqlite:///{tmp_path}/mlflow.db"
+    logger = MLFlowLogger(experiment_name="train", tracking_uri=store, run_id="f" * 32)
     with caplog.at_level(logging.WARNING, logger="trainkit.loggers"):
-        logger = MLFlowLogger(experiment_name="train", tracking_uri=store, run_id="f" * 32)
+        logger.log_hyperparams({"seed": 0})  # the first use opens the run
     assert "starting a new run" in caplog.text
-    logger.log_hyperparams({"seed": 0})
     assert logger.run_id != "f" * 32
     assert mlflow.MlflowClient(store).get_run(logger.run_id).data.params == {"seed": "0"}
