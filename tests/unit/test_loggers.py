@@ -54,3 +54,27 @@ def test_a_run_id_this_store_does_not_hold_starts_a_new_run(tmp_path: Path, capl
     assert "starting a new run" in caplog.text
     assert logger.run_id != "f" * 32
     assert mlflow.MlflowClient(store).get_run(logger.run_id).data.params == {"seed": "0"}
+
+
+def test_each_job_ends_its_wandb_run_and_a_failed_one_keeps_its_error(tmp_path: Path) -> None:
+    """Two jobs in one process (a sweep's), W&B offline for real: the second gets a run of its
+    own, not the first one's (``WandbLogger`` takes over an active run); a job's error is the
+    one raised."""
+    wandb = pytest.importorskip("wandb", reason='the loggers extra: pip install -e ".[loggers]"')
+    from lightning.pytorch.loggers import WandbLogger
+
+    from trainkit.loggers import ending_tracker_runs
+
+    ids = []
+    for job in range(2):
+        logger = WandbLogger(project="train", save_dir=str(tmp_path / str(job)), offline=True)
+        with ending_tracker_runs([logger]):
+            logger.log_metrics({"job": job}, step=0)
+            ids.append(logger.version)
+        assert wandb.run is None
+    assert ids[0] != ids[1]
+    logger = WandbLogger(project="train", save_dir=str(tmp_path / "failed"), offline=True)
+    with pytest.raises(KeyError, match="the job's own"), ending_tracker_runs([logger]):
+        logger.log_metrics({"loss": 1.0}, step=0)
+        raise KeyError("the job's own")
+    assert wandb.run is None
