@@ -34,7 +34,8 @@ class MLFlowLogger(LightningMLFlowLogger):
       continued run's ``ckpt_path`` or ``trainer.max_epochs`` differ;
     - ``log_model=true`` uploads, when training ends well, the files of every ModelCheckpoint
       (conf/callbacks has two: best and last), where Lightning's keeps only the one that saved
-      last."""
+      last;
+    - the client is built under a lock beside a local SQLite store (``_store_lock``)."""
 
     def __init__(self, **kwargs: Any) -> None:
         with _store_lock(kwargs.get("tracking_uri")):  # the client opens the store right away
@@ -44,8 +45,8 @@ class MLFlowLogger(LightningMLFlowLogger):
     @property
     @rank_zero_experiment
     def experiment(self) -> Any:
-        """Lightning's, on rank 0 only as there (the other ranks never open the store: two
-        processes creating a new SQLite store at once fail), after checking the run to continue."""
+        """Lightning's (rank 0's only), once it has checked that the store holds the run to
+        continue."""
         if self._run_id is not None and not self._initialized:
             from mlflow.exceptions import MlflowException
 
