@@ -207,9 +207,9 @@ _RUN_ID_ARGUMENTS = {MLFlowLogger: ("run_id",), WandbLogger: ("id", "version")}
 
 def _tracker(target: Any) -> type | None:
     """The tracker class ``target`` is or derives from; None for anything else."""
-    return next(
-        (c for c in _RUN_ID_ARGUMENTS if isinstance(target, type) and issubclass(target, c)), None
-    )
+    if not isinstance(target, type):  # a factory function as _target_
+        return None
+    return next((c for c in _RUN_ID_ARGUMENTS if issubclass(target, c)), None)
 
 
 def tracker_run_ids(loggers: list[Logger]) -> dict[str, str]:

@@ -54,17 +54,16 @@ def check_precision(cfg: DictConfig, accelerator: str) -> None:
     )
 
 
-# Lightning's short precision names, as it reads them
-PRECISION_ALIASES = {"32": "32-true", "64": "64-true", "16": "16-mixed", "bf16": "bf16-mixed"}
-
-
 def check_strategy(cfg: DictConfig, dims: ParallelDims) -> None:
     """What a strategy declares it cannot run (``precisions``, ``no_layer_sync``), and a GPU-only
     option on a CPU run, refused here rather than by Lightning or in every rank."""
+    # Lightning's own table of its short precision names ("bf16" is bf16-mixed, ...)
+    from lightning.fabric.connector import _PRECISION_INPUT_STR_ALIAS_CONVERSION as ALIASES
+
     strategy = strategy_class(cfg.strategy)
     name = getattr(strategy, "__name__", str(cfg.strategy.get("name")))
     allowed = getattr(strategy, "precisions", None)
-    precision = PRECISION_ALIASES.get(str(cfg.precision), str(cfg.precision))
+    precision = ALIASES.get(str(cfg.precision), str(cfg.precision))
     if allowed and precision not in allowed:
         usable = [p for p in allowed if dims.accelerator == "gpu" or not p.startswith("16")]
         raise ConfigError(
