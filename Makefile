@@ -7,8 +7,9 @@ STAMP  := $(VENV)/.installed
 SERVERS := .venv-servers
 SERVERS_STAMP := $(SERVERS)/.installed
 ARGS   ?=
-# 2 workers; tests of one xdist_group (a shared run) on one; the 20 slowest tests listed
-PYTEST_ARGS ?= -n 2 --dist loadgroup --durations=20
+# 3 workers on CI's 2 cores: a third keeps the cores busy while a test waits (on a timeout, a
+# server, a signal); tests of one xdist_group (a shared run) on one; the 20 slowest tests listed
+PYTEST_ARGS ?= -n 3 --dist loadgroup --durations=20
 LOGDIR ?= logs
 PORT   ?= 6006
 OUT    ?= docs/img
