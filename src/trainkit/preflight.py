@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 from trainkit.errors import ConfigError
 from trainkit.parallel import ParallelDims, strategy_class, strategy_flag
 from trainkit.resume import first_process, is_restart
-from trainkit.runtime import BF16_FLAGS, cpu_flags, has_bf16_units
+from trainkit.runtime import BF16_FLAGS, cpu_flags, has_bf16_units, usable_cores
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ def set_threads(cfg: DictConfig, processes_per_node: int) -> int:
     Set here in the launching process and in OMP_NUM_THREADS, which every rank inherits: Lightning
     only divides the cores when OMP_NUM_THREADS is unset, and oversubscribed ranks run 2-4x slower.
     """
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     threads = cfg.get("threads") or max(1, cores // processes_per_node)
     if threads < 1:
         raise ConfigError(f"threads={cfg.get('threads')}: must be 1 or more, or null for automatic")

@@ -4,6 +4,7 @@ a free local port for the processes a run or a tool starts, and this process's p
 import ctypes
 import ctypes.util
 import logging
+import os
 import re
 import resource
 import socket
@@ -38,6 +39,14 @@ def tune_malloc(mmap_threshold: int = 32 << 20, trim_threshold: int = 64 << 20) 
 
 
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 units that run bf16 matrix work natively
+
+
+def usable_cores() -> int:
+    """The CPUs this process may run on: its affinity mask (taskset, a SLURM job's binding, a
+    container's cpuset), which ``os.cpu_count()`` ignores by counting the whole machine."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
 
 
 def cpu_flags() -> set[str]:

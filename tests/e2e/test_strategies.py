@@ -8,7 +8,6 @@ exact distributed evaluation is checked where padding would show: 251 images on 
 """
 
 import json
-import os
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +17,7 @@ import torch
 
 from helpers import readme_run, run_python, run_weights, start_python
 from trainkit.data.synthetic import write_mnist
+from trainkit.runtime import usable_cores
 
 N_TRAIN_FILE, VAL, N_TEST = 1001, 201, 251  # 800 training images: 12.5 batches of 64
 WEIGHT_ATOL = 1e-5  # float sums in another order, amplified a little by Adam over 13 steps
@@ -125,7 +125,7 @@ def test_ddp_steps_run_no_collective_but_the_gradient_all_reduce(runs: dict) -> 
 def test_threads_are_divided_among_ranks_and_logged(runs: dict) -> None:
     """Each rank of the launcher that re-runs the command logs its share; ddp_spawn's launching
     process decides it for the processes it spawns."""
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     rank_logs = ["train.log", *(f"train_ddp_process_{r}.log" for r in (1, 2, 3))]
     for name, processes, logs in (("ddp4", 4, rank_logs), ("spawn2", 2, ["train.log"])):
         expected = f"{max(1, cores // processes)} thread(s) per process ({cores} cores, "

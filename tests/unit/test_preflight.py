@@ -5,20 +5,21 @@ the end-to-end refusals (before ddp starts, nothing overwritten) in e2e/test_rel
 pipeline shapes in unit/test_pipeline.py; ImageFolder trees in unit/test_data_imagefolder.py."""
 
 import logging
+import os
 from pathlib import Path
 
 import pytest
 import torch
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
-from helpers import SLURM_TASK
+from helpers import SLURM_TASK, in_process_state
 from trainkit.build import model_config
 from trainkit.config import compose_config
 from trainkit.data import MNISTDataModule
 from trainkit.errors import ConfigError
 from trainkit.evaluate import check_stages
 from trainkit.parallel import ParallelDims
-from trainkit.preflight import check_compile, check_new_output_dir, preflight
+from trainkit.preflight import check_compile, check_new_output_dir, preflight, set_threads
 from trainkit.resume import is_restart, record_launch, resolve_ckpt_path
 from trainkit.runtime import cpu_flags, has_bf16_units
 
@@ -207,3 +208,21 @@ def test_the_data_fills_the_model_config(compose) -> None:
     cfg = compose()
     del cfg.model.input_shape  # a model of the user's that does not take it: left out
     assert "input_shape" not in model_config(cfg, MNISTDataModule("unused"))
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs an affinity mask of 2 or more CPUs to narrow",
+)
+def test_threads_follow_the_cpus_the_process_may_use(compose) -> None:
+    """A process bound to one CPU (taskset, a SLURM job's binding) runs one thread, not one per
+    core of the machine."""
+    cfg, allowed = compose(), os.sched_getaffinity(0)
+    with in_process_state():
+        try:
+            os.sched_setaffinity(0, {min(allowed)})
+            assert set_threads(cfg, processes_per_node=1) == 1
+            assert os.environ["OMP_NUM_THREADS"] == "1" and torch.get_num_threads() == 1
+        finally:
+            os.sched_setaffinity(0, allowed)
+        assert set_threads(cfg, processes_per_node=1) == len(allowed)

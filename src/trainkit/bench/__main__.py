@@ -14,7 +14,6 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
-import os
 import platform
 import statistics
 import subprocess
@@ -36,7 +35,7 @@ from trainkit.bench.report import (
     write_all,
 )
 from trainkit.config import ROOT_DIR
-from trainkit.runtime import cpu_flags, has_bf16_units
+from trainkit.runtime import cpu_flags, has_bf16_units, usable_cores
 
 
 def machine() -> dict[str, object]:
@@ -53,7 +52,7 @@ def machine() -> dict[str, object]:
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     return {
         "cpu": cpu,
-        "cores": os.cpu_count(),
+        "cores": usable_cores(),
         "cpu_bf16_units": has_bf16_units(cpu_flags()),  # without them bf16 cells run emulated
         "gpus": gpus,
         "torch": torch.__version__,
