@@ -5,6 +5,7 @@ from omegaconf import DictConfig
 
 import trainkit.startup  # noqa: F401  first: before Lightning imports torchmetrics
 from trainkit.evaluate import run
+from trainkit.runtime import freeze_imports
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="eval")
@@ -13,4 +14,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    freeze_imports()
     main()

@@ -4,6 +4,7 @@ import hydra
 from omegaconf import DictConfig
 
 import trainkit.startup  # noqa: F401  first: before Lightning imports torchmetrics
+from trainkit.runtime import freeze_imports
 from trainkit.train import run
 
 
@@ -13,4 +14,5 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    freeze_imports()
     main()
