@@ -1,11 +1,13 @@
 """Evaluate a checkpoint: `python eval.py ckpt_path=...`. The checkpoint carries its own config."""
 
-import hydra
-from omegaconf import DictConfig
+from trainkit.runtime import imports_frozen
 
-import trainkit.startup  # noqa: F401  first: before Lightning imports torchmetrics
-from trainkit.evaluate import run
-from trainkit.runtime import freeze_imports
+with imports_frozen():  # faster start and exit: runtime.py
+    import hydra
+    from omegaconf import DictConfig
+
+    import trainkit.startup  # noqa: F401  first: before Lightning imports torchmetrics
+    from trainkit.evaluate import run
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="eval")
@@ -14,5 +16,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    freeze_imports()
     main()

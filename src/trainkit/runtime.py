@@ -10,6 +10,8 @@ import re
 import resource
 import socket
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -42,11 +44,21 @@ def tune_malloc(mmap_threshold: int = 32 << 20, trim_threshold: int = 64 << 20) 
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 units that run bf16 matrix work natively
 
 
-def freeze_imports() -> None:
-    """Called by the entry points once everything is imported: the million or so objects of the
-    imported modules live as long as the process, so the garbage collector stops walking them
-    (``gc.freeze``). The interpreter's exit, which walks them all, took 1.0 s and takes 0.2 s."""
-    gc.freeze()
+@contextmanager
+def imports_frozen() -> Iterator[None]:
+    """Around an entry point's imports. Torch, Lightning and Hydra make about 380,000 objects that
+    live as long as the process: the garbage collector is paused while they are made (each full
+    collection walked all made so far: 0.7 s of a 3.2 s import here), then they are frozen out of
+    its sight (``gc.freeze``), so no later collection walks them, the interpreter's exit included
+    (1.0 s, now 0.2 s)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if enabled:
+            gc.enable()
 
 
 def usable_cores() -> int:
