@@ -10,7 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainkit.errors import ConfigError
 from trainkit.parallel import ParallelDims, strategy_class, strategy_flag
-from trainkit.resume import first_process, is_restart
+from trainkit.resume import first_process, is_restart, under_slurm
 from trainkit.runtime import BF16_FLAGS, cpu_flags, has_bf16_units, usable_cores
 
 log = logging.getLogger(__name__)
@@ -85,21 +85,25 @@ def check_strategy(cfg: DictConfig, dims: ParallelDims) -> None:
 def set_threads(cfg: DictConfig, processes_per_node: int) -> int:
     """Gives each process an equal share of the cores (``threads`` overrides), and says so.
 
-    Set here in the launching process and in OMP_NUM_THREADS, which every rank inherits: Lightning
-    only divides the cores when OMP_NUM_THREADS is unset, and oversubscribed ranks run 2-4x slower.
+    The ranks of a node share the CPUs this process may use, except SLURM's tasks: each has its
+    own ``--cpus-per-task`` (the whole mask where SLURM binds CPUs to tasks, part of the node's
+    where it does not). Set here in the launching process and in OMP_NUM_THREADS, which every rank
+    inherits: Lightning only divides the cores when OMP_NUM_THREADS is unset, and oversubscribed
+    ranks run 2-4x slower.
     """
     cores = usable_cores()
-    threads = cfg.get("threads") or max(1, cores // processes_per_node)
+    per_task = os.environ.get("SLURM_CPUS_PER_TASK") if under_slurm() else None
+    if per_task:
+        share, why = min(int(per_task), cores), f"SLURM: {per_task} CPUs per task"
+    else:
+        share = max(1, cores // processes_per_node)
+        why = f"{cores} cores, {processes_per_node} process(es) per node"
+    threads = cfg.get("threads") or share
     if threads < 1:
         raise ConfigError(f"threads={cfg.get('threads')}: must be 1 or more, or null for automatic")
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
-    log.info(
-        "%d thread(s) per process (%d cores, %d process(es) per node)",
-        threads,
-        cores,
-        processes_per_node,
-    )
+    log.info("%d thread(s) per process (%s)", threads, why)
     return threads
 
 

@@ -21,7 +21,7 @@ from trainkit.evaluate import check_stages
 from trainkit.parallel import ParallelDims
 from trainkit.preflight import check_compile, check_new_output_dir, preflight, set_threads
 from trainkit.resume import is_restart, record_launch, resolve_ckpt_path
-from trainkit.runtime import cpu_flags, has_bf16_units
+from trainkit.runtime import cpu_flags, has_bf16_units, usable_cores
 
 
 @pytest.mark.parametrize(
@@ -226,3 +226,14 @@ def test_threads_follow_the_cpus_the_process_may_use(compose) -> None:
         finally:
             os.sched_setaffinity(0, allowed)
         assert set_threads(cfg, processes_per_node=1) == len(allowed)
+
+
+@pytest.mark.parametrize("per_task", [1, 64])
+def test_a_slurm_task_runs_its_own_cpus_per_task(compose, monkeypatch, per_task: int) -> None:
+    """Each rank that SLURM starts is a task with its own --cpus-per-task, not a share of the node
+    with the other ranks (bound by SLURM, its CPU mask is those CPUs); never more than its mask."""
+    for name, value in {**SLURM_TASK, "SLURM_CPUS_PER_TASK": str(per_task)}.items():
+        monkeypatch.setenv(name, value)
+    cfg, cores = compose(), usable_cores()
+    with in_process_state():
+        assert set_threads(cfg, processes_per_node=4) == min(per_task, cores)

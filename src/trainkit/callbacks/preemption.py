@@ -25,10 +25,6 @@ class Preempted(Exception):
         self.signum = signum
 
 
-def _ignore_sigterm() -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-
 class Preemption(L.Callback):
     """SIGTERM (a scheduler's preemption) and SIGINT (Ctrl-C) stop training at the end of a step
     with ``<dirpath>/last.ckpt`` saved, mid-epoch included, on every rank at the same step. Under
@@ -95,15 +91,12 @@ class Preemption(L.Callback):
         if not trainer.is_global_zero:
             return f"rank 0 requeues SLURM job {job}"
         try:
-            command = ["scontrol", "requeue", str(job)]
             # once the requeue is accepted, SLURM sends SIGTERM to every process of the job, which
-            # includes scontrol itself while it reads the answer: it ignores SIGTERM, so the
-            # answer is read (on a loaded machine it was killed, and an accepted requeue read as
-            # refused)
-            subprocess.run(
-                command, check=True, capture_output=True, text=True, timeout=60,
-                preexec_fn=_ignore_sigterm,
-            )  # fmt: skip
+            # includes scontrol itself while it reads the answer (on a loaded machine it was
+            # killed, and an accepted requeue read as refused): scontrol runs with SIGTERM
+            # ignored, which exec keeps, from a shell rather than a fork of this process
+            command = ["sh", "-c", 'trap "" TERM; exec scontrol requeue "$1"', "sh", str(job)]
+            subprocess.run(command, check=True, capture_output=True, text=True, timeout=60)
         except (OSError, subprocess.SubprocessError) as err:  # no scontrol, refused, timed out
             why = (getattr(err, "stderr", None) or str(err)).strip()
             return f"could not requeue SLURM job {job} ({why}); resume with ckpt_path=last"
