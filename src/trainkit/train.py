@@ -91,7 +91,7 @@ def run(cfg: DictConfig) -> float | None:
 def _train_and_test(cfg: DictConfig) -> float | None:
     dims = preflight(cfg)
     ckpt_path = resolve_ckpt_path(cfg)
-    restart = is_restart(cfg.paths.output_dir)
+    restart = bool(ckpt_path) and is_restart(cfg.paths.output_dir)  # before record_launch
     if first_process():
         record_launch(cfg.paths.output_dir)  # so that the launcher's restarts resume this run
     if ckpt_path:

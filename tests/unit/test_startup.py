@@ -22,10 +22,15 @@ print(json.dumps({"loaded": loaded, "hamming": float(real.windows.hamming(3)[1])
 """
 
 
-def imports_after(code: str) -> dict:
-    proc = run_python("-c", code + REPORT)
+def printed_json(code: str) -> dict:
+    """What ``code``, run in a fresh interpreter, printed as JSON on its last line."""
+    proc = run_python("-c", code)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def imports_after(code: str) -> dict:
+    return printed_json(code + REPORT)
 
 
 # The benchmark's plain loop first, then the recipe, in one fresh interpreter: what the plain loop
@@ -93,8 +98,5 @@ def test_entry_points_put_the_imported_objects_out_of_the_collectors_sight() -> 
     """What makes a process start 0.7 s sooner and exit 0.8 s sooner (``runtime.imports_frozen``):
     the hundreds of thousands of objects of torch, Lightning and Hydra are frozen, and the
     collector runs again for what training makes."""
-    proc = run_python("-c", FROZEN_BY_ENTRY_POINTS)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    frozen = json.loads(proc.stdout.strip().splitlines()[-1])
-    for script, state in frozen.items():
+    for script, state in printed_json(FROZEN_BY_ENTRY_POINTS).items():
         assert state["objects"] > 100_000 and state["collecting"], (script, state)
