@@ -151,3 +151,10 @@ class ImageClassifier(L.LightningModule):
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": scheduler, "interval": self.hparams.scheduler_interval},
         }
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
+        """The step, then the gradients freed at once: Lightning frees them only after the next
+        forward, which would run beside a model-sized gradient buffer (docs/design.md, "Where a
+        step's memory goes")."""
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        optimizer.zero_grad(set_to_none=True)
