@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning as L
@@ -336,6 +337,69 @@ class ShardSizes(L.Callback):
         }
         out = Path(trainer.default_root_dir) / f"shards.rank{trainer.global_rank}.json"
         out.write_text(json.dumps(sizes))
+
+
+# --- FSDP's collectives on gloo, in a rank of a real process group --------------------------------
+
+
+def gloo_collectives_report(mb: int = 64) -> None:
+    """In each of two processes started with torch.distributed's environment variables: the
+    strategy's gloo all-gather and reduce-scatter beside torch's own on the same ``mb`` MB
+    buffers. Prints one JSON line: whether the results are equal, whether the buffers that FSDP
+    would keep are freed, and each collective's transient memory (its peak resident memory above
+    what the process held when it started)."""
+    import torch.distributed as dist
+
+    from trainkit.strategies.fsdp import GlooAllGather, GlooReduceScatter
+
+    def transient(collective: Callable[[], object]) -> int:
+        Path("/proc/self/clear_refs").write_text("5")  # Linux: the peak restarts from now
+        held = peak_rss_bytes()
+        collective()
+        return peak_rss_bytes() - held
+
+    def touched(n: int) -> torch.Tensor:  # an output whose pages are resident before the call
+        return torch.empty(n).fill_(0)
+
+    dist.init_process_group("gloo")
+    group, rank, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
+    numel = (mb << 20) // 4 // world * world
+    torch.manual_seed(rank)
+    grads = torch.randn(numel)
+    own = grads.view(world, -1)[rank]
+    all_gather, reduce_scatter = GlooAllGather(), GlooReduceScatter()
+
+    gathered = touched(numel)
+    gathered.view(world, -1)[rank].copy_(own)  # FSDP's input: a view of the output
+    report = {
+        "buffer": numel * 4,
+        "ours_all_gather": transient(
+            lambda: all_gather(gathered, gathered.view(world, -1)[rank], group)
+        ),
+    }
+    summed, reduce_input = touched(numel // world), grads.clone()
+    report["ours_reduce_scatter"] = transient(
+        lambda: reduce_scatter(summed, reduce_input, group, dist.ReduceOp.SUM)
+    )
+    report["reduce_input_freed"] = reduce_input.untyped_storage().nbytes() == 0
+    averaged = torch.empty(numel // world)
+    reduce_scatter(averaged, grads.clone(), group, dist.ReduceOp.AVG)
+    ours = {"all_gather": gathered.clone(), "sum": summed, "avg": averaged}
+    all_gather(torch.empty(numel), own.clone(), group)  # the next all-gather
+    report["previous_gather_freed"] = gathered.untyped_storage().nbytes() == 0
+
+    theirs = {"all_gather": touched(numel), "sum": touched(numel // world)}
+    report["torch_all_gather"] = transient(
+        lambda: dist.all_gather_into_tensor(theirs["all_gather"], own)
+    )
+    report["torch_reduce_scatter"] = transient(
+        lambda: dist.reduce_scatter_tensor(theirs["sum"], grads)
+    )
+    theirs["avg"] = torch.empty(numel // world)
+    dist.reduce_scatter_tensor(theirs["avg"], grads.clone(), op=dist.ReduceOp.AVG)
+    report["equal"] = {k: torch.equal(ours[k], theirs[k]) for k in ours}
+    print(json.dumps({"rank": rank, **report}), flush=True)
+    dist.destroy_process_group()
 
 
 # --- image-folder trees --------------------------------------------------------------------------

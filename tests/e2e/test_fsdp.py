@@ -8,14 +8,16 @@ run is its ``strategy=fsdp devices=3``.
 
 import json
 import math
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import max_diff, readme_run, run_python, run_weights
+from helpers import max_diff, readme_run, run_python, run_weights, start_python
 from trainkit.data.synthetic import write_cifar10
+from trainkit.runtime import free_port
 
 # float sums in another order (reduce-scatter, then Adam): measured 2.4e-6 after 2 epochs
 WEIGHT_ATOL = 1e-5
@@ -176,3 +178,38 @@ def test_ranks_validate_with_rank_zeros_batchnorm_statistics(
     # (2 steps leave BatchNorm's running statistics near their initial values, so the eval-mode
     # loss is huge; without the broadcast the ranks' differed by 10%)
     assert metrics(run)["fit"]["val/loss"] == pytest.approx(one_device, rel=1e-4)
+
+
+def test_gloo_collectives_equal_torchs_and_stage_nothing(tmp_path: Path) -> None:
+    """The strategy's all-gather and reduce-scatter on gloo, in two real processes: torch's
+    results, without the staging buffers of gloo's own (as large as the buffer, measured here
+    beside them: when torch's stop staging, these collectives can go), and the buffers that FSDP
+    would keep for GPU streams freed."""
+    port = str(free_port())
+    procs = [
+        start_python(
+            "-c",
+            "import helpers; helpers.gloo_collectives_report()",
+            env={
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+                "RANK": str(rank),
+                "WORLD_SIZE": "2",
+                "OMP_NUM_THREADS": "1",
+            },
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for rank in range(2)
+    ]
+    outputs = [proc.communicate(timeout=120) for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], [err[-2000:] for _, err in outputs]
+    for out, _ in outputs:
+        report = json.loads(out.strip().splitlines()[-1])
+        assert report["equal"] == {"all_gather": True, "sum": True, "avg": True}
+        assert report["reduce_input_freed"] and report["previous_gather_freed"]
+        buffer = report["buffer"]
+        assert report["ours_all_gather"] < 0.1 * buffer, report
+        assert report["ours_reduce_scatter"] < 0.1 * buffer, report
+        assert report["torch_all_gather"] > 0.75 * buffer, report
+        assert report["torch_reduce_scatter"] > 0.75 * buffer, report

@@ -10,12 +10,16 @@ Lightning's own ``strategy="fsdp"`` (FSDP1) refuses a CPU accelerator (Lightning
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 from trainkit.errors import ConfigError
 from trainkit.launch import JobScriptLauncher
@@ -103,10 +107,21 @@ class FSDPStrategy(ModelParallelStrategy):
         }
         if self.cpu_offload:
             options["offload_policy"] = CPUOffloadPolicy()
-        for block in self.blocks(model):
-            if any(p.requires_grad for p in block.parameters()):
-                fully_shard(block, **options)
-        fully_shard(net, **options)  # the root: the sequence's own
+        units = [
+            fully_shard(block, **options)
+            for block in self.blocks(model)
+            if any(p.requires_grad for p in block.parameters())
+        ]
+        units.append(fully_shard(net, **options))  # the root: the sequence's own
+        if self.root_device.type == "cpu":
+            all_gather, reduce_scatter = GlooAllGather(), GlooReduceScatter()
+            for unit in units:
+                unit.set_custom_all_gather(all_gather)
+                unit.set_custom_reduce_scatter(reduce_scatter)
+                # on CPU nothing runs beside the backward: gathering the next block early
+                # overlaps nothing and holds a second block's weights (a unit's explicit
+                # prefetch list replaces the implicit prefetch; itself is already gathered)
+                unit.set_modules_to_backward_prefetch([unit])
 
     def model_to_device(self) -> None:
         """Everything to the device but, with ``cpu_offload``, the shards that FSDP keeps on the
@@ -136,3 +151,53 @@ class FSDPStrategy(ModelParallelStrategy):
     def _broadcast_buffers(self) -> None:
         for buffer in self.lightning_module.buffers():
             dist.broadcast(buffer, src=0)
+
+
+# FSDP's collectives on gloo (CPU). Gloo's all_gather_into_tensor and reduce_scatter_tensor each
+# stage the whole buffer in a second one, and FSDP keeps each reduce-scatter's input, and in forward
+# each block's gathered weights, alive into the next block's turn (for GPU streams): for a block of
+# 256 MB, up to 3 x 256 MB more per rank (docs/design.md, "FSDP on gloo"). Broadcasts and an
+# all-reduce work in place, and a synchronous collective's buffers can go once it has returned.
+
+
+class _Allocate:
+    def allocate(
+        self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class GlooAllGather(_Allocate, AllGather):
+    """Each rank's shard broadcast from its owner straight into its slice of the output. In
+    forward FSDP keeps a block's gathered buffer until the next block's weights are copied out
+    (an overlap that needs GPU streams); here its memory goes when the next all-gather starts,
+    every copy-out being done by then (no prefetch, synchronous collectives)."""
+
+    def __init__(self) -> None:
+        self._last: weakref.ref[torch.Tensor] | None = None
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False) -> None:
+        last = self._last() if self._last else None
+        if last is not None:
+            last.untyped_storage().resize_(0)
+        self._last = weakref.ref(output_tensor)
+        slices = output_tensor.view(group.size(), -1)
+        own = slices[group.rank()]
+        if own.data_ptr() != input_tensor.data_ptr():  # FSDP passes a view of own already
+            own.copy_(input_tensor.view(-1))
+        for src, piece in enumerate(slices):
+            dist.broadcast(piece, group_src=src, group=group)
+
+
+class GlooReduceScatter(_Allocate, ReduceScatter):
+    """An in-place all-reduce of the gradients, this rank's slice copied out, then the input's
+    memory freed (FSDP reads it no more; it keeps the tensor only to order GPU streams). Gloo has
+    no average: a sum, then the slice divided."""
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False) -> None:
+        average = op == dist.ReduceOp.AVG
+        dist.all_reduce(input_tensor, op=dist.ReduceOp.SUM if average else op, group=group)
+        output_tensor.copy_(input_tensor.view(group.size(), -1)[group.rank()])
+        if average:
+            output_tensor.div_(group.size())
+        input_tensor.untyped_storage().resize_(0)
