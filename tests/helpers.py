@@ -390,13 +390,13 @@ def gloo_collectives_report(mb: int = 64) -> None:
 
     theirs = {"all_gather": touched(numel), "sum": touched(numel // world)}
     report["torch_all_gather"] = transient(
-        lambda: dist.all_gather_into_tensor(theirs["all_gather"], own)
+        lambda: dist.all_gather_single(theirs["all_gather"], own)
     )
     report["torch_reduce_scatter"] = transient(
-        lambda: dist.reduce_scatter_tensor(theirs["sum"], grads)
+        lambda: dist.reduce_scatter_single(theirs["sum"], grads)
     )
     theirs["avg"] = torch.empty(numel // world)
-    dist.reduce_scatter_tensor(theirs["avg"], grads.clone(), op=dist.ReduceOp.AVG)
+    dist.reduce_scatter_single(theirs["avg"], grads.clone(), op=dist.ReduceOp.AVG)
     report["equal"] = {k: torch.equal(ours[k], theirs[k]) for k in ours}
     print(json.dumps({"rank": rank, **report}), flush=True)
     dist.destroy_process_group()

@@ -23,6 +23,11 @@ from trainkit.runtime import free_port
 WEIGHT_ATOL = 1e-5
 EPOCH = ("seed=0", "threads=1", "trainer.max_epochs=1")
 SHARDS = "+callbacks.shards._target_=helpers.ShardSizes"
+COUNT = (  # the collectives of training steps 1-4, into collectives.rank<r>.json
+    "+callbacks.count._target_=helpers.CollectiveCount",
+    "+callbacks.count.out=${paths.output_dir}/collectives",
+    *("+callbacks.count.start=1", "+callbacks.count.steps=4"),
+)
 THREE = ("trainer.limit_train_batches=8",)
 STOP_AT = 10  # of 13 steps an epoch (2 ranks of 32, 800 images): ranks agree every 10th step
 shares_runs = pytest.mark.xdist_group(name="fsdp_runs")
@@ -50,7 +55,9 @@ def runs(
     return {
         "ddp": ddp,
         "fsdp": fsdp,
-        "fsdp3": run_script("train.py", *readme_run("fsdp3", *overrides, *EPOCH, *three, SHARDS)),
+        "fsdp3": run_script(
+            "train.py", *readme_run("fsdp3", *overrides, *EPOCH, *three, SHARDS, *COUNT)
+        ),
         "resumed": resumed_after_sigterm(
             (*overrides, *EPOCH, *two, "strategy=fsdp"), log_dir / "stopped"
         ),
@@ -92,6 +99,21 @@ def test_each_rank_holds_its_share_of_parameters_gradients_and_optimizer_state(
             assert share["shape"] == sizes["shape"]
             assert share["param"] == share["grad"] == expected[rank], (param, rank, share)
             assert share["optimizer"] == [expected[rank]] * 2, (param, rank, share)  # Adam's two
+
+
+@shares_runs
+def test_cpu_ranks_gather_by_broadcast_and_reduce_in_place(runs: dict) -> None:
+    """On CPU the strategy's collectives run (test_gloo_collectives_... below): each block's
+    gather is one broadcast per rank, its reduce-scatter an all-reduce; gloo's all-gather, which
+    stages the whole block, never runs in a training step."""
+    for rank in range(3):
+        counts = json.loads((runs["fsdp3"] / f"collectives.rank{rank}.json").read_text())
+        assert counts["steps"] == 4
+        assert "gloo:all_gather" not in counts, counts
+        # the default MLP's 3 blocks, each gathered (3 broadcasts) at least once a step and its
+        # gradients reduced once a step
+        assert counts["gloo:broadcast"] % 3 == 0 and counts["gloo:broadcast"] >= 4 * 3 * 3, counts
+        assert counts["gloo:all_reduce"] >= 4 * 3, counts
 
 
 @shares_runs
@@ -202,7 +224,11 @@ def test_gloo_collectives_equal_torchs_and_stage_nothing(tmp_path: Path) -> None
         )
         for rank in range(2)
     ]
-    outputs = [proc.communicate(timeout=120) for proc in procs]
+    try:
+        outputs = [proc.communicate(timeout=120) for proc in procs]
+    finally:
+        for proc in procs:  # a rank left waiting for a dead one
+            proc.kill()
     assert [proc.returncode for proc in procs] == [0, 0], [err[-2000:] for _, err in outputs]
     for out, _ in outputs:
         report = json.loads(out.strip().splitlines()[-1])

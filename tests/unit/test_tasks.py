@@ -34,9 +34,8 @@ def test_gradients_are_freed_after_the_optimizer_step(compose, accumulate: int) 
         "logger=none",
         f"trainer.accumulate_grad_batches={accumulate}",
     )
-    datamodule, model, trainer = build(cfg, preflight(cfg))
     seen = GradientsSeen()
-    trainer.callbacks.append(seen)
+    datamodule, model, trainer = build(cfg, preflight(cfg), extra_callbacks=[seen])
     trainer.fit(model, datamodule=datamodule)
 
     assert seen.before_step == [True] * 3

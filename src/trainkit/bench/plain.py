@@ -66,11 +66,11 @@ def train(rank: int, spec: dict) -> None:
             x = normalize_images(x, data["mean"], data["std"])
             clock.step_start(step)  # as Lightning's on_train_batch_start: the batch is ready
             loss = F.cross_entropy(model(x), y)
-            optimizer.zero_grad()
             clock.mark("forward")
             loss.backward()
             clock.mark("backward")
             optimizer.step()
+            optimizer.zero_grad()  # freed now, as the template's task frees them
             clock.mark("optimizer")
             clock.step_end(step, len(y))
         clock.epoch_end()

@@ -11,7 +11,6 @@ Lightning's own ``strategy="fsdp"`` (FSDP1) refuses a CPU accelerator (Lightning
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -19,7 +18,11 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
+
+# torch's interfaces for FSDPModule.set_custom_all_gather / set_custom_reduce_scatter, and its
+# default buffer allocation, importable from these modules only
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin
 
 from trainkit.errors import ConfigError
 from trainkit.launch import JobScriptLauncher
@@ -28,8 +31,9 @@ from trainkit.launch import JobScriptLauncher
 class FSDPStrategy(ModelParallelStrategy):
     """Each rank holds 1/N of every block's parameters, gradients and optimizer state; a block's
     whole parameters exist only during its own forward and backward (all-gathered, then freed
-    again where ``reshard_after_forward``). Checkpoints are one full file, written by rank 0, that
-    every strategy and ``eval.py`` load. Mixed precision is Lightning's autocast, as under every
+    again where ``reshard_after_forward``; on CPU with the collectives below, which hold nothing
+    longer). Checkpoints are one full file, written by rank 0, that every strategy and ``eval.py``
+    load. Mixed precision is Lightning's autocast, as under every
     other strategy (FSDP2's bf16 parameter policy would cast BatchNorm's weights but not its
     running statistics, and make bf16 gradients)."""
 
@@ -160,14 +164,7 @@ class FSDPStrategy(ModelParallelStrategy):
 # all-reduce work in place, and a synchronous collective's buffers can go once it has returned.
 
 
-class _Allocate:
-    def allocate(
-        self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
-
-class GlooAllGather(_Allocate, AllGather):
+class GlooAllGather(DefaultAllocMixin, AllGather):
     """Each rank's shard broadcast from its owner straight into its slice of the output. In
     forward FSDP keeps a block's gathered buffer until the next block's weights are copied out
     (an overlap that needs GPU streams); here its memory goes when the next all-gather starts,
@@ -176,7 +173,13 @@ class GlooAllGather(_Allocate, AllGather):
     def __init__(self) -> None:
         self._last: weakref.ref[torch.Tensor] | None = None
 
-    def __call__(self, output_tensor, input_tensor, group, async_op=False) -> None:
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> None:
         last = self._last() if self._last else None
         if last is not None:
             last.untyped_storage().resize_(0)
@@ -189,15 +192,18 @@ class GlooAllGather(_Allocate, AllGather):
             dist.broadcast(piece, group_src=src, group=group)
 
 
-class GlooReduceScatter(_Allocate, ReduceScatter):
+class GlooReduceScatter(DefaultAllocMixin, ReduceScatter):
     """An in-place all-reduce of the gradients, this rank's slice copied out, then the input's
-    memory freed (FSDP reads it no more; it keeps the tensor only to order GPU streams). Gloo has
-    no average: a sum, then the slice divided."""
+    memory freed (FSDP reads it no more; it keeps the tensor only to order GPU streams)."""
 
-    def __call__(self, output_tensor, input_tensor, group, op, async_op=False) -> None:
-        average = op == dist.ReduceOp.AVG
-        dist.all_reduce(input_tensor, op=dist.ReduceOp.SUM if average else op, group=group)
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: dist.ReduceOp,
+        async_op: bool = False,
+    ) -> None:
+        dist.all_reduce(input_tensor, op=op, group=group)
         output_tensor.copy_(input_tensor.view(group.size(), -1)[group.rank()])
-        if average:
-            output_tensor.div_(group.size())
         input_tensor.untyped_storage().resize_(0)

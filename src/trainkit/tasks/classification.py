@@ -1,8 +1,10 @@
 import logging
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
@@ -152,7 +154,13 @@ class ImageClassifier(L.LightningModule):
             "lr_scheduler": {"scheduler": scheduler, "interval": self.hparams.scheduler_interval},
         }
 
-    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
+    def optimizer_step(
+        self,
+        epoch: int,
+        batch_idx: int,
+        optimizer: torch.optim.Optimizer | LightningOptimizer,
+        optimizer_closure: Callable[[], Any] | None = None,
+    ) -> None:
         """The step, then the gradients freed at once: Lightning frees them only after the next
         forward, which would run beside a model-sized gradient buffer (docs/design.md, "Where a
         step's memory goes")."""
