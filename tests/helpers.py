@@ -7,6 +7,8 @@
 - ``SignalAt``: a callback that sends a real signal at a given step, ``CollectiveCount`` one that
   counts a rank's collectives (as ``+callbacks.*._target_`` of a train.py subprocess:
   ``run_python`` puts tests/ on its path);
+- ``gloo_collectives_report``: the fsdp strategy's CPU collectives beside torch's, in a rank of
+  a real gloo group;
 - image-folder trees of real PNG and JPEG files;
 - copies of the project (rename, walkthroughs);
 - the README's bash blocks, running their ``python train.py`` lines on test data, and
@@ -346,8 +348,8 @@ def gloo_collectives_report(mb: int = 64) -> None:
     """In each of two processes started with torch.distributed's environment variables: the
     strategy's gloo all-gather and reduce-scatter beside torch's own on the same ``mb`` MB
     buffers. Prints one JSON line: whether the results are equal, whether the buffers that FSDP
-    would keep are freed, and each collective's transient memory (its peak resident memory above
-    what the process held when it started)."""
+    would keep are freed, and each collective's transient memory (the process's peak resident
+    memory during the call above what it held when the call started)."""
     import torch.distributed as dist
 
     from trainkit.strategies.fsdp import GlooAllGather, GlooReduceScatter

@@ -205,8 +205,8 @@ def test_ranks_validate_with_rank_zeros_batchnorm_statistics(
 def test_gloo_collectives_equal_torchs_and_stage_nothing(tmp_path: Path) -> None:
     """The strategy's all-gather and reduce-scatter on gloo, in two real processes: torch's
     results, without the staging buffers of gloo's own (as large as the buffer, measured here
-    beside them: when torch's stop staging, these collectives can go), and the buffers that FSDP
-    would keep for GPU streams freed."""
+    beside them: when torch's stop staging, the broadcasts can give way to gloo's all-gather), and
+    the buffers that FSDP would keep for GPU streams freed."""
     port = str(free_port())
     procs = [
         start_python(

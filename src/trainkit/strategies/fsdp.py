@@ -33,9 +33,9 @@ class FSDPStrategy(ModelParallelStrategy):
     whole parameters exist only during its own forward and backward (all-gathered, then freed
     again where ``reshard_after_forward``; on CPU with the collectives below, which hold nothing
     longer). Checkpoints are one full file, written by rank 0, that every strategy and ``eval.py``
-    load. Mixed precision is Lightning's autocast, as under every
-    other strategy (FSDP2's bf16 parameter policy would cast BatchNorm's weights but not its
-    running statistics, and make bf16 gradients)."""
+    load. Mixed precision is Lightning's autocast, as under every other strategy (FSDP2's bf16
+    parameter policy would cast BatchNorm's weights but not its running statistics, and make bf16
+    gradients)."""
 
     # What Lightning's ModelParallelStrategy runs (no 64-true, no float16 gradient scaler), and it
     # applies no layer sync (sync_batchnorm): preflight refuses the rest before any process starts
@@ -159,7 +159,7 @@ class FSDPStrategy(ModelParallelStrategy):
 
 # FSDP's collectives on gloo (CPU). Gloo's all_gather_into_tensor and reduce_scatter_tensor each
 # stage the whole buffer in a second one, and FSDP keeps each reduce-scatter's input, and in forward
-# each block's gathered weights, alive into the next block's turn (for GPU streams): for a block of
+# each block's gathered buffer, alive into the next block's turn (for GPU streams): for a block of
 # 256 MB, up to 3 x 256 MB more per rank (docs/design.md, "FSDP on gloo"). Broadcasts and an
 # all-reduce work in place, and a synchronous collective's buffers can go once it has returned.
 
