@@ -5,8 +5,8 @@
 - ``quiet_trainer``: an in-process ``L.Trainer`` that writes and prints nothing;
 - ``shares_trained_run``: the xdist group of the tests that read conftest's ``trained_run``;
 - ``SignalAt``: a callback that sends a real signal at a given step, ``CollectiveCount`` one that
-  counts a rank's collectives (as ``+callbacks.*._target_`` of a train.py subprocess:
-  ``run_python`` puts tests/ on its path);
+  counts a rank's collectives, ``SeenSamples`` one that records what a rank trained on (as
+  ``+callbacks.*._target_`` of a train.py subprocess: ``run_python`` puts tests/ on its path);
 - ``gloo_collectives_report``: the fsdp strategy's CPU collectives beside torch's, in a rank of
   a real gloo group;
 - image-folder trees of real PNG and JPEG files;
@@ -16,6 +16,7 @@
 """
 
 import contextlib
+import hashlib
 import io
 import json
 import os
@@ -309,6 +310,30 @@ class SaveWeights(L.Callback):
             },
             "end",
         )
+
+
+def sample_digest(sample: torch.Tensor) -> str:
+    """One training sample's identity across processes: the hash of its bytes."""
+    return hashlib.sha1(sample.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
+
+
+class SeenSamples(L.Callback):
+    """What this rank trained on in each epoch: the digest of every sample (``sample_digest`` of
+    the batch's first element, the inputs) and the number of batches. Writes
+    ``seen.rank<r>.json`` (``[{"batches": n, "samples": [...]}, ...]``, one entry per epoch) into
+    the run's directory."""
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self._epoch = {"batches": 0, "samples": []}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        self._epoch["batches"] += 1
+        self._epoch["samples"] += [sample_digest(x) for x in batch[0]]
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        out = Path(trainer.default_root_dir) / f"seen.rank{trainer.global_rank}.json"
+        epochs = json.loads(out.read_text()) if out.exists() else []
+        out.write_text(json.dumps([*epochs, self._epoch]))
 
 
 class ShardSizes(L.Callback):

@@ -2,11 +2,12 @@
 
 ``train.py`` and ``eval.py`` both call ``build_trainer``, on configs that share ``conf/trainer``,
 ``conf/strategy`` and ``conf/logger``: a setting that matters for correctness (such as
-``use_distributed_sampler: false``) cannot be present in one and missing in the other.
+``use_distributed_sampler``) cannot be present in one and missing in the other.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -16,49 +17,98 @@ import torch
 from hydra.utils import get_object, instantiate
 from lightning.pytorch.plugins import TorchSyncBatchNorm
 from lightning.pytorch.plugins.environments import SLURMEnvironment
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from trainkit.checkpoint_io import AtomicCheckpointIO
-from trainkit.parallel import ParallelDims, strategy_flag
+from trainkit.errors import ConfigError
+from trainkit.parallel import ParallelDims, capabilities
 from trainkit.resume import under_slurm
 from trainkit.strategies.ddp import DDPStrategy
 
+DATA_FACTS = ("num_classes", "input_shape")  # what a datamodule may tell a model about its data
+
+
+def asks_for(model: DictConfig, key: str) -> bool:
+    """Whether the model config has ``key`` (``???`` included) or its ``_target_`` takes it."""
+    if key in model.keys():  # noqa: SIM118  (`in` alone is False for a missing ???)
+        return True
+    target = get_object(model._target_) if "_target_" in model else None
+    try:
+        parameters = inspect.signature(target).parameters if callable(target) else {}
+    except (TypeError, ValueError):  # a builtin or C type: no signature to read
+        return False
+    return key in parameters
+
 
 def model_config(cfg: DictConfig, datamodule: L.LightningDataModule) -> DictConfig:
-    """``cfg.model`` completed with what the data says (``num_classes``, and ``input_shape``
-    where the model's config has the key) and this run's top-level ``compile`` (a choice of the
-    run, not of the weights): set where the model's config has the key, or where compile=true asks
-    for it."""
+    """``cfg.model`` completed with the data facts it asks for (``DATA_FACTS``: where its config
+    has the key or its class takes the argument), from the datamodule's attributes of those names,
+    and with this run's top-level ``compile`` (a choice of the run, not of the weights) where the
+    model's config has the key or compile=true asks for it. A model of any other kind gets nothing
+    it did not ask for."""
     model = cfg.model
-    model.num_classes = datamodule.num_classes
-    if "input_shape" in model.keys():  # noqa: SIM118  (`in` alone is False for a missing ???)
-        shape = getattr(datamodule, "input_shape", None)  # optional: only a pipeline needs it
-        model.input_shape = list(shape) if shape is not None else None
+    for key in DATA_FACTS:
+        if not asks_for(model, key):
+            continue
+        value = getattr(datamodule, key, None)
+        value = list(value) if isinstance(value, (tuple, list)) else value
+        given = key in model and not OmegaConf.is_missing(model, key)
+        if given:
+            mine = (
+                OmegaConf.to_object(model[key]) if OmegaConf.is_config(model[key]) else model[key]
+            )
+            if value is not None and mine is not None and mine != value:
+                raise ConfigError(
+                    f"model.{key}={mine} but {type(datamodule).__name__} has {key}={value}: the "
+                    f"model and the data disagree (leave model.{key} out, or ???, to take the "
+                    f"data's)"
+                )
+        elif value is not None:
+            with open_dict(model):
+                model[key] = value
+        elif key in model.keys():  # noqa: SIM118  ??? that the data cannot fill
+            if key == "input_shape":  # optional: only a pipeline balancing by FLOPs needs it
+                model[key] = None
+                continue
+            raise ConfigError(
+                f"model.{key} is ??? (filled from the data), but {type(datamodule).__name__} "
+                f"has no {key} attribute: give the datamodule one, or set model.{key}=..."
+            )
     if "compile" in model or cfg.get("compile"):
         with open_dict(model):
             model.compile = bool(cfg.get("compile"))
     return model
 
 
+def build_datamodule(cfg: DictConfig) -> L.LightningDataModule:
+    """The datamodule of ``cfg.data``, given plain lists and dicts (``_convert_="all"``): what it
+    keeps, in ``save_hyperparameters()`` too, is never one of Hydra's containers, which a
+    ``weights_only`` checkpoint load refuses."""
+    return instantiate(cfg.data, _convert_=cfg.data.get("_convert_", "all"))
+
+
 def build_model(cfg: DictConfig, datamodule: L.LightningDataModule) -> L.LightningModule:
-    """The task of ``cfg.model``. Under a strategy that materialises each process's own blocks
-    (``materialises_blocks``), a net that can initialise one block alone (``BlockSequence``) is
-    built on the meta device: no process ever holds the whole model."""
+    """The task of ``cfg.model``, given plain lists and dicts (as ``build_datamodule``). Under a
+    strategy that materialises each process's own blocks (``materialises_blocks``), a net that can
+    initialise one block alone (``BlockSequence``) is built on the meta device: no process ever
+    holds the whole model."""
     model = model_config(cfg, datamodule)
-    if not strategy_flag(cfg.strategy, "materialises_blocks"):
-        return instantiate(model)
+    convert = model.get("_convert_", "all")
+    if not capabilities(cfg.strategy).materialises_blocks:
+        return instantiate(model, _convert_=convert)
     from trainkit.models.blocks import BlockSequence
 
-    net_class = get_object(model.net._target_) if "_target_" in model.get("net", {}) else None
+    net = model.get("net") or {}
+    net_class = get_object(net._target_) if "_target_" in net else None
     # Built whole (the strategy then drops the other stages' blocks): a net that is not a
     # BlockSequence, and one that loads pretrained ``weights`` as it is built, which would load
     # into meta tensors (a no-op) and be lost when its blocks are initialised
-    pretrained = model.net.get("weights") is not None
+    pretrained = net.get("weights") is not None
     if pretrained or not (isinstance(net_class, type) and issubclass(net_class, BlockSequence)):
-        return instantiate(model)
+        return instantiate(model, _convert_=convert)
     with torch.device("meta"):
-        net = instantiate(model.net)
-    return instantiate(model, net=net)
+        built = instantiate(model.net, _convert_=convert)
+    return instantiate(model, net=built, _convert_=convert)
 
 
 def build_strategy(cfg: DictConfig, dims: ParallelDims) -> Any:
@@ -92,29 +142,26 @@ def build_plugins(cfg: DictConfig, dims: ParallelDims) -> list[Any]:
 
 
 def build_trainer(
-    cfg: DictConfig,
-    dims: ParallelDims,
-    model: L.LightningModule,
-    callbacks: Sequence[L.Callback] = (),
-    training: bool = True,
+    cfg: DictConfig, dims: ParallelDims, callbacks: Sequence[L.Callback] = ()
 ) -> L.Trainer:
     """The Trainer of ``cfg.trainer`` with the run's strategy, loggers, callbacks
-    (``cfg.callbacks``, then ``callbacks``) and plugins. To train, a strategy with a ``check_run``
-    sees the model and the batch size first: shapes it cannot run are refused before any process
-    starts."""
-    strategy = build_strategy(cfg, dims)
-    if training and hasattr(strategy, "check_run"):
-        strategy.check_run(model, dims.devices, cfg.data.batch_size, dims.num_nodes)
+    (``cfg.callbacks``, then ``callbacks``) and plugins."""
     return instantiate(
         cfg.trainer,
-        strategy=strategy,
+        strategy=build_strategy(cfg, dims),
         logger=build_all(cfg.get("logger")) or False,
         callbacks=[*build_all(cfg.get("callbacks")), *callbacks],
         plugins=build_plugins(cfg, dims),
     )
 
 
+def launches_others(dims: ParallelDims) -> bool:
+    """Whether this process starts the run's other processes (it is not one Lightning's ddp
+    launcher, torchrun or SLURM started)."""
+    return dims.world_size > 1 and "LOCAL_RANK" not in os.environ
+
+
 def prepare_data_once(datamodule: L.LightningDataModule, dims: ParallelDims) -> None:
     """In the launching process, before it starts the others: missing data fails here, once."""
-    if dims.world_size > 1 and "LOCAL_RANK" not in os.environ:
+    if launches_others(dims):
         datamodule.prepare_data()

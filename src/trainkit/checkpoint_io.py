@@ -4,7 +4,10 @@ file in $TMPDIR").
 """
 
 import contextlib
+import io
 import os
+import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +15,37 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from torch import nn
+
+
+def unreadable_global(obj: Any) -> str | None:
+    """The class or function that ``torch.load(weights_only=True)`` would refuse to unpickle in a
+    file holding ``obj``; None if it reads the file back. A module is refused without saving it."""
+    if isinstance(obj, nn.Module):
+        return f"{type(obj).__module__}.{type(obj).__qualname__}"
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    try:
+        torch.load(buffer, weights_only=True)
+    except pickle.UnpicklingError as err:
+        return refused_global(err) or type(obj).__qualname__
+    return None
+
+
+def refused_global(err: pickle.UnpicklingError) -> str | None:
+    """The class or function a ``weights_only`` load refused, as torch's message names it."""
+    found = re.search(r"GLOBAL (\S+)", str(err))
+    return found.group(1) if found else None
+
+
+def unreadable_hparams(obj: Any) -> dict[str, str]:
+    """``{key: refused class}`` of the hyperparameters a LightningModule or LightningDataModule
+    saves into every checkpoint (``save_hyperparameters()``) that a ``weights_only`` load would
+    refuse."""
+    hparams = getattr(obj, "hparams", None) or {}
+    found = {str(k): unreadable_global(v) for k, v in hparams.items()}
+    return {k: v for k, v in found.items() if v is not None}
 
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:

@@ -4,18 +4,16 @@ test and/or predict with a Trainer built as train.py builds it."""
 import logging
 from pathlib import Path
 
-import lightning as L
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 import trainkit.resolvers  # noqa: F401  registers the resolvers that conf/ uses
-from trainkit.build import build_model, build_trainer, prepare_data_once
+from trainkit.build import build_datamodule, build_model, build_trainer, prepare_data_once
 from trainkit.callbacks import PredictionWriter
 from trainkit.callbacks.run_config import read_checkpoint_config
 from trainkit.errors import ConfigError
 from trainkit.launch import isolated_job
 from trainkit.loggers import ending_tracker_runs
-from trainkit.preflight import preflight
+from trainkit.preflight import check_built_run, preflight, why_cannot
 from trainkit.train import as_floats, write_json
 
 log = logging.getLogger(__name__)
@@ -36,7 +34,7 @@ def check_stages(stages: list[str]) -> None:
 def with_checkpoint_config(cfg: DictConfig) -> DictConfig:
     """The eval config completed by the checkpoint's: its model, its data (``cfg.data``'s non-null
     keys override), and its precision unless ``precision`` is given."""
-    trained = OmegaConf.create(read_checkpoint_config(cfg.ckpt_path))
+    trained = OmegaConf.create(read_checkpoint_config(cfg.ckpt_path, cfg.weights_only))
     data = trained.data
     for key, value in (cfg.get("data") or {}).items():
         if value is not None:
@@ -59,13 +57,18 @@ def _evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
     check_stages(stages)
     cfg = with_checkpoint_config(cfg)
     dims = preflight(cfg, training=False)
-    datamodule: L.LightningDataModule = instantiate(cfg.data)
+    datamodule = build_datamodule(cfg)
     model = build_model(cfg, datamodule)  # compiled as eval's compile says
     output_dir = Path(cfg.paths.output_dir)
     writer = PredictionWriter(str(output_dir / PREDICTIONS_FILE))
     callbacks = [writer] if "predict" in stages else []
-    trainer = build_trainer(cfg, dims, model, callbacks=callbacks, training=False)
+    trainer = build_trainer(cfg, dims, callbacks=callbacks)
     prepare_data_once(datamodule, dims)
+    check_built_run(cfg, dims, datamodule, model, trainer.strategy, training=False)
+    for stage in stages:
+        reason = why_cannot(stage, model, datamodule)
+        if reason:
+            raise ConfigError(f"stages={list(stages)}: {reason}; leave {stage} out of stages")
 
     results: dict[str, dict[str, float]] = {}
     with ending_tracker_runs(trainer.loggers):
@@ -73,13 +76,21 @@ def _evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
             run_stage = getattr(trainer, stage)
             if stage == "predict":
                 run_stage(
-                    model, datamodule=datamodule, ckpt_path=cfg.ckpt_path, return_predictions=False
+                    model,
+                    datamodule=datamodule,
+                    ckpt_path=cfg.ckpt_path,
+                    return_predictions=False,
+                    weights_only=cfg.weights_only,
                 )
                 log.info("predictions written to %s", writer.path)
             else:
-                results[stage] = as_floats(
-                    run_stage(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)[0]
+                ran = run_stage(
+                    model,
+                    datamodule=datamodule,
+                    ckpt_path=cfg.ckpt_path,
+                    weights_only=cfg.weights_only,
                 )
+                results[stage] = as_floats(ran[0])
     checkpoint = str(Path(cfg.ckpt_path).resolve())
     write_json(output_dir / "metrics.json", {**results, "checkpoint": checkpoint})
     return results

@@ -50,9 +50,53 @@ def strategy_class(strategy_cfg: DictConfig) -> Any:
     return get_object(target) if target else None
 
 
-def strategy_flag(strategy_cfg: DictConfig, name: str) -> bool:
-    """A class-level fact a strategy declares (``single_process``, ``requires_full_batches``)."""
-    return bool(getattr(strategy_class(strategy_cfg), name, False))
+@dataclass(frozen=True, kw_only=True)
+class Capabilities:
+    """What the rest of the template must know about a strategy, declared by each strategy class
+    as ``capabilities`` and read through ``capabilities()`` only. Every field must be given (most
+    strategies state how they differ from Lightning's: ``dataclasses.replace(LIGHTNING, ...)``),
+    and a misspelt one is an error where it is declared or read."""
+
+    single_process: bool  # one process drives every device of a node (dp)
+    threaded_replicas: bool  # on several GPUs each step runs in a thread per device (dp)
+    runs_task_steps: bool  # calls the task's *_step methods (the pipeline composes its own)
+    full_batches: bool  # shapes fixed at the first step: no incomplete training batch (pipeline)
+    materialises_blocks: bool  # each process builds only its own blocks: the net starts on meta
+    syncs_layers: bool  # applies the sync_batchnorm plugin
+    precisions: tuple[str, ...] | None  # the precisions it runs; None: every one Lightning has
+
+
+# Lightning's own strategies, by name (strategy=auto) or class: one process per device, the task's
+# steps as they are, any precision
+LIGHTNING = Capabilities(
+    single_process=False,
+    threaded_replicas=False,
+    runs_task_steps=True,
+    full_batches=False,
+    materialises_blocks=False,
+    syncs_layers=True,
+    precisions=None,
+)
+
+
+def capabilities(strategy: Any) -> Capabilities:
+    """The capabilities of a strategy given as its config, its class or a running instance."""
+    if isinstance(strategy, DictConfig):
+        strategy = strategy_class(strategy)
+        if strategy is None:  # a name Lightning resolves (auto)
+            return LIGHTNING
+    declared = getattr(strategy, "capabilities", None)
+    if isinstance(declared, Capabilities):
+        return declared
+    named = strategy if isinstance(strategy, type) or callable(strategy) else type(strategy)
+    name = f"{named.__module__}.{named.__qualname__}"
+    if isinstance(named, type) and named.__module__.startswith("lightning."):
+        return LIGHTNING
+    raise ConfigError(
+        f"strategy {name} declares no capabilities: give its class `capabilities = "
+        f"Capabilities(...)` (trainkit/parallel.py), or subclass a trainkit strategy, whose "
+        f"capabilities it then inherits"
+    )
 
 
 @dataclass(frozen=True)
@@ -63,6 +107,7 @@ class ParallelDims:
     devices: int  # per node
     num_nodes: int
     single_process: bool  # one process drives every device of the node (dp), or there is one
+    stages: int = 1  # processes per pipeline (strategy.stages), which share one replica's data
 
     @property
     def processes_per_node(self) -> int:
@@ -71,6 +116,11 @@ class ParallelDims:
     @property
     def world_size(self) -> int:
         return self.processes_per_node * self.num_nodes
+
+    @property
+    def replicas(self) -> int:
+        """Data-parallel replicas: each reads its own part of the data."""
+        return max(1, self.world_size // self.stages)
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> ParallelDims:
@@ -93,8 +143,10 @@ class ParallelDims:
                     f"devices={cfg.devices} but this machine has {have} GPU(s): use "
                     f"devices<={have}, or accelerator=cpu to run {devices} CPU processes"
                 )
-        single = devices == 1 or strategy_flag(cfg.strategy, "single_process")
-        dims = cls(accelerator, devices, cfg.num_nodes, single)
+        caps = capabilities(cfg.strategy)  # a strategy that declares none is refused here
+        single = devices == 1 or caps.single_process
+        stages = int(cfg.strategy.get("stages") or 1)
+        dims = cls(accelerator, devices, cfg.num_nodes, single, stages)
         dims.check_launcher()
         return dims
 

@@ -1,17 +1,27 @@
-"""Checks and settings that run before anything expensive: before data is read, a model is built
-or a process is started. Each problem is one line that names the fix."""
+"""Checks and settings that run before anything expensive. ``preflight`` reads the config alone,
+before data is read or a model is built; ``check_built_run`` reads the built task, data and
+strategy, before a process is started or a step is taken. Each problem is one line that names the
+fix."""
 
+import ast
+import inspect
 import logging
 import os
+import textwrap
 from pathlib import Path
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from torch import nn
 
+from trainkit.build import launches_others
+from trainkit.checkpoint_io import unreadable_hparams
 from trainkit.errors import ConfigError
-from trainkit.parallel import ParallelDims, strategy_class, strategy_flag
+from trainkit.parallel import Capabilities, ParallelDims, capabilities, strategy_class
 from trainkit.resume import first_process, is_restart, under_slurm
 from trainkit.runtime import BF16_FLAGS, cpu_flags, has_bf16_units, usable_cores
+from trainkit.strategies.pipeline_task import STEPS, check_pipeline_task
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +65,14 @@ def check_precision(cfg: DictConfig, accelerator: str) -> None:
 
 
 def check_strategy(cfg: DictConfig, dims: ParallelDims) -> None:
-    """What a strategy declares it cannot run (``precisions``, ``no_layer_sync``), and a GPU-only
+    """What a strategy declares it cannot run (``precisions``, ``syncs_layers``), and a GPU-only
     option on a CPU run, refused here rather than by Lightning or in every rank."""
     # Lightning's own table of its short precision names ("bf16" is bf16-mixed, ...)
     from lightning.fabric.connector import _PRECISION_INPUT_STR_ALIAS_CONVERSION as ALIASES
 
     strategy = strategy_class(cfg.strategy)
     name = getattr(strategy, "__name__", str(cfg.strategy.get("name")))
-    allowed = getattr(strategy, "precisions", None)
+    allowed = capabilities(cfg.strategy).precisions
     precision = ALIASES.get(str(cfg.precision), str(cfg.precision))
     if allowed and precision not in allowed:
         usable = [p for p in allowed if dims.accelerator == "gpu" or not p.startswith("16")]
@@ -70,7 +80,7 @@ def check_strategy(cfg: DictConfig, dims: ParallelDims) -> None:
             f"precision={cfg.precision} cannot run under {name}: use precision="
             f"{' or '.join(usable)}, or another strategy (strategy=ddp)"
         )
-    if cfg.get("sync_batchnorm") and strategy_flag(cfg.strategy, "no_layer_sync"):
+    if cfg.get("sync_batchnorm") and not capabilities(cfg.strategy).syncs_layers:
         raise ConfigError(
             f"sync_batchnorm=true: {name} syncs no layers. Use strategy=ddp, or a norm that "
             "needs no sync (model.net.norm=group)"
@@ -160,6 +170,8 @@ def check_positive(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key)
         if value is None and key == "trainer.max_epochs":
             continue
+        if key == "data.batch_size" and "batch_size" not in cfg.data:
+            continue  # a datamodule of the user's, whose loaders say their batch size
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{key}={value!r}: must be a whole number, e.g. {key}=32")
         if value < 1 and not (key == "trainer.max_epochs" and value == -1):
@@ -172,7 +184,7 @@ def resolve_drop_last(cfg: DictConfig) -> None:
     data = cfg.data
     if "drop_last" not in data:  # a datamodule without the option asks the strategy itself
         return
-    required = strategy_flag(cfg.strategy, "requires_full_batches")
+    required = capabilities(cfg.strategy).full_batches
     if data.drop_last is None:
         data.drop_last = required
     elif required and not data.drop_last:
@@ -209,3 +221,146 @@ def preflight(cfg: DictConfig, training: bool = True) -> ParallelDims:
         resolve_drop_last(cfg)
     set_threads(cfg, dims.processes_per_node)
     return dims
+
+
+# --- the built run: task, data and strategy ------------------------------------------------------
+
+
+def _own_method(cls: type, name: str) -> tuple[Any, type] | None:
+    """``cls``'s method ``name`` and the class that defines it; None where Lightning's is used."""
+    for owner in cls.__mro__:
+        if name in vars(owner):
+            if owner.__module__.startswith("lightning."):
+                return None
+            return vars(owner)[name], owner
+    return None
+
+
+def step_side_effects(module: nn.Module) -> list[str]:
+    """What ``module``'s steps do besides computing, read from their source and that of the
+    module's methods they call: each ``self.log``/``self.log_dict`` call and each torchmetrics
+    metric updated, as ``"Class.method: self.log"`` lines."""
+    from torchmetrics import Metric, MetricCollection
+
+    def is_metric(attr: str) -> bool:
+        return isinstance(module._modules.get(attr), (Metric, MetricCollection))
+
+    found: list[str] = []
+    todo, seen = list(STEPS), set()
+    while todo:
+        name = todo.pop(0)
+        method = _own_method(type(module), name) if name not in seen else None
+        seen.add(name)
+        if method is None:
+            continue
+        function, owner = method
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+        except (OSError, TypeError, SyntaxError):  # no source to read: nothing to say
+            continue
+        where = f"{owner.__name__}.{name}"
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+                continue
+            target, attr = node.func.value, node.func.attr
+            if isinstance(target, ast.Name) and target.id == "self":  # self.<attr>(...)
+                if attr in ("log", "log_dict"):
+                    found.append(f"{where}: self.{attr}")
+                elif is_metric(attr):
+                    found.append(f"{where}: self.{attr}(...)")
+                elif callable(getattr(type(module), attr, None)):
+                    todo.append(attr)
+            elif (  # self.<metric>.update(...)
+                isinstance(target, ast.Attribute)
+                and isinstance(target.value, ast.Name)
+                and target.value.id == "self"
+                and is_metric(target.attr)
+                and attr in ("update", "forward")
+            ):
+                found.append(f"{where}: self.{target.attr}.{attr}")
+    return found
+
+
+# what Lightning needs to run each stage: the task's step (predict has a default) and the loader
+STAGE_NEEDS = {
+    "validate": ("validation_step", "val_dataloader"),
+    "test": ("test_step", "test_dataloader"),
+    "predict": (None, "predict_dataloader"),
+}
+
+
+def why_cannot(stage: str, model: Any, datamodule: Any) -> str | None:
+    """Why the task and data cannot run ``stage`` (Lightning would fail only once it starts it);
+    None if they can."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    step, loader = STAGE_NEEDS[stage]
+    if step and not is_overridden(step, model):
+        return f"{type(model).__name__} has no {step}"
+    if not is_overridden(loader, datamodule):
+        return f"{type(datamodule).__name__} has no {loader}"
+    return None
+
+
+def check_threaded_steps(module: nn.Module, dims: ParallelDims, caps: Capabilities) -> None:
+    """strategy=dp on several GPUs runs each step in a thread per GPU on a copy of the module:
+    ``self.log`` and metric updates there would be lost or count one GPU's part of the batch."""
+    if not (caps.threaded_replicas and dims.accelerator == "gpu" and dims.devices > 1):
+        return
+    effects = step_side_effects(module)
+    if effects:
+        raise ConfigError(
+            f"strategy=dp runs each step on {dims.devices} copies of the module, one per GPU, "
+            f"where logging and metric updates would be lost or count one GPU's part of the "
+            f"batch ({'; '.join(effects)}): return what they need from the step and log or "
+            f"update in on_train_batch_end / on_validation_batch_end / on_test_batch_end, which "
+            f"get the whole batch's outputs, or use strategy=ddp"
+        )
+
+
+def check_reloadable(cfg: DictConfig, *objects: Any) -> None:
+    """Every checkpoint of the run must load with ``torch.load(weights_only=True)`` (testing the
+    best one after training does), unless ``weights_only=false`` says checkpoints are trusted."""
+    if not cfg.get("weights_only", True):
+        return
+    for obj in objects:
+        refused = unreadable_hparams(obj)
+        if refused:
+            key, what = next(iter(refused.items()))
+            name = type(obj).__name__
+            raise ConfigError(
+                f"{name}'s hyperparameter {key!r} (a {what}) would be pickled into every "
+                f"checkpoint, which torch.load(weights_only=True) refuses, so testing the best "
+                f"checkpoint would fail after training: save_hyperparameters(ignore="
+                f"{list(refused)}) in {name}.__init__ (a module's weights are in the checkpoint "
+                f"anyway), or weights_only=false to load checkpoints with pickled objects (only "
+                f"files you trust)"
+            )
+
+
+def check_built_run(
+    cfg: DictConfig,
+    dims: ParallelDims,
+    datamodule: Any,
+    model: nn.Module,
+    strategy: Any,
+    training: bool = True,
+) -> None:
+    """What the built task, data and strategy say about the run, before a process is started or
+    a step is taken: the task's steps under the strategy, its checkpoints' readability, the
+    training data's sharding (in the process that starts the others) and the strategy's own
+    ``check_run``."""
+    caps = capabilities(strategy)
+    if not caps.runs_task_steps:  # it composes the steps from the task's members instead
+        check_pipeline_task(model)
+    check_threaded_steps(model, dims, caps)
+    if not training:
+        return
+    check_reloadable(cfg, model, datamodule)
+    batch_size = cfg.data.get("batch_size")
+    if launches_others(dims):
+        from trainkit.data.sharding import check_train_data
+
+        batch_size = check_train_data(datamodule, dims.replicas, caps.full_batches) or batch_size
+    if hasattr(strategy, "check_run"):
+        strategy.check_run(model, dims.devices, batch_size, dims.num_nodes)

@@ -136,7 +136,10 @@ def check_same_model(path: Path, cfg: DictConfig) -> None:
     # imported here: it imports Lightning, which preflight (importing this module) does not need
     from trainkit.callbacks.run_config import read_checkpoint_config
 
-    theirs = read_checkpoint_config(path).get("model", {}).get("net")
+    if "net" not in cfg.model:  # a model of the user's: its state dict's keys and shapes decide
+        return
+    theirs = read_checkpoint_config(path, cfg.get("weights_only", True)).get("model", {})
+    theirs = theirs.get("net")
     net = OmegaConf.masked_copy(cfg.model.net, [k for k in cfg.model.net if k != "num_classes"])
     ours = OmegaConf.to_container(net, resolve=True)
     theirs = {k: v for k, v in (theirs or {}).items() if k != "num_classes"}

@@ -7,14 +7,19 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-from hydra.utils import instantiate
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 import trainkit.resolvers  # noqa: F401  registers the resolvers that conf/ uses
-from trainkit.build import build_model, build_trainer, prepare_data_once
-from trainkit.callbacks import NonFiniteLossStop, Preemption, ProcessInfo, RunConfig
+from trainkit.build import build_datamodule, build_model, build_trainer, prepare_data_once
+from trainkit.callbacks import (
+    MonitoredMetric,
+    NonFiniteLossStop,
+    Preemption,
+    ProcessInfo,
+    RunConfig,
+)
 from trainkit.callbacks.preemption import Preempted
 from trainkit.callbacks.run_config import read_checkpoint_tracker_runs
 from trainkit.launch import in_multirun, isolated_job
@@ -27,7 +32,7 @@ from trainkit.loggers import (
     run_tags,
 )
 from trainkit.parallel import ParallelDims
-from trainkit.preflight import preflight
+from trainkit.preflight import check_built_run, preflight, why_cannot
 from trainkit.resume import (
     first_process,
     is_restart,
@@ -60,20 +65,20 @@ def build(
     cfg: DictConfig, dims: ParallelDims, extra_callbacks: Sequence[L.Callback] = ()
 ) -> tuple[L.LightningDataModule, L.LightningModule, L.Trainer]:
     """Every object of a run, from its config. Writes the resolved config into the run directory."""
-    datamodule: L.LightningDataModule = instantiate(cfg.data)
+    datamodule = build_datamodule(cfg)
     model = build_model(cfg, datamodule)
     output_dir = Path(cfg.paths.output_dir)
     write_config(output_dir / "config.yaml", cfg)
     trainer = build_trainer(
         cfg,
         dims,
-        model,
         callbacks=[
             # built here, not in conf/callbacks: every run needs them, and they take run facts
             RunConfig(OmegaConf.to_container(cfg, resolve=True)),  # the config in checkpoints
             ProcessInfo(job_overrides(), cfg.paths.output_dir, cfg.task_name),
             Preemption(str(output_dir / "checkpoints")),  # SIGTERM/SIGINT: save, then exit
             NonFiniteLossStop(check_every=cfg.trainer.log_every_n_steps),
+            MonitoredMetric(cfg.monitor),  # a monitor the validation does not log: refused
             *extra_callbacks,
         ],
     )
@@ -99,7 +104,8 @@ def _train_and_test(cfg: DictConfig) -> float | None:
     # A resumed run logs on into its tracker runs, except a sweep's jobs that all start from one
     # checkpoint: each gets runs of its own
     if ckpt_path and (restart or not in_multirun()):
-        continue_tracker_runs(cfg.get("logger"), read_checkpoint_tracker_runs(ckpt_path))
+        runs = read_checkpoint_tracker_runs(ckpt_path, cfg.weights_only)
+        continue_tracker_runs(cfg.get("logger"), runs)
     if cfg.tune_malloc:
         tune_malloc()
     if cfg.seed is not None:
@@ -117,20 +123,30 @@ def _fit_and_test(
     trainer: L.Trainer,
     ckpt_path: str | None,
 ) -> float | None:
+    weights_only = cfg.weights_only
     prepare_data_once(datamodule, dims)
+    check_built_run(cfg, dims, datamodule, model, trainer.strategy)
     hparams = flat_hparams(OmegaConf.to_container(cfg, resolve=True))
     log_run_config(trainer.loggers, hparams, run_tags(cfg, job_overrides()))
 
     try:
-        trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
+        trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=weights_only)
     except Preempted as stop:  # saved; exit as a signalled process would, never 0
         raise SystemExit(128 + stop.signum) from None
     fit_metrics = as_floats(trainer.callback_metrics)
 
     best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
-    if not best:
-        log.warning("No best checkpoint was saved: testing the final weights.")
-    test_metrics = as_floats(trainer.test(model, datamodule=datamodule, ckpt_path=best or None)[0])
+    untestable = why_cannot("test", model, datamodule)
+    if untestable:
+        log.warning("No test: %s.", untestable)
+        test_metrics: dict[str, float] = {}
+    else:
+        if not best:
+            log.warning("No best checkpoint was saved: testing the final weights.")
+        tested = trainer.test(
+            model, datamodule=datamodule, ckpt_path=best or None, weights_only=weights_only
+        )
+        test_metrics = as_floats(tested[0])
     write_json(
         Path(cfg.paths.output_dir) / "metrics.json",
         {"fit": fit_metrics, "test": test_metrics, "best_checkpoint": best},

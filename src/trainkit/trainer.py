@@ -1,8 +1,15 @@
-"""Lightning's Trainer, less the collective its training loop runs at every step under ddp
-(docs/design.md, "SIGTERM and Lightning's stop path")."""
+"""Lightning's Trainer with two changes: no collective at every training step under ddp
+(docs/design.md, "SIGTERM and Lightning's stop path"), and every DataLoader sharded exactly over
+the data-parallel replicas (docs/design.md, "Any DataLoader, sharded without padding")."""
+
+from typing import Any
 
 import lightning as L
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+from lightning.pytorch.trainer.connectors.data_connector import _DataConnector
+from lightning.pytorch.trainer.states import RunningStage
+
+from trainkit.data.sharding import shard_dataloader
 
 
 class _EpochLoop(_TrainingEpochLoop):
@@ -14,8 +21,28 @@ class _EpochLoop(_TrainingEpochLoop):
         pass
 
 
+class _ShardingDataConnector(_DataConnector):
+    """Where Lightning would give a distributed run's DataLoaders its own ``DistributedSampler``
+    (padding evaluation with repeated samples), ``shard_dataloader`` gives each replica its part:
+    Lightning's sampler to train, every sample exactly once to evaluate and predict.
+    With ``use_distributed_sampler=false`` the loaders are left as they are, as in Lightning."""
+
+    def _prepare_dataloader(self, dataloader: object, shuffle: bool, mode: RunningStage) -> object:
+        trainer = self.trainer
+        connector = trainer._accelerator_connector
+        if not (connector.use_distributed_sampler and connector.is_distributed):
+            return super()._prepare_dataloader(dataloader, shuffle, mode)
+        kwargs: dict[str, Any] = trainer.distributed_sampler_kwargs or {}
+        replica, replicas = kwargs.get("rank", 0), kwargs.get("num_replicas", 1)
+        # a datamodule's own declaration (ours make it): its loaders are one rank's part already
+        shards_itself = bool(getattr(trainer.datamodule, "shards_itself", False))
+        overfit = trainer.overfit_batches
+        return shard_dataloader(dataloader, mode, replica, replicas, overfit, shards_itself)
+
+
 class Trainer(L.Trainer):
-    """``conf/trainer``'s target: Lightning's Trainer whose fit loop runs ``_EpochLoop``."""
+    """``conf/trainer``'s target: Lightning's Trainer whose fit loop runs ``_EpochLoop`` and whose
+    loaders are prepared by ``_ShardingDataConnector``."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -24,3 +51,5 @@ class Trainer(L.Trainer):
         self.fit_loop.epoch_loop = _EpochLoop(
             self, min_steps=steps.min_steps, max_steps=steps.max_steps
         )
+        # as Lightning's __init__ builds its own; its on_trainer_init set only the trainer's state
+        self._data_connector = _ShardingDataConnector(self)

@@ -95,3 +95,26 @@ def test_two_gpus_train_the_weights_one_gpu_does(
     assert dp_weights.keys() == single_weights.keys()
     for key, value in single_weights.items():
         torch.testing.assert_close(dp_weights[key], value, atol=1e-4, rtol=1e-4, msg=key)
+
+
+@two_gpus
+def test_a_module_that_logs_in_its_steps_is_refused_on_two_gpus(
+    mnist_root: Path, tmp_path: Path
+) -> None:
+    """Lightning's docs module logs and updates metrics inside its steps, which dp's per-GPU
+    copies would lose: refused before any step, with the list and the fix."""
+    conf = tmp_path / "conf" / "model"
+    conf.mkdir(parents=True)
+    (conf / "lit.yaml").write_text("_target_: lightning_docs.LitClassifier\n")
+    proc = run_python(
+        "train.py",
+        f"hydra.searchpath=[file://{tmp_path / 'conf'}]",
+        *("model=lit", f"data.root={mnist_root}", "data.download=false", "monitor=val_acc"),
+        *("strategy=dp", "accelerator=gpu", "devices=2"),
+        log_dir=tmp_path / "logs",
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "strategy=dp runs each step on 2 copies of the module" in output
+    assert "LitClassifier.training_step: self.log" in output and "on_train_batch_end" in output
+    assert "to the first training step" not in output

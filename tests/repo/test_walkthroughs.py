@@ -1,6 +1,7 @@
 """docs/add_a_*.md, followed as written in a copy of the project: their files added, their
 commands run (on the test data, for a few steps), and the result checked."""
 
+import json
 import re
 import shlex
 import shutil
@@ -99,3 +100,35 @@ def test_add_a_strategy(project: Path, mnist_root: Path, tmp_path: Path) -> None
     differences = [(compressed[k] - reference[k]).abs().max().item() for k in reference]
     assert max(differences) > 0
     assert max(differences) < 1e-3
+
+
+def test_add_a_task(project: Path, mnist_root: Path, tmp_path: Path) -> None:
+    """The autoencoder under each strategy the walkthrough shows; under ddp and fsdp its test
+    (on 2 ranks, every test sample) equals eval.py's on one device, on the same checkpoint."""
+    assert add_files(project, "add_a_task.md") == [
+        "src/trainkit/tasks/autoencoder.py",
+        "conf/model/autoencoder.yaml",
+        "conf/experiment/mnist_autoencoder.yaml",
+    ]
+    argvs = commands("add_a_task.md")
+    assert [a for argv in argvs for a in argv if a.startswith("strategy=")] == [
+        "strategy=ddp",
+        "strategy=fsdp",
+        "strategy=pipeline",
+    ]
+    for argv in argvs:
+        # the whole test set: a distributed test that left out or repeated a sample would show
+        run_dir = train(project, [*argv, "trainer.limit_test_batches=null"], mnist_root, tmp_path)
+        config = OmegaConf.load(run_dir / "config.yaml")
+        assert config.model._target_ == "trainkit.tasks.autoencoder.Autoencoder"
+        assert "num_classes" not in config.model and list(config.model.input_shape) == [1, 28, 28]
+        assert run_weights(run_dir)["net.3.weight"].shape == (784, 128)  # one output per pixel
+        metrics = json.loads((run_dir / "metrics.json").read_text())
+        assert set(metrics["test"]) == {"test/loss"} and metrics["test"]["test/loss"] > 0
+        if any(a in argv for a in ("strategy=ddp", "strategy=fsdp")):
+            best = metrics["best_checkpoint"]
+            run_in(project, "eval.py", f"ckpt_path={best}", f"paths.log_dir={tmp_path / 'eval'}")
+            (evaluated,) = (tmp_path / "eval" / "eval" / "runs").iterdir()
+            single = json.loads((evaluated / "metrics.json").read_text())["test"]
+            assert single["test/loss"] == pytest.approx(metrics["test"]["test/loss"], abs=1e-6)
+            shutil.rmtree(tmp_path / "eval")

@@ -421,7 +421,6 @@ def test_eval_config_requires_ckpt_path(tmp_path: Path) -> None:
 
 # Trainer arguments where conf/trainer/default.yaml differs from Lightning on purpose.
 OURS = {
-    "use_distributed_sampler": False,  # our datamodules shard themselves
     "min_epochs": 1,
     "max_epochs": 10,
     "log_every_n_steps": 50,
@@ -480,7 +479,7 @@ def test_a_datamodule_without_drop_last_asks_the_strategy(
     built, mnist_root: Path, strategy: str, drop_last: bool
 ) -> None:
     """A datamodule built without the option (a fork's own, whose YAML lacks the key) still gets
-    the full batches a pipeline needs: it asks the strategy's ``requires_full_batches``."""
+    the full batches a pipeline needs: it asks the strategy's ``full_batches`` capability."""
     _, _, _, trainer = built(f"strategy={strategy}", "devices=2")
     datamodule = MNISTDataModule(str(mnist_root))
     datamodule.trainer = trainer  # as trainer.fit attaches it

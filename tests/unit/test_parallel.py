@@ -1,9 +1,15 @@
-"""The parallel layout, computed once from the config (``ParallelDims``), and the data shard a
-running strategy gives each process (``data_shard``)."""
+"""The parallel layout, computed once from the config (``ParallelDims``), the data shard a
+running strategy gives each process (``data_shard``), and what each strategy declares of itself
+(``Capabilities``)."""
+
+from dataclasses import replace
 
 import pytest
+from lightning.pytorch.strategies import DDPStrategy as LightningDDP
 
-from trainkit.parallel import ParallelDims, data_shard
+from trainkit.config import CONF_DIR
+from trainkit.errors import ConfigError
+from trainkit.parallel import LIGHTNING, Capabilities, ParallelDims, capabilities, data_shard
 from trainkit.strategies.dp import DataParallelStrategy
 
 
@@ -35,3 +41,51 @@ def test_data_shard_without_a_strategy_is_the_whole_dataset() -> None:
 
 def test_data_shard_of_dp_is_one_replica() -> None:
     assert data_shard(DataParallelStrategy()) == (0, 1)
+
+
+# --- strategy capabilities: declared, typed, checked ----------------------------------------------
+
+
+FSDP_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
+
+
+def test_every_strategy_option_declares_its_capabilities(compose) -> None:
+    """Each conf/strategy option's class (and Lightning's auto) has them, read by name."""
+    expected = {
+        "auto": LIGHTNING,
+        "ddp": LIGHTNING,
+        "ddp_spawn": LIGHTNING,
+        "dp": replace(LIGHTNING, single_process=True, threaded_replicas=True),
+        "fsdp": replace(
+            LIGHTNING,
+            syncs_layers=False,
+            precisions=("32-true", "bf16-mixed", "bf16-true", "16-true"),
+        ),
+        "pipeline": replace(
+            LIGHTNING, runs_task_steps=False, full_batches=True, materialises_blocks=True
+        ),
+    }
+    options = {p.stem for p in (CONF_DIR / "strategy").glob("*.yaml")}
+    assert options == set(expected)
+    for name, caps in expected.items():
+        assert capabilities(compose(f"strategy={name}").strategy) == caps, name
+
+
+def test_a_strategy_without_capabilities_is_refused(compose) -> None:
+    cfg = compose("strategy=ddp")
+    cfg.strategy = {"_target_": "torch.nn.Identity"}  # a class of no strategy of ours
+    with pytest.raises(
+        ConfigError, match=r"strategy torch.nn.modules.linear.Identity declares no "
+    ):
+        ParallelDims.from_config(cfg)
+    # Lightning's own classes, by name or class, are Lightning's
+    assert capabilities(LightningDDP) == LIGHTNING
+
+
+def test_a_misspelt_capability_is_an_error_not_false() -> None:
+    with pytest.raises(TypeError, match="single_proces"):
+        replace(LIGHTNING, single_proces=True)
+    with pytest.raises(TypeError, match="missing"):
+        Capabilities(single_process=True)  # every field must be given
+    with pytest.raises(AttributeError):
+        _ = LIGHTNING.single_proces

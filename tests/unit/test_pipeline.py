@@ -67,14 +67,6 @@ def task(net: nn.Module) -> ImageClassifier:
     )
 
 
-class NetOnly(nn.Module):
-    """A LightningModule-like with blocks but none of PipelineTask's members."""
-
-    def __init__(self, net: nn.Module) -> None:
-        super().__init__()
-        self.net = net
-
-
 def mlp(hidden: tuple[int, ...] = (512, 256)) -> ImageClassifier:
     return task(MLP(784, hidden, 10))
 
@@ -181,15 +173,6 @@ def test_bad_options_are_refused_when_built(kwargs: dict, message: str) -> None:
             64,
             1,
             r"strategy\.balance=flops .* input_shape, which is unset",
-        ),
-        (
-            {},
-            NetOnly(MLP(784, (64,), 10)),
-            2,
-            64,
-            1,
-            r"NetOnly .* lacks loss_fn, input_shape, split_batch, step_output, prediction: "
-            r"implement PipelineTask",
         ),
     ],
 )

@@ -6,22 +6,41 @@ pipeline shapes in unit/test_pipeline.py; ImageFolder trees in unit/test_data_im
 
 import logging
 import os
+from functools import partial
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 from hydra.errors import ConfigCompositionException, MissingConfigException
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
 
+import lightning_docs
 from helpers import SLURM_TASK, in_process_state
-from trainkit.build import model_config
+from trainkit.build import build_datamodule, build_model, model_config
+from trainkit.checkpoint_io import unreadable_hparams
 from trainkit.config import compose_config
 from trainkit.data import MNISTDataModule
 from trainkit.errors import ConfigError
 from trainkit.evaluate import check_stages
-from trainkit.parallel import ParallelDims
-from trainkit.preflight import check_compile, check_new_output_dir, preflight, set_threads
+from trainkit.models import MLP
+from trainkit.parallel import LIGHTNING, ParallelDims, capabilities
+from trainkit.preflight import (
+    check_compile,
+    check_new_output_dir,
+    check_reloadable,
+    check_threaded_steps,
+    preflight,
+    set_threads,
+    step_side_effects,
+    why_cannot,
+)
 from trainkit.resume import is_restart, record_launch, resolve_ckpt_path
 from trainkit.runtime import cpu_flags, has_bf16_units, usable_cores
+from trainkit.strategies.dp import DataParallelStrategy
+from trainkit.tasks import ImageClassifier
 
 
 @pytest.mark.parametrize(
@@ -206,8 +225,36 @@ def test_the_data_fills_the_model_config(compose) -> None:
     cfg = model_config(compose(), MNISTDataModule("unused"))
     assert cfg.num_classes == 10 and list(cfg.input_shape) == [1, 28, 28]
     cfg = compose()
-    del cfg.model.input_shape  # a model of the user's that does not take it: left out
-    assert "input_shape" not in model_config(cfg, MNISTDataModule("unused"))
+    del cfg.model.input_shape  # not in the config, but ImageClassifier takes it: filled
+    assert list(model_config(cfg, MNISTDataModule("unused")).input_shape) == [1, 28, 28]
+
+
+def user_model(compose, target: str, **keys) -> DictConfig:
+    """The run's config with a model of the user's: ``_target_`` and ``keys`` only."""
+    cfg = compose()
+    cfg.model = OmegaConf.create({"_target_": target, **keys})
+    return cfg
+
+
+def test_the_data_fills_only_what_a_model_asks_for(compose) -> None:
+    """A model of the user's gets a data fact where its config has the key or its class takes
+    the argument, and nothing else (setting num_classes on every model config was a struct
+    error: "Key 'num_classes' is not in struct")."""
+    ours = MNISTDataModule("unused")  # num_classes and input_shape attributes
+    # LitClassifier takes num_classes, not input_shape; LitBackbone takes neither
+    model = model_config(user_model(compose, "lightning_docs.LitClassifier", hidden_dim=8), ours)
+    assert model.num_classes == 10 and "input_shape" not in model
+    assert set(model_config(user_model(compose, "lightning_docs.LitBackbone"), ours)) == {
+        "_target_"
+    }
+    # Lightning's MNIST example datamodule has no num_classes: the class's default stays
+    theirs = lightning_docs.MNISTDataModule()
+    model = model_config(user_model(compose, "lightning_docs.LitClassifier"), theirs)
+    assert "num_classes" not in model and instantiate(model).hparams.num_classes == 10
+    # a config that says the data fills it, with data that cannot: one line naming both
+    cfg = user_model(compose, "lightning_docs.LitClassifier", num_classes="???")
+    with pytest.raises(ConfigError, match=r"model.num_classes is \?\?\? .* MNISTDataModule has no"):
+        model_config(cfg, theirs)
 
 
 @pytest.mark.skipif(
@@ -237,3 +284,108 @@ def test_a_slurm_task_runs_its_own_cpus_per_task(compose, monkeypatch, per_task:
     cfg, cores = compose(), usable_cores()
     with in_process_state():
         assert set_threads(cfg, processes_per_node=4) == min(per_task, cores)
+
+
+# --- the built run: task, data and strategy ------------------------------------------------------
+
+
+def test_step_side_effects_are_read_from_the_steps_and_what_they_call() -> None:
+    """Lightning's docs module logs and updates torchmetrics in its steps; ours only computes
+    there (its hooks log)."""
+    effects = step_side_effects(lightning_docs.LitClassifier())
+    assert "LitClassifier.training_step: self.train_acc(...)" in effects
+    assert "LitClassifier.training_step: self.log" in effects
+    assert "LitClassifier.validation_step: self.log" in effects
+    assert step_side_effects(lightning_docs.LitBackbone(nn.Linear(2, 2))) == [
+        "LitBackbone.training_step: self.log",
+        "LitBackbone.validation_step: self.log",
+        "LitBackbone.test_step: self.log",
+    ]
+    ours = ImageClassifier(MLP(784, (8,), 10), partial(torch.optim.Adam), 10)
+    assert step_side_effects(ours) == []
+
+
+class HelperLogs(lightning_docs.LitBackbone):
+    """Logs in a method of its own that its step calls."""
+
+    def training_step(self, batch, batch_idx):
+        return self._shared(batch)
+
+    def _shared(self, batch):
+        self.log_dict({"a": 1.0})
+        return batch[0].sum()
+
+
+def test_step_side_effects_follow_the_modules_own_methods() -> None:
+    assert step_side_effects(HelperLogs(nn.Linear(2, 2))) == [
+        "LitBackbone.validation_step: self.log",
+        "LitBackbone.test_step: self.log",
+        "HelperLogs._shared: self.log_dict",
+    ]
+
+
+def test_dp_on_several_gpus_refuses_logging_inside_steps() -> None:
+    """Its replicas are threads on copies of the module: what they log or update is lost."""
+    dp = capabilities(DataParallelStrategy)
+    gpus, cpu = ParallelDims("gpu", 2, 1, True), ParallelDims("cpu", 2, 1, True)
+    with pytest.raises(
+        ConfigError,
+        match=r"strategy=dp runs each step on 2 copies of the module, one per GPU, .* lost or "
+        r"count one GPU's part of the batch \(LitClassifier.training_step: self.train_acc.*: "
+        r"return what they need from the step and log or update in on_train_batch_end",
+    ):
+        check_threaded_steps(lightning_docs.LitClassifier(), gpus, dp)
+    check_threaded_steps(lightning_docs.LitClassifier(), cpu, dp)  # one device: no replicas
+    check_threaded_steps(lightning_docs.LitClassifier(), gpus, LIGHTNING)  # not threaded
+    ours = ImageClassifier(MLP(784, (8,), 10), partial(torch.optim.Adam), 10)
+    check_threaded_steps(ours, gpus, dp)  # logs in its hooks
+
+
+def test_a_module_whose_checkpoints_would_not_reload_is_refused(compose) -> None:
+    """save_hyperparameters() keeping an nn.Module: found before training, one line with the
+    key and both fixes; weights_only=false is the opt-in that lets it run."""
+    module = lightning_docs.LitBackbone(nn.Linear(2, 2))
+    with pytest.raises(
+        ConfigError,
+        match=r"^LitBackbone's hyperparameter 'backbone' \(a torch.nn.modules.linear.Linear\) "
+        r".* save_hyperparameters\(ignore=\['backbone'\]\) in LitBackbone.__init__ .* "
+        r"weights_only=false",
+    ):
+        check_reloadable(compose(), module, lightning_docs.MNISTDataModule())
+    check_reloadable(compose("weights_only=false"), module)
+    check_reloadable(compose(), lightning_docs.LitClassifier(), lightning_docs.MNISTDataModule())
+
+
+def test_hydra_containers_never_reach_a_modules_hyperparameters(compose) -> None:
+    """A list in the config arrives as a list (``_convert_="all"``): kept by
+    save_hyperparameters(), Hydra's ListConfig would make every checkpoint unreadable with
+    weights_only=True."""
+    cfg = compose()
+    cfg.model = OmegaConf.create({"_target_": "lightning_docs.LitBackbone", "backbone": [1, 2]})
+    model = build_model(cfg, lightning_docs.MNISTDataModule())
+    assert type(model.hparams.backbone) is list and unreadable_hparams(model) == {}
+    cfg.data = OmegaConf.create({"_target_": "lightning_docs.LitBackbone", "backbone": {"a": 1}})
+    assert type(build_datamodule(cfg).hparams.backbone) is dict  # a datamodule's, the same way
+
+
+class TrainsOnly(L.LightningModule):
+    def training_step(self, batch, batch_idx): ...
+
+
+class TrainDataOnly(L.LightningDataModule):
+    def train_dataloader(self): ...
+
+
+def test_a_stage_the_task_or_data_lacks_is_named_before_it_starts() -> None:
+    """Lightning would fail only in trainer.test, after the whole training: train.py skips the
+    test and says why, eval.py refuses the stage."""
+    module, data = lightning_docs.LitClassifier(), lightning_docs.MNISTDataModule()
+    assert [why_cannot(stage, module, data) for stage in ("validate", "test", "predict")] == [
+        None,
+        None,
+        None,
+    ]
+    assert why_cannot("test", TrainsOnly(), data) == "TrainsOnly has no test_step"
+    assert why_cannot("validate", TrainsOnly(), data) == "TrainsOnly has no validation_step"
+    assert why_cannot("predict", TrainsOnly(), data) is None  # Lightning's default predict_step
+    assert why_cannot("test", module, TrainDataOnly()) == "TrainDataOnly has no test_dataloader"

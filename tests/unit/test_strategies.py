@@ -12,7 +12,7 @@ from hydra.utils import instantiate
 from trainkit.build import build_strategy
 from trainkit.config import compose_config
 from trainkit.errors import ConfigError
-from trainkit.preflight import preflight
+from trainkit.preflight import check_built_run, preflight
 from trainkit.strategies.fsdp import FSDPStrategy
 from trainkit.train import build
 
@@ -128,11 +128,17 @@ def test_fsdp_refuses_a_task_it_cannot_shard(model: torch.nn.Module, message: st
 
 
 def test_fsdp_check_runs_before_any_process(compose) -> None:
-    """train.py's build: the default MLP passes; a wrong ``strategy.module`` is refused there."""
-    build(compose("strategy=fsdp", "devices=2"), preflight(compose("strategy=fsdp", "devices=2")))
-    cfg = compose("strategy=fsdp", "devices=2", "strategy.module=head")
+    """train.py's checks of the built run: the default MLP passes; a wrong ``strategy.module`` is
+    refused there."""
+
+    def check(cfg) -> None:
+        dims = preflight(cfg)
+        datamodule, model, trainer = build(cfg, dims)
+        check_built_run(cfg, dims, datamodule, model, trainer.strategy)
+
+    check(compose("strategy=fsdp", "devices=2"))
     with pytest.raises(ConfigError, match=r"ImageClassifier\.head is NoneType"):
-        build(cfg, preflight(cfg))
+        check(compose("strategy=fsdp", "devices=2", "strategy.module=head"))
 
 
 @pytest.mark.parametrize(

@@ -12,21 +12,27 @@ from torch import Tensor
 from trainkit.checkpoint_io import atomic_torch_save
 
 
-def shard_indices(loader: Any, world_size: int) -> Tensor | None:
-    """The dataset indices of this rank's predict shard, in order; None where the loader does not
-    say and one rank has everything.
+def shard_indices(loader: Any, world_size: int, seen: Any = None) -> Tensor | None:
+    """The dataset indices of this rank's predict shard, in order; None where nothing says and
+    one rank has everything.
 
-    Lightning rebuilds a predict DataLoader around a batch-sampler wrapper, so the shard is
-    found on ``batch_sampler.sampler`` there, on ``sampler`` elsewhere."""
+    Our samplers say (``indices()``; Lightning rebuilds a predict DataLoader around a
+    batch-sampler wrapper, so the shard is found on ``batch_sampler.sampler`` there, on
+    ``sampler`` elsewhere); for any other DataLoader, the indices of each batch that Lightning's
+    wrapper recorded (``seen``, the ``batch_indices`` of ``write_on_epoch_end``)."""
     batch_sampler = getattr(loader, "batch_sampler", None)
     for sampler in (getattr(loader, "sampler", None), getattr(batch_sampler, "sampler", None)):
-        if hasattr(sampler, "indices"):
+        if callable(getattr(sampler, "indices", None)):  # not SubsetRandomSampler's list
             return sampler.indices()
+    batches = seen[0] if seen and isinstance(seen[0], list) else seen
+    if batches and all(isinstance(b, list) for b in batches):
+        return torch.tensor([i for batch in batches for i in batch], dtype=torch.long)
     if world_size == 1:
         return None
     raise TypeError(
-        f"predictions on {world_size} ranks need the predict loader's sampler to say which "
-        f"samples this rank has (an indices() method, as trainkit.data.sharding.ShardSampler)"
+        f"predictions on {world_size} ranks need the predict loader to say which samples this "
+        f"rank has: a torch DataLoader, or a sampler with an indices() method, as "
+        f"trainkit.data.sharding.ShardSampler"
     )
 
 
@@ -48,7 +54,7 @@ class PredictionWriter(BasePredictionWriter):
         mine = torch.cat([torch.as_tensor(b) for b in predictions]).to(device)
         loader = trainer.predict_dataloaders
         loader = loader[0] if isinstance(loader, (list, tuple)) else loader
-        shard = shard_indices(loader, trainer.world_size)
+        shard = shard_indices(loader, trainer.world_size, batch_indices)
         # the batches come in shard order: with limit_predict_batches, the first ones
         index = torch.arange(len(mine)) if shard is None else shard[: len(mine)]
         index = index.to(device)

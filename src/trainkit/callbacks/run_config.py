@@ -1,3 +1,4 @@
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -5,6 +6,7 @@ import lightning as L
 import torch
 import yaml
 
+from trainkit.checkpoint_io import refused_global
 from trainkit.errors import ConfigError
 from trainkit.loggers import tracker_run_ids
 
@@ -12,18 +14,20 @@ CONFIG_KEY = "trainkit_config"
 TRACKERS_KEY = "trainkit_tracker_runs"  # loggers.tracker_run_ids
 
 
-def read_checkpoint_config(ckpt_path: str | Path) -> dict[str, Any]:
+def read_checkpoint_config(ckpt_path: str | Path, weights_only: bool = True) -> dict[str, Any]:
     """The resolved config a trainkit checkpoint carries (train.py's resume, eval.py's rebuild);
     a one-line ConfigError that names the fix when there is none."""
-    return _read_checkpoint(ckpt_path)[CONFIG_KEY]
+    return _read_checkpoint(ckpt_path, weights_only)[CONFIG_KEY]
 
 
-def read_checkpoint_tracker_runs(ckpt_path: str | Path) -> dict[str, str]:
+def read_checkpoint_tracker_runs(
+    ckpt_path: str | Path, weights_only: bool = True
+) -> dict[str, str]:
     """The tracker runs (MLflow, W&B) that the run which wrote the checkpoint logged to."""
-    return dict(_read_checkpoint(ckpt_path).get(TRACKERS_KEY) or {})
+    return dict(_read_checkpoint(ckpt_path, weights_only).get(TRACKERS_KEY) or {})
 
 
-def _read_checkpoint(ckpt_path: str | Path) -> dict[str, Any]:
+def _read_checkpoint(ckpt_path: str | Path, weights_only: bool) -> dict[str, Any]:
     path = Path(ckpt_path).expanduser()
     if not path.is_file():
         raise ConfigError(
@@ -31,7 +35,13 @@ def _read_checkpoint(ckpt_path: str | Path) -> dict[str, Any]:
             f"e.g. logs/train/runs/<run>/checkpoints/last.ckpt (train.py also takes ckpt_path=last)"
         )
     try:  # mmap: reads the small config entry, not every tensor
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        checkpoint = torch.load(path, map_location="cpu", weights_only=weights_only, mmap=True)
+    except pickle.UnpicklingError as err:
+        what = refused_global(err) or "objects"
+        raise ConfigError(
+            f"ckpt_path={path} holds pickled {what}, which torch.load(weights_only=True) refuses: "
+            f"pass weights_only=false if you trust the file (loading it runs its code)"
+        ) from None
     except Exception as err:
         raise ConfigError(f"ckpt_path={path} is not a readable checkpoint ({err})") from err
     if CONFIG_KEY not in checkpoint:

@@ -63,11 +63,17 @@ def confusion_image(matrix: Tensor, labels: list[str], cell: int = 28) -> np.nda
     return np.asarray(image)
 
 
+def has_logits(outputs: object) -> bool:
+    """A classifier's step output, as ``ImageClassifier.step_output`` returns it."""
+    return isinstance(outputs, dict) and "logits" in outputs and "target" in outputs
+
+
 class ValidationImages(L.Callback):
     """Images for every logger that keeps them (``loggers.log_image``), at the end of each
     validation (not the sanity check): ``val/samples`` (the first ``samples`` validation images
     with predicted/true labels) and ``val/confusion_matrix`` (over the whole validation set, every
-    rank, row-normalised)."""
+    rank, row-normalised). For a classifier whose hparams have ``num_classes`` and whose
+    validation step returns ``logits`` and ``target``; any other task gets no images."""
 
     def __init__(self, samples: int = 16) -> None:
         self.samples = samples
@@ -76,7 +82,7 @@ class ValidationImages(L.Callback):
 
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         num_classes = pl_module.hparams.get("num_classes")
-        if self._matrix is None and num_classes:
+        if self._matrix is None and isinstance(num_classes, int) and num_classes > 1:
             self._matrix = MulticlassConfusionMatrix(num_classes, validate_args=False)
         if self._matrix is not None:
             self._matrix = self._matrix.to(pl_module.device)
@@ -86,7 +92,7 @@ class ValidationImages(L.Callback):
     def on_validation_batch_end(
         self, trainer, pl_module, outputs, batch, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        if trainer.sanity_checking or self._matrix is None or not isinstance(outputs, dict):
+        if trainer.sanity_checking or self._matrix is None or not has_logits(outputs):
             return
         preds, target = outputs["logits"].argmax(dim=1), outputs["target"]
         self._matrix.update(preds, target)
@@ -96,8 +102,8 @@ class ValidationImages(L.Callback):
             self._kept.append((batch[0][:n].detach().cpu(), target[:n].cpu(), preds[:n].cpu()))
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.sanity_checking or self._matrix is None:
-            return
+        if trainer.sanity_checking or self._matrix is None or not self._matrix.update_called:
+            return  # a task whose steps return no logits: nothing to draw
         matrix = self._matrix.compute()  # a collective: every rank computes
         loggers = [x for x in trainer.loggers if isinstance(x, IMAGE_LOGGERS)]
         if not trainer.is_global_zero or not loggers:

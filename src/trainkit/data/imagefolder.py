@@ -10,7 +10,7 @@ from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS
 from torchvision.transforms import v2
 
-from trainkit.data.sharding import ShardedDataModule
+from trainkit.data.sharding import EvenBatches, ShardedDataModule
 
 log = logging.getLogger(__name__)
 
@@ -251,14 +251,14 @@ class ImageFolderDataModule(ShardedDataModule):
 
     def _loader(self, split: str, train: bool) -> DataLoader:
         dataset = self.datasets[split]
+        shard = self.shard(len(dataset), train)
+        batch_size, drop_last = self.loader_batch_size(train), self.drop_last(train)
         return DataLoader(
             dataset,
-            batch_size=self.loader_batch_size(train),
-            sampler=self.shard(len(dataset), train),
+            batch_sampler=EvenBatches(shard, batch_size, shard.longest, drop_last),
             num_workers=self.num_workers,
             pin_memory=self.pin_memory and torch.cuda.is_available(),
             persistent_workers=self.persistent_workers,
-            drop_last=self.drop_last(train),
         )
 
     # --- class names travel with the checkpoint -------------------------------------------------

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 from torch import Tensor
 
 from trainkit.data.decode import normalize_images
-from trainkit.data.sharding import ShardedDataModule, ShardSampler
+from trainkit.data.sharding import ShardedDataModule, ShardSampler, batch_sizes
 
 
 class InMemoryLoader:
@@ -39,13 +39,22 @@ class InMemoryLoader:
         self._yielded = 0  # batches handed out in the current pass
         self._resume_at = 0  # batches the next pass skips (set by load_state_dict)
 
+    def _sizes(self) -> list[int]:
+        """Each batch's size: full ones only when dropping the last; else as many batches as the
+        longest rank's part makes (``batch_sizes``)."""
+        n = len(self.sampler)
+        if self.drop_last:
+            return [self.batch_size] * (n // self.batch_size)
+        return batch_sizes(n, self.batch_size, self.sampler.longest)
+
     def __iter__(self) -> Iterator[tuple[Tensor, ...]]:
         idx = self.sampler.indices()
+        sizes = self._sizes()
         self._yielded, self._resume_at = self._resume_at, 0
-        for start in range(
-            self._yielded * self.batch_size, len(self) * self.batch_size, self.batch_size
-        ):
-            batch = idx[start : start + self.batch_size]
+        start = sum(sizes[: self._yielded])
+        for size in sizes[self._yielded :]:
+            batch = idx[start : start + size]
+            start += size
             self._yielded += 1
             yield tuple(t[batch] for t in self.tensors)
 
@@ -58,8 +67,7 @@ class InMemoryLoader:
         self._resume_at = state["batches_done"]
 
     def __len__(self) -> int:
-        n = len(self.sampler)
-        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+        return len(self._sizes())
 
 
 class InMemoryDataModule(ShardedDataModule):

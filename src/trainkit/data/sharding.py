@@ -1,18 +1,48 @@
 """Each rank reads its own shard of a dataset, as its strategy defines ranks and replicas.
 
-Shared by every datamodule here. Lightning's DistributedSampler would pad evaluation shards with
-duplicate samples and skew distributed val/test metrics; these shards do not (Trainer
-``use_distributed_sampler=false``).
+Our datamodules shard their data themselves (``ShardSampler``); any other ``DataLoader`` is
+re-created with a sampler of its replica's part by ``shard_dataloader``, which the Trainer calls
+where Lightning would add its own (``trainkit.trainer``). Lightning's DistributedSampler would pad
+evaluation shards with duplicate samples and skew distributed val/test metrics; neither does.
 """
 
+import copy
+import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
+from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
+from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+from lightning.pytorch.overrides.distributed import (
+    UnrepeatedDistributedSampler,
+    UnrepeatedDistributedSamplerWrapper,
+    _IndexBatchSamplerWrapper,
+)
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.data import (
+    _get_dataloader_init_args_and_kwargs,
+    _is_dataloader_shuffled,
+    _update_dataloader,
+)
+from lightning.pytorch.utilities.seed import isolate_rng
 from torch import Tensor
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
 
-from trainkit.parallel import data_shard
+from trainkit.errors import ConfigError
+from trainkit.parallel import capabilities, data_shard
+
+log = logging.getLogger(__name__)
 
 
 class ShardSampler:
@@ -60,6 +90,51 @@ class ShardSampler:
             return self.size // self.world_size
         return len(range(self.rank, self.size, self.world_size))
 
+    @property
+    def longest(self) -> int:
+        """The length of the longest rank's part."""
+        return len(self) if self.even else -(-self.size // self.world_size)
+
+
+def batch_sizes(n: int, batch_size: int, longest: int) -> list[int]:
+    """The sizes of the batches of a rank's ``n`` samples, so that every rank takes as many as the
+    ``longest`` part: evaluation parts are one sample apart, and where that sample starts a
+    batch, a rank with one batch fewer would leave the others waiting in a forward that is a
+    collective (fsdp's all-gathers). Such a part is spread over the same count, in near-equal
+    batches; every other part is cut into ``batch_size`` batches as usual."""
+    count = -(-longest // batch_size)
+    if -(-n // batch_size) == count:
+        return [min(batch_size, n - start) for start in range(0, n, batch_size)]
+    if n < count:
+        raise ConfigError(
+            f"evaluation parts of {longest} and {n} samples in batches of {batch_size} cannot "
+            f"give every rank {count} batches: use a larger evaluation batch size or fewer devices"
+        )
+    q, r = divmod(n, count)
+    return [q + 1] * r + [q] * (count - r)
+
+
+class EvenBatches(BatchSampler):
+    """``sampler``'s indices in the batches ``batch_sizes`` gives: every rank the same number."""
+
+    def __init__(self, sampler: Any, batch_size: int, longest: int, drop_last: bool = False):
+        super().__init__(sampler, batch_size, drop_last)
+        self.longest = longest
+
+    def __iter__(self) -> Iterator[list[int]]:
+        if self.drop_last:  # training: equal parts, cut as usual
+            yield from super().__iter__()
+            return
+        indices, start = list(self.sampler), 0
+        for size in batch_sizes(len(indices), self.batch_size, self.longest):
+            yield indices[start : start + size]
+            start += size
+
+    def __len__(self) -> int:
+        if self.drop_last:
+            return super().__len__()
+        return len(batch_sizes(len(self.sampler), self.batch_size, self.longest))
+
 
 def seeded_split(n: int, n_val: int, seed: int) -> tuple[Tensor, Tensor]:
     """(train indices, val indices): a fixed random split of ``range(n)``."""
@@ -89,6 +164,8 @@ def val_count(val_size: int | float, n: int) -> int:
 class ShardedDataModule(L.LightningDataModule):
     """Base of our datamodules: batch sizes, the seeded validation split of the training data,
     and one shard per rank for each loader. Subclasses build ``_loader(split, train)``."""
+
+    shards_itself = True  # its loaders are one rank's part already: check_train_data skips them
 
     def __init__(
         self,
@@ -136,10 +213,10 @@ class ShardedDataModule(L.LightningDataModule):
 
     def drop_last(self, train: bool) -> bool:
         """Training drops an incomplete last batch when asked, or when the strategy fixes its
-        shapes at the first step (``requires_full_batches``: the pipeline)."""
+        shapes at the first step (its ``full_batches`` capability: the pipeline)."""
         if self.train_drop_last is None:
             strategy = self.trainer.strategy if self.trainer else None
-            return train and bool(getattr(strategy, "requires_full_batches", False))
+            return train and strategy is not None and capabilities(strategy).full_batches
         return train and self.train_drop_last
 
     def _loader(self, split: str, train: bool):
@@ -156,3 +233,144 @@ class ShardedDataModule(L.LightningDataModule):
 
     def predict_dataloader(self):
         return self._loader("test", train=False)
+
+
+# --- any other DataLoader: re-created with its replica's part, as Lightning re-creates one -------
+
+
+def samplers(loader: Any) -> list[Any]:
+    """The loader's sampler and its batch sampler's, those it has."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    found = [getattr(loader, "sampler", None), getattr(batch_sampler, "sampler", None)]
+    return [s for s in found if s is not None]
+
+
+def already_sharded(loader: Any) -> bool:
+    """A loader whose sampler already picks this rank's part: ours, or torch's DistributedSampler
+    (as Lightning, which leaves those alone)."""
+    return any(isinstance(s, (ShardSampler, DistributedSampler)) for s in samplers(loader))
+
+
+def unshardable(loader: Any) -> str | None:
+    """Why the template cannot give each replica its own part of ``loader``; None if it can."""
+    if isinstance(loader, DataLoader):
+        if isinstance(loader.dataset, IterableDataset):
+            return f"a DataLoader over an IterableDataset ({type(loader.dataset).__name__})"
+        return None
+    if already_sharded(loader):
+        return None
+    return f"a {type(loader).__name__}, not a torch DataLoader"
+
+
+def shard_dataloader(
+    loader: Any,
+    stage: RunningStage,
+    replica: int,
+    replicas: int,
+    overfit_batches: float = 0,
+    shards_itself: bool = False,
+) -> Any:
+    """``loader`` re-created with replica ``replica``'s part of its samples (``replicas`` in all):
+
+    - training: Lightning's ``DistributedSampler`` (or its wrapper around a custom sampler):
+      parts of equal length, so every rank takes the same steps, padded with a few repeated
+      samples rather than leaving any out; reshuffled every epoch from the run's seed
+      (``PL_GLOBAL_SEED``, as Lightning) where the loader shuffles (Lightning would shuffle a
+      ``shuffle=False`` loader too);
+    - validation, test and predict: every sample exactly once, parts at most one sample apart
+      (``UnrepeatedDistributedSampler``), so metrics synced over the ranks equal one device's.
+
+    Loaders that shard already, and those of a datamodule that says it shards itself, are left as
+    they are (a predict DataLoader re-created around the same sampler, as Lightning does, to
+    record each batch's indices). Training data that cannot be sharded is refused
+    (``check_train_data`` refuses it before the processes start, where it can); evaluation data
+    that cannot is left whole to every rank (a mean over the ranks is still one device's, a sum
+    is not).
+    """
+    reason = unshardable(loader)
+    if reason and stage == RunningStage.TRAINING and replicas > 1 and not shards_itself:
+        raise ConfigError(unshardable_message(reason, "train"))
+    if reason or shards_itself or already_sharded(loader):
+        if stage == RunningStage.PREDICTING and isinstance(loader, DataLoader):
+            # a custom batch sampler keeps its own sampler (ours: EvenBatches of a ShardSampler)
+            inner = getattr(loader.batch_sampler, "sampler", None) or loader.sampler
+            return _update_dataloader(loader, inner, mode=stage)
+        return loader
+    sampler = loader.sampler
+    plain = isinstance(sampler, (RandomSampler, SequentialSampler))
+    if stage == RunningStage.TRAINING:
+        shuffle = _is_dataloader_shuffled(loader) and not overfit_batches
+        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+        kwargs = {"num_replicas": replicas, "rank": replica, "shuffle": shuffle, "seed": seed}
+        if plain:
+            sampler = DistributedSampler(loader.dataset, **kwargs)
+        else:
+            sampler = DistributedSamplerWrapper(sampler, **kwargs)
+    else:
+        kwargs = {"num_replicas": replicas, "rank": replica, "shuffle": False}
+        if plain:
+            sampler = UnrepeatedDistributedSampler(loader.dataset, **kwargs)
+        else:
+            sampler = UnrepeatedDistributedSamplerWrapper(sampler, **kwargs)
+        longest, batch = -(-len(loader.sampler) // replicas), loader.batch_size
+        one_batch_short = batch and -(-len(sampler) // batch) < -(-longest // batch)
+        if one_batch_short:  # as many batches as the longest part, as our own shards
+            return _with_batches(loader, EvenBatches(sampler, batch, longest), stage)
+    return _update_dataloader(loader, sampler, mode=stage)
+
+
+def _with_batches(loader: DataLoader, batches: BatchSampler, stage: RunningStage) -> DataLoader:
+    """``loader`` re-created around ``batches`` (recording each batch's indices to predict, as
+    Lightning's own re-creation does)."""
+    args, kwargs = _get_dataloader_init_args_and_kwargs(loader, batches.sampler, stage)
+    if stage == RunningStage.PREDICTING:
+        batches = _IndexBatchSamplerWrapper(batches)
+    kwargs.update(batch_sampler=batches, sampler=None, batch_size=1, shuffle=False, drop_last=False)
+    return _reinstantiate_wrapped_cls(loader, *args, **kwargs)
+
+
+def check_train_data(datamodule: L.LightningDataModule, replicas: int, full_batches: bool) -> Any:
+    """In the process that starts a run of several, before it does: the training loader of a
+    datamodule that does not shard itself (``shards_itself``) can be shard_dataloader's, and
+    under a strategy that needs full batches it has no incomplete last batch. Returns the loader's
+    batch size (None where it has none, where the datamodule shards itself, or where its loader
+    cannot be built before the run: the first loader of every rank is checked then).
+
+    The loader exists only after ``setup("fit")``: a copy of the datamodule is set up, with every
+    random generator put back afterwards, so the run's own datamodule and seeds are untouched.
+    """
+    if getattr(datamodule, "shards_itself", False):
+        return None
+    probe = copy.deepcopy(datamodule)
+    with isolate_rng():
+        try:
+            probe.setup("fit")
+            loader = probe.train_dataloader()
+        except Exception as err:  # e.g. a loader that reads its trainer, which is not attached
+            log.debug("the training loader is checked at its first use instead: %s", err)
+            return None
+    reason = unshardable(loader)
+    if reason and replicas > 1:
+        raise ConfigError(unshardable_message(reason, "train"))
+    batch_size = getattr(loader, "batch_size", None)
+    sized = not reason and not already_sharded(loader)
+    if full_batches and batch_size and sized and not loader.drop_last:
+        part = -(-len(loader.sampler) // replicas)  # a DistributedSampler's, padded
+        if part % batch_size:
+            raise ConfigError(
+                f"the training DataLoader's last batch of each epoch would hold "
+                f"{part % batch_size} of its {batch_size} samples, and this strategy fixes its "
+                f"shapes at the first step (strategy=pipeline): pass drop_last=True to the "
+                f"DataLoader"
+            )
+    return batch_size
+
+
+def unshardable_message(reason: str, split: str) -> str:
+    return (
+        f"the {split} data is {reason}: the template cannot give each data-parallel replica its "
+        f"own part of it, so every rank would train on all of it. Return a DataLoader over a "
+        f"map-style Dataset (one with __len__ and __getitem__), or shard the stream per rank "
+        f"yourself (trainer.global_rank, trainer.world_size) and say so with the datamodule "
+        f"class attribute shards_itself = True"
+    )

@@ -14,6 +14,7 @@ with the full batch, says so once, and reports one device.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -22,6 +23,8 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
+
+from trainkit.parallel import LIGHTNING
 
 CPU_WARNING = (
     "strategy=dp on {device}: torch.nn.DataParallel only splits batches across GPUs; "
@@ -106,7 +109,8 @@ class DataParallelStrategy(ParallelStrategy):
     """
 
     strategy_name = "dp"
-    single_process = True  # read by trainkit.parallel: one process, whatever ``devices`` says
+    # one process, whatever ``devices`` says; on GPUs each step runs in a replica thread
+    capabilities = replace(LIGHTNING, single_process=True, threaded_replicas=True)
 
     # --- devices and ranks: one process -------------------------------------------------------
 

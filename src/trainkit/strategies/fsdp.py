@@ -11,12 +11,16 @@ Lightning's own ``strategy="fsdp"`` (FSDP1) refuses a CPU accelerator (Lightning
 from __future__ import annotations
 
 import weakref
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 # torch's interfaces for FSDPModule.set_custom_all_gather / set_custom_reduce_scatter, and its
@@ -26,9 +30,11 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMi
 
 from trainkit.errors import ConfigError
 from trainkit.launch import JobScriptLauncher
+from trainkit.parallel import LIGHTNING
+from trainkit.strategies.ddp import ExactMeanReduce
 
 
-class FSDPStrategy(ModelParallelStrategy):
+class FSDPStrategy(ExactMeanReduce, ModelParallelStrategy):
     """Each rank holds 1/N of every block's parameters, gradients and optimizer state; a block's
     whole parameters exist only during its own forward and backward (all-gathered, then freed
     again where ``reshard_after_forward``; on CPU with the collectives below, which hold nothing
@@ -39,8 +45,9 @@ class FSDPStrategy(ModelParallelStrategy):
 
     # What Lightning's ModelParallelStrategy runs (no 64-true, no float16 gradient scaler), and it
     # applies no layer sync (sync_batchnorm): preflight refuses the rest before any process starts
-    precisions = ("32-true", "bf16-mixed", "bf16-true", "16-true")
-    no_layer_sync = True
+    capabilities = replace(
+        LIGHTNING, syncs_layers=False, precisions=("32-true", "bf16-mixed", "bf16-true", "16-true")
+    )
 
     def __init__(
         self,
@@ -96,8 +103,26 @@ class FSDPStrategy(ModelParallelStrategy):
         super().setup_environment()
 
     def setup(self, trainer: Any) -> None:
+        """``ModelParallelStrategy.setup`` with the blocks sharded here first, and without its
+        demand that the task's ``configure_model`` shard them (this strategy does it, so a task
+        written for any strategy runs as it is)."""
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
         self._shard(self.lightning_module)
-        super().setup(trainer)
+        assert self.model is not None and self.accelerator is not None
+        if any(isinstance(m, FullyShardedDataParallel) for m in self.model.modules()):
+            raise TypeError("strategy=fsdp shards with FSDP2; the model holds FSDP1 wrappers")
+        self.accelerator.setup(trainer)
+        _materialize_distributed_module(self.model, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.barrier()
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
 
     def _shard(self, model: nn.Module) -> None:
         from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard

@@ -8,7 +8,7 @@ balanced by measured FLOPs or parameter count, or cut at explicit ``split_points
 runs only its own stage: a batch is split into ``microbatches`` (or micro-batches of
 ``microbatch_size``) that flow through the stages under a GPipe or 1F1B schedule, which runs
 forward and backward inside the training step; validation, test and predict flow forward-only.
-The task provides the steps' other parts (``PipelineTask``). ``schedule=interleaved``
+The task provides the steps' other parts (``pipeline_task.PipelineTask``). ``schedule=interleaved``
 (Megatron's interleaved 1F1B) cuts the model into ``stages x virtual_stages`` chunks and gives
 each process every ``stages``-th chunk, which shortens the pipeline's fill and drain.
 
@@ -33,10 +33,11 @@ Traps this handles (docs/design.md, "Pipeline gradients zeroed by zero_grad" and
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
+from dataclasses import replace
 from functools import cache
 from itertools import chain
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,7 +57,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from trainkit.errors import ConfigError
+from trainkit.parallel import LIGHTNING
 from trainkit.strategies.ddp import DDPStrategy
+from trainkit.strategies.pipeline_task import check_pipeline_task
 
 log = logging.getLogger(__name__)
 
@@ -68,34 +71,6 @@ LOGIT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)  # 
 
 class PipelineConfigError(ConfigError):
     """A pipeline shape that cannot run; raised before any process starts."""
-
-
-class PipelineTask(Protocol):
-    """What a LightningModule provides to run under ``strategy=pipeline``; ``check_run`` checks it.
-
-    Besides the block sequence (the attribute ``strategy.module`` names), the strategy needs the
-    pieces of the task's steps around the model's forward, which it replaces by the stages': the
-    task's ``training_step``, ``validation_step``, ``test_step`` and ``predict_step`` are not
-    called. Metrics and logging stay in the task's ``on_*_batch_end`` hooks, which get the output.
-    """
-
-    loss_fn: Callable[[Tensor, Tensor], Tensor]  # (logits, target) -> mean loss of a micro-batch
-    input_shape: Sequence[int] | None  # one sample's shape: balance=flops measures blocks on it
-
-    def split_batch(self, batch: Any) -> tuple[Tensor, Tensor]:
-        """The model's input (in the weights' dtype) and the target."""
-        ...
-
-    def step_output(self, logits: Tensor, loss: Tensor, target: Tensor) -> Any:
-        """What the task's training, validation and test steps return for these logits."""
-        ...
-
-    def prediction(self, logits: Tensor) -> Any:
-        """What the task's predict step returns for these logits."""
-        ...
-
-
-TASK_MEMBERS = ("loss_fn", "input_shape", "split_batch", "step_output", "prediction")
 
 
 def balanced_split(sizes: list[int], stages: int) -> list[int]:
@@ -214,8 +189,11 @@ class PipelineStrategy(DDPStrategy):
     """GPipe / 1F1B pipeline over ``stages`` processes (one per device), through Lightning."""
 
     strategy_name = "pipeline"
-    requires_full_batches = True  # shapes are fixed at the first step: data.drop_last=true
-    materialises_blocks = True  # build the net on the meta device: setup materialises own blocks
+    # its own steps from PipelineTask's members; shapes are fixed at the first step (full
+    # batches: data.drop_last=true); the net starts on meta, each process materialises its own
+    capabilities = replace(
+        LIGHTNING, runs_task_steps=False, full_batches=True, materialises_blocks=True
+    )
 
     def __init__(
         self,
@@ -324,16 +302,10 @@ class PipelineStrategy(DDPStrategy):
         return balanced_split(sizes, self.chunks)
 
     def check_run(
-        self, lightning_module: nn.Module, devices: int, batch_size: int, num_nodes: int = 1
+        self, lightning_module: nn.Module, devices: int, batch_size: int | None, num_nodes: int = 1
     ) -> None:
         """Everything that would fail after the processes start, said before they do."""
-        missing = [m for m in TASK_MEMBERS if not hasattr(lightning_module, m)]
-        if missing:
-            raise PipelineConfigError(
-                f"strategy=pipeline runs {type(lightning_module).__name__} through its stages but "
-                f"it lacks {', '.join(missing)}: implement PipelineTask "
-                f"(trainkit/strategies/pipeline.py), as trainkit.tasks.ImageClassifier does"
-            )
+        check_pipeline_task(lightning_module)
         self.stage_starts(lightning_module)
         balance_by_flops = self.split_points is None and self.balance == "flops"
         if balance_by_flops and lightning_module.input_shape is None:
@@ -348,6 +320,8 @@ class PipelineStrategy(DDPStrategy):
                 f"replica: devices x num_nodes ({devices} x {num_nodes}) must be a multiple of "
                 f"{self.stages}"
             )
+        if batch_size is None:  # a loader of the user's not read here: the first step checks it
+            return
         microbatches = self.microbatches_for(batch_size)
         if self.schedule_name == "1f1b" and microbatches < self.stages:
             raise PipelineConfigError(

@@ -1,5 +1,6 @@
 """LightningModules: what is learned and how it is scored, whatever strategy runs it."""
 
+from trainkit.tasks.base import Task
 from trainkit.tasks.classification import ImageClassifier
 
-__all__ = ["ImageClassifier"]
+__all__ = ["ImageClassifier", "Task"]

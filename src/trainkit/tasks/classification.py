@@ -1,18 +1,12 @@
-import logging
-from collections.abc import Callable, Sequence
-from typing import Any
+"""Image classification: cross-entropy, scored with accuracy."""
 
-import lightning as L
-import torch
-from lightning.pytorch.core.optimizer import LightningOptimizer
+from collections.abc import Sequence
+
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-log = logging.getLogger(__name__)
-
-OptimizerFactory = Callable[..., torch.optim.Optimizer]
-SchedulerFactory = Callable[..., torch.optim.lr_scheduler.LRScheduler]
+from trainkit.tasks.base import OptimizerFactory, SchedulerFactory, Task
 
 
 def sample_mean(batch_mean: Tensor, n: int) -> Tensor:
@@ -22,13 +16,9 @@ def sample_mean(batch_mean: Tensor, n: int) -> Tensor:
     return batch_mean.detach().reshape(1).expand(n)
 
 
-class ImageClassifier(L.LightningModule):
-    """Any ``net`` trained with cross-entropy, scored with torchmetrics accuracy.
-
-    ``input_shape`` is one sample's shape (filled from the datamodule).
-    ``optimizer`` and ``scheduler`` are factories (Hydra ``_partial_: true``) bound to the
-    parameters in ``configure_optimizers``, after a strategy has wrapped or split the model. Only
-    plain values go into ``hparams``: the checkpoint loads with ``torch.load(weights_only=True)``.
+class ImageClassifier(Task):
+    """Any ``net`` trained with cross-entropy, scored with torchmetrics accuracy (the net,
+    optimizer and the rest: ``Task``).
 
     Training metrics accumulate in torchmetrics every step but reach ``self.log`` only every
     ``trainer.log_every_n_steps`` steps and at epoch end: a ``self.log`` call costs a sizeable part
@@ -45,14 +35,7 @@ class ImageClassifier(L.LightningModule):
         compile: bool = False,
         input_shape: Sequence[int] | None = None,
     ) -> None:
-        super().__init__()
-        # one sample's shape: a pipeline measures each block's FLOPs on it before building stages
-        # (a plain tuple, not Hydra's ListConfig: hparams must load with weights_only=True)
-        input_shape = tuple(input_shape) if input_shape is not None else None
-        self.save_hyperparameters(ignore=["net", "optimizer", "scheduler"])
-        self.net = net
-        self.optimizer_factory = optimizer
-        self.scheduler_factory = scheduler
+        super().__init__(net, optimizer, scheduler, scheduler_interval, compile, input_shape)
         self.loss_fn = nn.CrossEntropyLoss()
         # validate_args=False: no per-step scan of the targets, which our own labels never need
         # nan_strategy="disable": no per-step GPU wait; it drops weights, hence sample_mean()
@@ -63,30 +46,11 @@ class ImageClassifier(L.LightningModule):
         # sample-weighted means synced at compute: exact for any world size and uneven shards
         self.val_loss = MeanMetric(nan_strategy="disable")
         self.test_loss = MeanMetric(nan_strategy="disable")
-        self.compile_blocks, self._compiled = compile, False
-        self.input_shape = input_shape
 
-    def configure_model(self) -> None:
-        """``compile=true``: each block of ``net`` compiled in place (``nn.Module.compile``), so the
-        checkpoint's keys do not change; Lightning calls this before a strategy wraps or splits the
-        model, so each pipeline stage runs its own blocks compiled."""
-        if self.compile_blocks and not self._compiled:
-            # Every block compiled this way shares one code object (Module._call_impl), and dynamo
-            # keeps at most recompile_limit (8) compiled variants of a code object: one per block
-            # structure, grad mode (training, evaluation) and input shape. Past the limit a block
-            # runs eager, with one warning. Room for 8 variants per block:
-            limit = max(torch._dynamo.config.recompile_limit, 8 * len(self.net))
-            torch._dynamo.config.recompile_limit = limit
-            for block in self.net:
-                block.compile()
-            self._compiled = True
-            log.info("torch.compile: %d blocks of %s", len(self.net), type(self.net).__name__)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.net(x)
-
-    # What strategy=pipeline needs (strategies/pipeline.py, PipelineTask): the batch as (input,
-    # target), and a step's output or prediction from the logits, which there come from the stages.
+    # The steps are PipelineTask's, composed from these members; under strategy=pipeline the
+    # logits come from the stages instead of self(x). Steps compute; the *_batch_end hooks update
+    # metrics and log: they run once per batch in the main thread with the step's output,
+    # gathered when a strategy (dp) splits the batch.
 
     def split_batch(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
         x, y = batch
@@ -98,17 +62,6 @@ class ImageClassifier(L.LightningModule):
 
     def prediction(self, logits: Tensor) -> Tensor:
         return logits.argmax(dim=1)
-
-    def _shared_step(self, batch: tuple[Tensor, Tensor]) -> dict[str, Tensor]:
-        x, y = self.split_batch(batch)
-        logits = self(x)
-        return self.step_output(logits, self.loss_fn(logits, y), y)
-
-    # Steps compute; the *_batch_end hooks update metrics and log. The hooks run once per batch in
-    # the main thread with the step's output, gathered when a strategy (dp) splits the batch.
-
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> dict[str, Tensor]:
-        return self._shared_step(batch)
 
     def on_train_batch_end(self, outputs: dict[str, Tensor], batch, batch_idx: int) -> None:
         loss, n = outputs["loss"].detach(), len(outputs["target"])
@@ -123,46 +76,14 @@ class ImageClassifier(L.LightningModule):
         self.train_loss.reset()
         self.train_acc.reset()
 
-    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> dict[str, Tensor]:
-        return self._shared_step(batch)
-
     def on_validation_batch_end(self, outputs, batch, batch_idx: int, dataloader_idx: int = 0):
         self.val_loss.update(sample_mean(outputs["loss"], len(outputs["target"])))
         self.val_acc.update(outputs["logits"], outputs["target"])
         self.log("val/loss", self.val_loss)
         self.log("val/acc", self.val_acc, prog_bar=True)
 
-    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> dict[str, Tensor]:
-        return self._shared_step(batch)
-
     def on_test_batch_end(self, outputs, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
         self.test_loss.update(sample_mean(outputs["loss"], len(outputs["target"])))
         self.test_acc.update(outputs["logits"], outputs["target"])
         self.log("test/loss", self.test_loss)
         self.log("test/acc", self.test_acc)
-
-    def predict_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        return self.prediction(self(self.split_batch(batch)[0]))
-
-    def configure_optimizers(self):
-        optimizer = self.optimizer_factory(params=self.parameters())
-        if self.scheduler_factory is None:
-            return optimizer
-        scheduler = self.scheduler_factory(optimizer=optimizer)
-        return {
-            "optimizer": optimizer,
-            "lr_scheduler": {"scheduler": scheduler, "interval": self.hparams.scheduler_interval},
-        }
-
-    def optimizer_step(
-        self,
-        epoch: int,
-        batch_idx: int,
-        optimizer: torch.optim.Optimizer | LightningOptimizer,
-        optimizer_closure: Callable[[], Any] | None = None,
-    ) -> None:
-        """The step, then the gradients freed at once: Lightning frees them only after the next
-        forward, which would run beside a model-sized gradient buffer (docs/design.md, "Where a
-        step's memory goes")."""
-        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
-        optimizer.zero_grad(set_to_none=True)

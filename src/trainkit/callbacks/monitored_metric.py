@@ -1,0 +1,29 @@
+"""The run's ``monitor`` checked against what the validation really logs, before training."""
+
+import lightning as L
+
+from trainkit.errors import ConfigError
+
+
+class MonitoredMetric(L.Callback):
+    """Refuses a ``monitor`` that the task's validation does not log, at the end of the sanity
+    check: before the first training step, where Lightning's ModelCheckpoint would refuse it only
+    after the first epoch's training. A metric that only training logs cannot be told from a typo
+    then: such a run turns the sanity check off."""
+
+    def __init__(self, monitor: str | None) -> None:
+        self.monitor = monitor
+
+    def on_sanity_check_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        logged = sorted(trainer.callback_metrics)
+        if self.monitor is None or trainer.val_dataloaders is None:
+            return
+        # every rank decides alike (a metric logged with rank_zero_only is on rank 0 only)
+        if trainer.strategy.reduce_boolean_decision(self.monitor in logged, all=True):
+            return
+        raise ConfigError(
+            f"monitor={self.monitor} is not among the metrics that {type(pl_module).__name__}'s "
+            f"validation logs ({', '.join(logged) or 'none'}), and the best checkpoint is chosen "
+            f"by it: set monitor=<one of them> (monitor_mode=min for a loss), or monitor=null "
+            f"(for a metric only training logs, also trainer.num_sanity_val_steps=0)"
+        )

@@ -1,0 +1,99 @@
+"""The contract between ``strategy=pipeline`` and a task: what a LightningModule provides so that
+the pipeline can run its steps with the stages' forward in place of the model's.
+
+A process of a pipeline holds only its own blocks, so the task's steps cannot call ``self(x)``.
+The pipeline composes each step itself from the task's members instead. ``PipelineTask`` writes
+the same steps from the same members for every other strategy, so a task that subclasses it
+(``ImageClassifier``, the autoencoder of docs/add_a_task.md) runs one path everywhere; logging
+and metric updates belong in the ``on_*_batch_end`` hooks, which get each step's output.
+Kept apart from ``pipeline.py`` so that a task imports the contract without the pipelining code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import lightning as L
+from torch import Tensor, nn
+
+from trainkit.errors import ConfigError
+
+MEMBERS = ("loss_fn", "input_shape", "split_batch", "step_output", "prediction")
+STEPS = ("training_step", "validation_step", "test_step", "predict_step")
+
+
+class PipelineTask(L.LightningModule):
+    """A task whose steps are ``step_output(logits, loss_fn(logits, target), target)`` with
+    ``x, target = split_batch(batch)`` and ``logits = self(x)``, and ``prediction(self(x))``."""
+
+    loss_fn: Callable[[Tensor, Tensor], Tensor]  # (output, target) -> mean loss of a micro-batch
+    input_shape: Sequence[int] | None  # one sample's shape: balance=flops measures blocks on it
+
+    def split_batch(self, batch: Any) -> tuple[Tensor, Tensor]:
+        """The model's input (in the weights' dtype) and the target."""
+        raise NotImplementedError
+
+    def step_output(self, logits: Tensor, loss: Tensor, target: Tensor) -> Any:
+        """What the training, validation and test steps return for this output of the model."""
+        raise NotImplementedError
+
+    def prediction(self, logits: Tensor) -> Any:
+        """What the predict step returns for this output of the model."""
+        raise NotImplementedError
+
+    def _step(self, batch: Any) -> Any:
+        x, target = self.split_batch(batch)
+        logits = self(x)
+        return self.step_output(logits, self.loss_fn(logits, target), target)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        return self._step(batch)
+
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+        return self._step(batch)
+
+    def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+        return self._step(batch)
+
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+        return self.prediction(self(self.split_batch(batch)[0]))
+
+
+def implements(module: nn.Module, member: str) -> bool:
+    """Whether ``module`` has ``member``, other than ``PipelineTask``'s unimplemented stubs."""
+    if not hasattr(module, member):
+        return False
+    defined_by = next((c for c in type(module).__mro__ if member in vars(c)), None)
+    return defined_by is not PipelineTask
+
+
+def overridden_steps(module: nn.Module) -> list[str]:
+    """The steps ``module``'s class writes itself, which a pipeline would not call."""
+    own = []
+    for name in STEPS:
+        defined_by = next(c for c in type(module).__mro__ if name in vars(c))
+        if defined_by not in (PipelineTask, L.LightningModule):
+            own.append(f"{defined_by.__name__}.{name}")
+    return own
+
+
+def check_pipeline_task(module: nn.Module) -> None:
+    """Refuses, with the list, a task that lacks a member the pipeline needs or writes a step
+    the pipeline would not call."""
+    name = type(module).__name__
+    missing = [m for m in MEMBERS if not implements(module, m)]
+    if missing:
+        raise ConfigError(
+            f"strategy=pipeline runs {name} through its stages but it lacks "
+            f"{', '.join(missing)}: subclass trainkit.strategies.pipeline_task.PipelineTask and "
+            f"give it those members, as trainkit.tasks.ImageClassifier does"
+        )
+    steps = overridden_steps(module)
+    if steps:
+        raise ConfigError(
+            f"strategy=pipeline composes each step from {name}'s split_batch, loss_fn, "
+            f"step_output and prediction, and would not call {', '.join(steps)}: move what they "
+            f"add into those members or into the on_*_batch_end hooks (which get each step's "
+            f"output), or use another strategy"
+        )

@@ -1,0 +1,263 @@
+"""A LightningModule and a LightningDataModule written as Lightning's docs write them
+(tests/lightning_docs.py), plugged in through config only (a config directory of the user's on
+``hydra.searchpath``): trained right under every strategy, or refused before any work with the
+reason and the fix.
+
+Right means: each rank takes the steps per epoch that Lightning's own DistributedSampler gives,
+every training sample is seen in every epoch, and the run's test metrics (on all its ranks) equal
+``eval.py``'s on one device, on the same checkpoint.
+"""
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+from torch.utils.data import DataLoader, DistributedSampler
+
+from helpers import processes, run_python, sample_digest
+from trainkit.data.synthetic import write_mnist
+from trainkit.errors import ConfigError
+
+USER_CONF = {
+    "model/lit.yaml": """
+_target_: lightning_docs.LitClassifier
+hidden_dim: 8
+learning_rate: 3.0e-4
+""",
+    "model/backbone.yaml": """
+_target_: lightning_docs.LitBackbone
+backbone:
+  _target_: lightning_docs.mnist_backbone
+""",
+    "data/lit.yaml": """
+_target_: lightning_docs.MNISTDataModule
+data_dir: ${paths.data_dir}
+batch_size: 64
+train_fraction: 0.8
+download: false
+""",
+    "data/stream.yaml": """
+defaults:
+  - lit
+_target_: lightning_docs.StreamDataModule
+""",
+    "data/drop_last.yaml": """
+defaults:
+  - lit
+_target_: lightning_docs.DropLastMNISTDataModule
+""",
+}
+BATCH = 64
+
+
+@pytest.fixture(scope="module")
+def user_conf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The user's own config groups, beside the template's."""
+    conf = tmp_path_factory.mktemp("user_conf")
+    for name, text in USER_CONF.items():
+        (conf / name).parent.mkdir(exist_ok=True)
+        (conf / name).write_text(text.lstrip())
+    return conf
+
+
+@pytest.fixture(scope="module")
+def odd_mnist(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """1003 training images (random_split: 803 train, 200 val) and 251 test images: 3 ranks divide
+    none of them."""
+    return write_mnist(tmp_path_factory.mktemp("odd_mnist"), n_train=1003, n_test=251)
+
+
+def user_run(
+    conf: Path, data_root: Path, *extra: str, model: str = "lit", data: str = "lit"
+) -> tuple[str, ...]:
+    return (
+        f"hydra.searchpath=[file://{conf}]",
+        f"model={model}",
+        f"data={data}",
+        f"paths.data_dir={data_root}",
+        "accelerator=cpu",
+        "seed=0",
+        "monitor=val_acc",
+        "trainer.max_epochs=1",
+        *extra,
+    )
+
+
+def training_set(data_root: Path, fraction: float):
+    config = OmegaConf.create(USER_CONF["data/lit.yaml"])
+    datamodule = instantiate(config, data_dir=data_root, train_fraction=fraction)
+    datamodule.setup("fit")
+    return datamodule.mnist_train
+
+
+@pytest.mark.parametrize(
+    ("strategy", "devices", "odd", "fraction"),
+    [
+        ("auto", 1, False, 0.8),
+        ("ddp", 2, False, 0.8),
+        ("ddp_spawn", 2, False, 0.8),
+        # 129 validation samples: parts of 65 and 64, one batch of 64 apart, where fsdp's ranks
+        # must take the same number of batches (each forward all-gathers)
+        ("fsdp", 2, False, 0.871),
+        ("ddp", 3, True, 0.8),  # 803 training, 200 validation and 251 test samples
+        ("fsdp", 3, True, 0.8),
+    ],
+)
+def test_standard_lightning_code_trains_and_tests_right(
+    strategy: str,
+    devices: int,
+    odd: bool,
+    fraction: float,
+    user_conf: Path,
+    mnist_root: Path,
+    odd_mnist: Path,
+    run_script: Callable[..., Path],
+    run_here: Callable[..., Path],
+) -> None:
+    data_root = odd_mnist if odd else mnist_root
+    fsdp = ("strategy.module=model",) if strategy == "fsdp" else ()  # LitClassifier's blocks
+    timeout = () if strategy == "auto" else ("strategy.timeout.seconds=60",)  # a hang fails soon
+    run_dir = run_script(
+        "train.py",
+        *user_run(user_conf, data_root, f"strategy={strategy}", f"devices={devices}", *fsdp),
+        f"data.train_fraction={fraction}",
+        *timeout,
+        "+callbacks.seen._target_=helpers.SeenSamples",
+    )
+
+    # each rank: the steps of Lightning's DistributedSampler over the same training set
+    train = training_set(data_root, fraction)
+    expected = [
+        len(DataLoader(train, BATCH, sampler=DistributedSampler(train, devices, r, seed=0)))
+        for r in range(devices)
+    ]
+    seen = [json.loads((run_dir / f"seen.rank{r}.json").read_text()) for r in range(devices)]
+    assert [epochs[0]["batches"] for epochs in seen] == expected
+    # every training sample once, and as a DistributedSampler pads, a few twice to even the parts
+    digests = [d for epochs in seen for d in epochs[0]["samples"]]
+    assert set(digests) == {sample_digest(train[i][0]) for i in range(len(train))}
+    assert len(digests) == devices * math.ceil(len(train) / devices)
+    if devices > 1:
+        parts = [set(epochs[0]["samples"]) for epochs in seen]
+        assert sum(len(p) for p in parts) - len(set().union(*parts)) < devices  # the padding only
+
+    # the run's test, on all its ranks, equals one device's eval.py on its best checkpoint
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    evaluated = run_here(
+        "eval.py", f"ckpt_path={metrics['best_checkpoint']}", "accelerator=cpu", "devices=1"
+    )
+    single = json.loads((evaluated / "metrics.json").read_text())["test"]
+    assert set(single) == {"test_loss", "test_acc"}
+    for key, value in single.items():
+        assert metrics["test"][key] == pytest.approx(value, abs=1e-6), key
+    assert 0 < single["test_acc"] < 1  # a metric that a padded or a missing sample would move
+
+
+def refused(proc, log_dir: Path, *says: str, fit_started: bool = False) -> None:
+    """The run failed with a message that says each of ``says`` (the cause and the fix), before
+    any rank took a training step or wrote a checkpoint, and unless ``fit_started``, before any
+    rank started to fit."""
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output[-3000:]
+    for words in says:
+        assert words in output, (words, output[-3000:])
+    assert "to the first training step" not in output  # StartupTime says it at the first step
+    assert not list(log_dir.glob("train/runs/*/checkpoints/*"))
+    if not fit_started:
+        for run_dir in log_dir.glob("train/runs/*"):
+            assert processes(run_dir) == []  # ProcessInfo says it when a rank starts to fit
+
+
+@pytest.mark.parametrize(
+    ("groups", "extra", "says"),
+    [
+        (  # save_hyperparameters() keeping the backbone: a checkpoint weights_only cannot load
+            {"model": "backbone"},
+            (),
+            (
+                "LitBackbone's hyperparameter 'backbone' (a torch.nn.modules.container.Sequential)",
+                "so testing the best checkpoint would fail after training",
+                "save_hyperparameters(ignore=['backbone'])",
+                "weights_only=false",
+            ),
+        ),
+        (  # a stream under 2 processes: every rank would train on all of it
+            {"data": "stream"},
+            ("strategy=ddp", "devices=2"),
+            (
+                "the train data is a DataLoader over an IterableDataset (Stream)",
+                "so every rank would train on all of it",
+                "shards_itself = True",
+            ),
+        ),
+        (  # the pipeline would not call the module's own steps
+            {},
+            ("strategy=pipeline", "devices=2", "strategy.module=model"),
+            (
+                "strategy=pipeline runs LitClassifier through its stages but it lacks loss_fn",
+                "subclass trainkit.strategies.pipeline_task.PipelineTask",
+            ),
+        ),
+        (  # our pipelined MLP on their data, whose loader keeps a short last batch: random_split
+            # gives 801 of 1000 to training (0.8 and 1 - 0.8 in floats), 12 x 64 + 33
+            {"model": "mlp"},
+            ("model.num_classes=10", "strategy=pipeline", "devices=2"),
+            ("last batch of each epoch would hold 33 of its 64 samples", "drop_last=True"),
+        ),
+        (  # the template's default monitor, which this module does not log: after the sanity
+            # check's validation, before the first training step
+            {},
+            ("monitor=val/acc",),
+            ("monitor=val/acc is not among the metrics", "(val_acc, val_loss)", "monitor=<one"),
+        ),
+    ],
+)
+def test_what_cannot_run_is_refused_before_the_first_step(
+    groups: dict[str, str],
+    extra: tuple[str, ...],
+    says: tuple[str, ...],
+    user_conf: Path,
+    mnist_root: Path,
+    tmp_path: Path,
+) -> None:
+    run = user_run(user_conf, mnist_root, *extra, **groups)
+    proc = run_python("train.py", *run, log_dir=tmp_path)
+    refused(proc, tmp_path, *says, fit_started="monitor=val/acc" in extra)
+
+
+def test_the_stages_of_a_pipeline_read_the_same_batches_of_user_data(
+    user_conf: Path, mnist_root: Path, run_script: Callable[..., Path]
+) -> None:
+    """Our pipelined MLP on their DataLoader (drop_last=True, as the refusal above asks): both
+    stages take the same 12 batches (801 // 64), even with no seed to share."""
+    run = user_run(user_conf, mnist_root, data="drop_last", model="mlp")
+    run_dir = run_script(
+        "train.py",
+        *run,
+        *("model.num_classes=10", "model.input_shape=[1,28,28]", "monitor=val/acc"),
+        *("strategy=pipeline", "devices=2", "seed=null"),
+        "+callbacks.seen._target_=helpers.SeenSamples",
+    )
+    first, last = (json.loads((run_dir / f"seen.rank{r}.json").read_text())[0] for r in (0, 1))
+    assert first == last and first["batches"] == 12
+    assert len(set(first["samples"])) == 12 * BATCH
+
+
+def test_trusted_checkpoints_with_pickled_objects_load_when_asked(
+    user_conf: Path, mnist_root: Path, run_here: Callable[..., Path]
+) -> None:
+    """``weights_only=false``, the documented opt-in: the module that keeps its backbone trains
+    and tests its best checkpoint; eval.py reads it only when asked too, and says so otherwise."""
+    run = user_run(user_conf, mnist_root, "monitor=val_loss", "monitor_mode=min", model="backbone")
+    run_dir = run_here("train.py", *run, "weights_only=false", "trainer.limit_train_batches=2")
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert set(metrics["test"]) == {"test_loss"}  # the best checkpoint loaded and tested
+    ckpt = (f"ckpt_path={metrics['best_checkpoint']}", "accelerator=cpu")
+    evaluated = run_here("eval.py", *ckpt, "weights_only=false")
+    assert json.loads((evaluated / "metrics.json").read_text())["test"] == metrics["test"]
+    with pytest.raises(ConfigError, match=r"holds pickled torch.nn.modules.container.Sequential"):
+        run_here("eval.py", *ckpt)
