@@ -9,7 +9,7 @@ from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.trainer.connectors.data_connector import _DataConnector
 from lightning.pytorch.trainer.states import RunningStage
 
-from trainkit.data.sharding import shard_dataloader
+from trainkit.data.sharding import shard_dataloader, shards_itself
 
 
 class _EpochLoop(_TrainingEpochLoop):
@@ -34,10 +34,9 @@ class _ShardingDataConnector(_DataConnector):
             return super()._prepare_dataloader(dataloader, shuffle, mode)
         kwargs: dict[str, Any] = trainer.distributed_sampler_kwargs or {}
         replica, replicas = kwargs.get("rank", 0), kwargs.get("num_replicas", 1)
-        # a datamodule's own declaration (ours make it): its loaders are one rank's part already
-        shards_itself = bool(getattr(trainer.datamodule, "shards_itself", False))
+        declared = shards_itself(trainer.datamodule)
         overfit = trainer.overfit_batches
-        return shard_dataloader(dataloader, mode, replica, replicas, overfit, shards_itself)
+        return shard_dataloader(dataloader, mode, replica, replicas, overfit, declared)
 
 
 class Trainer(L.Trainer):

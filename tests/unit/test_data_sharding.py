@@ -15,6 +15,7 @@ from torch.utils.data import (
     IterableDataset,
     TensorDataset,
     WeightedRandomSampler,
+    random_split,
 )
 
 from trainkit.data import MNISTDataModule
@@ -188,3 +189,35 @@ def test_any_evaluation_loader_takes_the_same_number_of_batches(stage: RunningSt
     if stage == PREDICT:  # Lightning's record of each batch's indices, for the prediction writer
         recorded = parts[1].batch_sampler.seen_batch_indices
         assert recorded == [list(range(1, 64, 2)), list(range(65, 129, 2))]
+
+
+class UnseededSplit(L.LightningDataModule):
+    """A setup that draws from the global generator (random_split without its own) and counts
+    its calls: run twice in one rank, it would give that rank another split than the others'."""
+
+    setups = 0
+
+    def setup(self, stage: str) -> None:
+        type(self).setups += 1
+        self.train, self.val = random_split(TensorDataset(torch.arange(20)), [16, 4])
+
+    def train_dataloader(self):
+        return DataLoader(self.train, batch_size=4, shuffle=True)
+
+
+def test_the_check_before_launch_leaves_the_runs_datamodule_and_seeds_alone() -> None:
+    datamodule = UnseededSplit()
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    assert check_train_data(datamodule, replicas=2, full_batches=False) == 4
+    assert UnseededSplit.setups == 1 and not hasattr(datamodule, "train")  # a copy was set up
+    assert torch.equal(torch.get_rng_state(), state)  # the split Lightning makes is the same
+
+
+class NeedsTrainer(L.LightningDataModule):
+    def train_dataloader(self):
+        return DataLoader(range(self.trainer.world_size))  # no trainer before the run
+
+
+def test_a_loader_that_cannot_be_built_before_the_run_is_checked_at_its_first_use() -> None:
+    assert check_train_data(NeedsTrainer(), replicas=2, full_batches=True) is None

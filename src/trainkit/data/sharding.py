@@ -238,6 +238,12 @@ class ShardedDataModule(L.LightningDataModule):
 # --- any other DataLoader: re-created with its replica's part, as Lightning re-creates one -------
 
 
+def shards_itself(datamodule: Any) -> bool:
+    """A datamodule's own declaration (``shards_itself = True``, as ours make) that its loaders are
+    one rank's part already: the template leaves them alone."""
+    return getattr(datamodule, "shards_itself", False) is True
+
+
 def samplers(loader: Any) -> list[Any]:
     """The loader's sampler and its batch sampler's, those it has."""
     batch_sampler = getattr(loader, "batch_sampler", None)
@@ -268,7 +274,7 @@ def shard_dataloader(
     replica: int,
     replicas: int,
     overfit_batches: float = 0,
-    shards_itself: bool = False,
+    declared: bool = False,
 ) -> Any:
     """``loader`` re-created with replica ``replica``'s part of its samples (``replicas`` in all):
 
@@ -280,17 +286,17 @@ def shard_dataloader(
     - validation, test and predict: every sample exactly once, parts at most one sample apart
       (``UnrepeatedDistributedSampler``), so metrics synced over the ranks equal one device's.
 
-    Loaders that shard already, and those of a datamodule that says it shards itself, are left as
-    they are (a predict DataLoader re-created around the same sampler, as Lightning does, to
-    record each batch's indices). Training data that cannot be sharded is refused
-    (``check_train_data`` refuses it before the processes start, where it can); evaluation data
-    that cannot is left whole to every rank (a mean over the ranks is still one device's, a sum
-    is not).
+    Loaders that shard already, and those of a datamodule that says it shards itself
+    (``declared``: ``shards_itself``), are left as they are (a predict DataLoader re-created
+    around the same sampler, as Lightning does, to record each batch's indices). Training data
+    that cannot be sharded is refused (``check_train_data`` refuses it before the processes start,
+    where it can); evaluation data that cannot is left whole to every rank (a mean over the ranks
+    is still one device's, a sum is not).
     """
     reason = unshardable(loader)
-    if reason and stage == RunningStage.TRAINING and replicas > 1 and not shards_itself:
+    if reason and stage == RunningStage.TRAINING and replicas > 1 and not declared:
         raise ConfigError(unshardable_message(reason, "train"))
-    if reason or shards_itself or already_sharded(loader):
+    if reason or declared or already_sharded(loader):
         if stage == RunningStage.PREDICTING and isinstance(loader, DataLoader):
             # a custom batch sampler keeps its own sampler (ours: EvenBatches of a ShardSampler)
             inner = getattr(loader.batch_sampler, "sampler", None) or loader.sampler
@@ -339,7 +345,7 @@ def check_train_data(datamodule: L.LightningDataModule, replicas: int, full_batc
     The loader exists only after ``setup("fit")``: a copy of the datamodule is set up, with every
     random generator put back afterwards, so the run's own datamodule and seeds are untouched.
     """
-    if getattr(datamodule, "shards_itself", False):
+    if shards_itself(datamodule):
         return None
     probe = copy.deepcopy(datamodule)
     with isolate_rng():
