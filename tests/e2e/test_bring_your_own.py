@@ -99,7 +99,6 @@ def training_set(data_root: Path, fraction: float):
     [
         ("auto", 1, False, 0.8),
         ("ddp", 2, False, 0.8),
-        ("ddp_spawn", 2, False, 0.8),
         # 129 validation samples: parts of 65 and 64, one batch of 64 apart, where fsdp's ranks
         # must take the same number of batches (each forward all-gathers)
         ("fsdp", 2, False, 0.871),
@@ -157,34 +156,22 @@ def test_standard_lightning_code_trains_and_tests_right(
     assert 0 < single["test_acc"] < 1  # a metric that a padded or a missing sample would move
 
 
-def refused(proc, log_dir: Path, *says: str, fit_started: bool = False) -> None:
+def refused(proc, log_dir: Path, *says: str) -> None:
     """The run failed with a message that says each of ``says`` (the cause and the fix), before
-    any rank took a training step or wrote a checkpoint, and unless ``fit_started``, before any
-    rank started to fit."""
+    any rank started to fit, took a training step or wrote a checkpoint."""
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0, output[-3000:]
     for words in says:
         assert words in output, (words, output[-3000:])
     assert "to the first training step" not in output  # StartupTime says it at the first step
     assert not list(log_dir.glob("train/runs/*/checkpoints/*"))
-    if not fit_started:
-        for run_dir in log_dir.glob("train/runs/*"):
-            assert processes(run_dir) == []  # ProcessInfo says it when a rank starts to fit
+    for run_dir in log_dir.glob("train/runs/*"):
+        assert processes(run_dir) == []  # ProcessInfo says it when a rank starts to fit
 
 
 @pytest.mark.parametrize(
     ("groups", "extra", "says"),
     [
-        (  # save_hyperparameters() keeping the backbone: a checkpoint weights_only cannot load
-            {"model": "backbone"},
-            (),
-            (
-                "LitBackbone's hyperparameter 'backbone' (a torch.nn.modules.container.Sequential)",
-                "so testing the best checkpoint would fail after training",
-                "save_hyperparameters(ignore=['backbone'])",
-                "weights_only=false",
-            ),
-        ),
         (  # a stream under 2 processes: every rank would train on all of it
             {"data": "stream"},
             ("strategy=ddp", "devices=2"),
@@ -208,15 +195,9 @@ def refused(proc, log_dir: Path, *says: str, fit_started: bool = False) -> None:
             ("model.num_classes=10", "strategy=pipeline", "devices=2"),
             ("last batch of each epoch would hold 33 of its 64 samples", "drop_last=True"),
         ),
-        (  # the template's default monitor, which this module does not log: after the sanity
-            # check's validation, before the first training step
-            {},
-            ("monitor=val/acc",),
-            ("monitor=val/acc is not among the metrics", "(val_acc, val_loss)", "monitor=<one"),
-        ),
     ],
 )
-def test_what_cannot_run_is_refused_before_the_first_step(
+def test_what_cannot_run_is_refused_before_any_process_starts(
     groups: dict[str, str],
     extra: tuple[str, ...],
     says: tuple[str, ...],
@@ -225,8 +206,46 @@ def test_what_cannot_run_is_refused_before_the_first_step(
     tmp_path: Path,
 ) -> None:
     run = user_run(user_conf, mnist_root, *extra, **groups)
-    proc = run_python("train.py", *run, log_dir=tmp_path)
-    refused(proc, tmp_path, *says, fit_started="monitor=val/acc" in extra)
+    refused(run_python("train.py", *run, log_dir=tmp_path), tmp_path, *says)
+
+
+@pytest.mark.parametrize(
+    ("groups", "extra", "says"),
+    [
+        (  # save_hyperparameters() keeping the backbone: a checkpoint weights_only cannot load
+            {"model": "backbone"},
+            (),
+            (
+                "LitBackbone's hyperparameter 'backbone' (a torch.nn.modules.container.Sequential)",
+                "so testing the best checkpoint would fail after training",
+                "save_hyperparameters(ignore=['backbone'])",
+                "weights_only=false",
+            ),
+        ),
+        (  # the template's default monitor, which this module does not log: after the sanity
+            # check's validation, before the first training step
+            {},
+            ("monitor=val/acc",),
+            ("monitor=val/acc is not among the metrics", "(val_acc, val_loss)", "monitor=<one"),
+        ),
+    ],
+)
+def test_what_one_device_cannot_run_is_refused_before_the_first_step(
+    groups: dict[str, str],
+    extra: tuple[str, ...],
+    says: tuple[str, ...],
+    user_conf: Path,
+    mnist_root: Path,
+    run_here: Callable[..., Path],
+    tmp_path: Path,
+) -> None:
+    """In this process (one device): the same refusals, and the run wrote nothing of training."""
+    run = user_run(user_conf, mnist_root, *extra, **groups)
+    with pytest.raises(ConfigError) as refusal:
+        run_here("train.py", *run, "+callbacks.seen._target_=helpers.SeenSamples", log_dir=tmp_path)
+    for words in says:
+        assert words in str(refusal.value), (words, str(refusal.value))
+    assert not list(tmp_path.rglob("*.ckpt")) and not list(tmp_path.rglob("seen.rank0.json"))
 
 
 def test_the_stages_of_a_pipeline_read_the_same_batches_of_user_data(
@@ -240,6 +259,7 @@ def test_the_stages_of_a_pipeline_read_the_same_batches_of_user_data(
         *run,
         *("model.num_classes=10", "model.input_shape=[1,28,28]", "monitor=val/acc"),
         *("strategy=pipeline", "devices=2", "seed=null"),
+        *("trainer.limit_val_batches=1", "trainer.limit_test_batches=1"),
         "+callbacks.seen._target_=helpers.SeenSamples",
     )
     first, last = (json.loads((run_dir / f"seen.rank{r}.json").read_text())[0] for r in (0, 1))
