@@ -3,13 +3,15 @@ report how they ended.
 
 ``JobReporter`` is a Hydra callback (conf/hydra/default.yaml). In every sweep job it writes
 ``job.json`` (overrides, status, the returned metric or the error) into the job's directory and
-logs a failure with that directory, so a failed job is found without reading every log; at the end
-of the sweep it writes ``sweep.json``, a summary of every job. Hydra's sweepers (basic, Optuna)
-still run the other jobs of the batch and then exit non-zero on a failed one.
+logs a failure with that directory, so a failed job is found without reading every log; after
+every job it rewrites ``sweep.json``, a summary of every job so far. Hydra's sweepers (basic,
+Optuna) still run the other jobs of the batch and then exit non-zero on a failed one, without
+calling ``on_multirun_end``: the summary is there all the same.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -64,15 +66,28 @@ class JobReporter(Callback):
             )
         job_dir.mkdir(parents=True, exist_ok=True)
         (job_dir / JOB_FILE).write_text(json.dumps(record, indent=2) + "\n")
+        write_summary(job_dir.parent)  # (the sweep dir: a job dir is one of its subdirs)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
-        jobs = [json.loads(p.read_text()) for p in sweep_dir.glob(f"*/{JOB_FILE}")]
-        jobs.sort(key=lambda job: job["num"])
-        failed = [job for job in jobs if job["status"] != "completed"]
-        summary = {"jobs": jobs, "completed": len(jobs) - len(failed), "failed": len(failed)}
-        (sweep_dir / SWEEP_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+        summary = write_summary(sweep_dir)
         log.info(
             "sweep: %d job(s) completed, %d failed; summary in %s",
             *(summary["completed"], summary["failed"], sweep_dir / SWEEP_FILE),
         )
+
+
+def write_summary(sweep_dir: Path) -> dict[str, Any]:
+    """``sweep.json`` from every ``job.json`` of the sweep so far, replaced whole (jobs that a
+    launcher runs at once each rewrite it, one at a time under a lock beside it)."""
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    with open(sweep_dir / f".{SWEEP_FILE}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        jobs = [json.loads(p.read_text()) for p in sweep_dir.glob(f"*/{JOB_FILE}")]
+        jobs.sort(key=lambda job: job["num"])
+        failed = [job for job in jobs if job["status"] != "completed"]
+        summary = {"jobs": jobs, "completed": len(jobs) - len(failed), "failed": len(failed)}
+        partial = sweep_dir / f".{SWEEP_FILE}.tmp-{os.getpid()}"
+        partial.write_text(json.dumps(summary, indent=2) + "\n")
+        partial.replace(sweep_dir / SWEEP_FILE)
+    return summary

@@ -227,8 +227,8 @@ def test_spawn_dp_and_pipeline_jobs_in_one_sweep(sweep_runner, alone: dict[int, 
 
 
 def test_failed_job_is_reported_and_the_next_job_runs(sweep_runner) -> None:
-    """lr=-1 fails in both ranks of job 0; job 1 still gets its own 2 clean processes, and the
-    sweep exits non-zero naming the failed job's directory and error."""
+    """lr=-1 fails in both ranks of job 0; job 1 still gets its own 2 clean processes, the sweep
+    exits non-zero naming the failed job's directory and error, and sweep.json lists both."""
     sweep, proc = sweep_runner(
         "-m", "strategy=ddp", "devices=2", "model.optimizer.lr=-1,1e-3", ok=False
     )
@@ -239,6 +239,10 @@ def test_failed_job_is_reported_and_the_next_job_runs(sweep_runner) -> None:
     output = proc.stdout + proc.stderr
     assert f"sweep job 0 FAILED, directory {failed['dir']}" in output
     assert completed["status"] == "completed"
+    # the summary, though Hydra ends a sweep with a failed job before its on_multirun_end
+    summary = json.loads((sweep / "sweep.json").read_text())
+    assert (summary["completed"], summary["failed"]) == (1, 1)
+    assert [job["status"] for job in summary["jobs"]] == ["failed", "completed"]
     procs = check_processes(completed, 2)
     assert (Path(completed["dir"]) / "checkpoints" / "last.ckpt").is_file()
     for pid in {p["pid"] for p in processes(Path(failed["dir"]))} | {p["pid"] for p in procs}:
