@@ -1,5 +1,10 @@
 """The error a config value that cannot run raises, before anything expensive starts."""
 
+from hydra.errors import CompactHydraException
 
-class ConfigError(ValueError):
-    """A config value that cannot run; the message names the value and what to do instead."""
+
+class ConfigError(CompactHydraException, ValueError):
+    """A config value that cannot run; the message names the value and what to do instead.
+
+    As one of Hydra's compact exceptions, it reaches the console as its message alone, without a
+    traceback (``HYDRA_FULL_ERROR=1`` shows the traceback)."""

@@ -163,6 +163,7 @@ def refused(proc, log_dir: Path, *says: str) -> None:
     assert proc.returncode != 0, output[-3000:]
     for words in says:
         assert words in output, (words, output[-3000:])
+    assert "Traceback" not in output  # a ConfigError prints its message alone
     assert "to the first training step" not in output  # StartupTime says it at the first step
     assert not list(log_dir.glob("train/runs/*/checkpoints/*"))
     for run_dir in log_dir.glob("train/runs/*"):
