@@ -5,7 +5,8 @@
 - ``quiet_trainer``: an in-process ``L.Trainer`` that writes and prints nothing;
 - ``shares_trained_run``: the xdist group of the tests that read conftest's ``trained_run``;
 - ``SignalAt``: a callback that sends a real signal at a given step, ``CollectiveCount`` one that
-  counts a rank's collectives, ``SeenSamples`` one that records what a rank trained on (as
+  counts a rank's collectives, ``SeenSamples`` one that records what a rank trained on,
+  ``BreakWeightsAt`` one that breaks the weights without a non-finite loss (as
   ``+callbacks.*._target_`` of a train.py subprocess: ``run_python`` puts tests/ on its path);
 - ``gloo_collectives_report``: the fsdp strategy's CPU collectives beside torch's, in a rank of
   a real gloo group;
@@ -310,6 +311,19 @@ class SaveWeights(L.Callback):
             },
             "end",
         )
+
+
+class BreakWeightsAt(L.Callback):
+    """Sets the first parameter to inf after the optimizer step of global step ``step``: that
+    step's loss was finite, and the weights a save would write next are not."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if trainer.global_step == self.step:
+            with torch.no_grad():
+                next(pl_module.parameters()).fill_(float("inf"))
 
 
 def sample_digest(sample: torch.Tensor) -> str:

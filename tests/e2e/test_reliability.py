@@ -276,9 +276,41 @@ def test_non_finite_loss_stops_naming_the_step_and_keeps_the_good_checkpoint(
     message = str(raised.value)
     assert message.startswith("training loss is") and "at step" in message
     assert "model.optimizer.lr" in message
+    named = message.split("last good checkpoint: ")[1].split(". ")[0]
+    assert named == "none was saved before it" or all(
+        Path(p).is_file() for p in named.split(", ")
+    )  # (it named a best.ckpt whose save the stop had cut short)
     (run,) = runs(tmp_path)
     for ckpt in (run / "checkpoints").glob("*.ckpt"):
         assert all(torch.isfinite(t).all() for t in weights(ckpt).values()), ckpt
+
+
+def test_weights_broken_by_a_step_with_a_finite_loss_are_never_saved(
+    base, run_here, tmp_path: Path
+) -> None:
+    """The last step of epoch 1 breaks the weights (its own loss was finite): the save after that
+    epoch's validation is stopped, and the message names a checkpoint that exists, loads and is
+    finite (before, last.ckpt held the infinite weights and was named the last good one)."""
+    with pytest.raises(FloatingPointError) as raised:
+        run_here(
+            "train.py",
+            *base,
+            "trainer.max_epochs=2",
+            "data.batch_size=200",
+            "+callbacks.breaks._target_=helpers.BreakWeightsAt",
+            "+callbacks.breaks.step=8",
+            log_dir=tmp_path,
+        )  # fmt: skip  (800 training images in batches of 200: steps 1-4, then 5-8)
+    message = str(raised.value)
+    assert message.startswith("the weights or optimizer state hold non-finite values at step 8")
+    named = message.split("last good checkpoint: ")[1].split(". ")[0].split(", ")
+    (run,) = runs(tmp_path)
+    on_disk = sorted((run / "checkpoints").glob("*.ckpt"))
+    assert sorted(named) == sorted(map(str, on_disk)) and on_disk
+    for ckpt in on_disk:
+        state = torch.load(ckpt, map_location="cpu", weights_only=True)
+        assert state["global_step"] == 4  # epoch 0's
+        assert all(torch.isfinite(t).all() for t in state["state_dict"].values()), ckpt
 
 
 # --- bad input: refused before any process starts, nothing overwritten -----------------------

@@ -1,6 +1,10 @@
+from pathlib import Path
+from typing import Any
+
 import lightning as L
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_leaves
 
 
 class NonFiniteLossStop(L.Callback):
@@ -9,8 +13,10 @@ class NonFiniteLossStop(L.Callback):
 
     Each step only keeps its loss tensor (no device work); the losses since the last check are
     checked together every ``check_every`` steps, before each validation and inside every
-    checkpoint save, so a GPU is not made to wait each step. With several ranks the verdict is
-    all-reduced at those points, so every rank stops together.
+    checkpoint save, so a GPU is not made to wait each step. A save also checks what it is about
+    to write, the weights and the optimizer state: a step whose loss was finite can still break
+    the weights it updates. With several ranks the verdict is all-reduced at those points, so
+    every rank stops together.
     """
 
     def __init__(self, check_every: int = 50) -> None:
@@ -38,10 +44,13 @@ class NonFiniteLossStop(L.Callback):
             self.check(trainer)
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
-        self.check(trainer)
+        parameters = {name for name, _ in pl_module.named_parameters()}
+        weights = {k: v for k, v in checkpoint.get("state_dict", {}).items() if k in parameters}
+        self.check(trainer, [weights, checkpoint.get("optimizer_states", [])])
 
-    def check(self, trainer) -> None:
-        """Raises FloatingPointError on every rank if any rank has seen a non-finite loss."""
+    def check(self, trainer, saving: Any = None) -> None:
+        """Raises FloatingPointError on every rank if any rank has seen a non-finite loss, or if
+        what it is ``saving`` (its weights and optimizer state) is not all finite."""
         if not self._active:
             return
         pending, self._pending = self._pending, []
@@ -49,23 +58,50 @@ class NonFiniteLossStop(L.Callback):
             i for i, ok in enumerate(torch.isfinite(torch.stack([p[3] for p in pending])).tolist())
             if not ok
         ] if pending else []  # fmt: skip
+        broken = saving is not None and not finite(saving)
         if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
-            any_bad = torch.tensor([float(bool(bad))], device=trainer.strategy.root_device)
-            dist.all_reduce(any_bad)  # every rank takes part, bad or not
-            if any_bad.item() == 0:
+            verdict = torch.tensor(
+                [float(bool(bad) or broken)], device=trainer.strategy.root_device
+            )
+            dist.all_reduce(verdict)  # every rank takes part, bad or not
+            if verdict.item() == 0:
                 return
-            if not bad:
+            if not bad and not broken:
                 raise FloatingPointError(
-                    "another rank's training loss became non-finite: see its log for the step"
+                    "another rank's training loss, weights or optimizer state became non-finite: "
+                    "see its log for the step"
                 )
-        elif not bad:
+        elif not bad and not broken:
             return
-        step, epoch, batch_idx, loss = pending[bad[0]]
-        saved = [cb.last_model_path or cb.best_model_path for cb in trainer.checkpoint_callbacks]
-        kept = ", ".join(p for p in saved if p) or "none was saved before it"
         self._active = False
+        fix = "Lower model.optimizer.lr, or clip gradients with trainer.gradient_clip_val=1.0"
+        kept = f"last good checkpoint: {good_checkpoints(trainer)}"
+        if bad:
+            step, epoch, batch_idx, loss = pending[bad[0]]
+            raise FloatingPointError(
+                f"training loss is {loss.item()} at step {step} (epoch {epoch}, batch "
+                f"{batch_idx}): stopped before saving it; {kept}. {fix}"
+            )
         raise FloatingPointError(
-            f"training loss is {loss.item()} at step {step} (epoch {epoch}, batch "
-            f"{batch_idx}): stopped before saving it; last good checkpoint: {kept}. Lower "
-            f"model.optimizer.lr, or clip gradients with trainer.gradient_clip_val=1.0"
+            f"the weights or optimizer state hold non-finite values at step "
+            f"{trainer.global_step} (epoch {trainer.current_epoch}), though every training loss "
+            f"was finite: stopped before saving them; {kept}. {fix}"
         )
+
+
+def finite(tensors: Any) -> bool:
+    """Whether every floating-point tensor in ``tensors`` (nested containers) is finite. Buffers
+    are left out by the caller: a mask of -inf is a model's own choice."""
+    return all(
+        bool(torch.isfinite(t).all())
+        for t in tree_leaves(tensors)
+        if isinstance(t, torch.Tensor) and t.is_floating_point()
+    )
+
+
+def good_checkpoints(trainer) -> str:
+    """The checkpoints the run has on disk (a callback may name one whose save was stopped)."""
+    saved = {cb.last_model_path or cb.best_model_path for cb in trainer.checkpoint_callbacks}
+    return ", ".join(sorted(p for p in saved if p and Path(p).is_file())) or (
+        "none was saved before it"
+    )
