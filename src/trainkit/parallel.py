@@ -31,12 +31,22 @@ def resolve_accelerator(name: str) -> str:
 def device_count(devices: Any, accelerator: str) -> int:
     """How many devices per node ``devices`` asks for (a count, a list of ids, -1 or auto)."""
     if isinstance(devices, str) and devices != "auto":
-        devices = [d for d in devices.split(",") if d.strip()] if "," in devices else int(devices)
+        if "," in devices:
+            devices = [d for d in devices.split(",") if d.strip()]
+        elif devices.lstrip("-").isdigit():
+            devices = int(devices)
+        else:
+            raise ConfigError(f"devices={devices}: give a count, a list of ids, or auto")
     if devices == "auto":
         return torch.cuda.device_count() if accelerator == "gpu" else 1
     if isinstance(devices, int):
-        if devices == -1:
-            return torch.cuda.device_count() if accelerator == "gpu" else (os.cpu_count() or 1)
+        if devices == -1 and accelerator == "gpu":
+            return torch.cuda.device_count()
+        if devices == -1:  # Lightning refuses it on CPU, once the Trainer is built
+            raise ConfigError(
+                f"devices=-1 (every GPU) on accelerator={accelerator}: give the number of "
+                f"processes, e.g. devices=2"
+            )
         if devices <= 0:
             raise ConfigError(f"devices={devices}: give a positive count, a list of ids, or auto")
         return devices

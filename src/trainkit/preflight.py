@@ -108,9 +108,7 @@ def set_threads(cfg: DictConfig, processes_per_node: int) -> int:
     else:
         share = max(1, cores // processes_per_node)
         why = f"{cores} cores, {processes_per_node} process(es) per node"
-    threads = cfg.get("threads") or share
-    if threads < 1:
-        raise ConfigError(f"threads={cfg.get('threads')}: must be 1 or more, or null for automatic")
+    threads = cfg.get("threads") or share  # (0 and below are refused by check_positive)
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
     log.info("%d thread(s) per process (%s)", threads, why)
@@ -163,19 +161,36 @@ def check_torchrun_restarts() -> None:
         )
 
 
+# Keys that must be whole numbers of at least 1, where they are set: null (or absent) is the
+# default's meaning, and -1 is "no limit" for max_epochs. Lightning would divide by some of them
+# after training started (accumulate_grad_batches, check_val_every_n_epoch: ZeroDivisionError).
+POSITIVE = (
+    "data.batch_size",
+    "data.eval_batch_size",
+    "trainer.max_epochs",
+    "trainer.log_every_n_steps",
+    "trainer.accumulate_grad_batches",
+    "trainer.check_val_every_n_epoch",
+    "threads",
+)
+
+
 def check_positive(cfg: DictConfig) -> None:
-    """Sizes that must be positive integers, with the key to fix."""
-    keys = ("data.batch_size", "trainer.max_epochs", "trainer.log_every_n_steps")
-    for key in keys:
-        value = OmegaConf.select(cfg, key)
-        if value is None and key == "trainer.max_epochs":
+    """Sizes that must be positive integers, and the seed, with the key to fix."""
+    for key in POSITIVE:
+        value = OmegaConf.select(cfg, key, default=None)
+        if value is None or (key == "trainer.max_epochs" and value == -1):
             continue
-        if key == "data.batch_size" and "batch_size" not in cfg.data:
-            continue  # a datamodule of the user's, whose loaders say their batch size
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{key}={value!r}: must be a whole number, e.g. {key}=32")
-        if value < 1 and not (key == "trainer.max_epochs" and value == -1):
+        if value < 1:
             raise ConfigError(f"{key}={value}: must be 1 or more")
+    seed = cfg.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ConfigError(f"seed={seed!r}: must be a whole number (0 is a seed), or null")
+    lr = OmegaConf.select(cfg, "model.optimizer.lr", default=None)
+    if lr is not None and not (isinstance(lr, (int, float)) and lr > 0):
+        raise ConfigError(f"model.optimizer.lr={lr!r}: must be a number above 0, e.g. 1e-3")
 
 
 def resolve_drop_last(cfg: DictConfig) -> None:

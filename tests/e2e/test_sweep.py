@@ -227,15 +227,16 @@ def test_spawn_dp_and_pipeline_jobs_in_one_sweep(sweep_runner, alone: dict[int, 
 
 
 def test_failed_job_is_reported_and_the_next_job_runs(sweep_runner) -> None:
-    """lr=-1 fails in both ranks of job 0; job 1 still gets its own 2 clean processes, the sweep
-    exits non-zero naming the failed job's directory and error, and sweep.json lists both."""
+    """A negative weight decay, which torch's Adam refuses when the task builds it, fails in both
+    ranks of job 0; job 1 still gets its own 2 clean processes, the sweep exits non-zero naming
+    the failed job's directory and error, and sweep.json lists both."""
     sweep, proc = sweep_runner(
-        "-m", "strategy=ddp", "devices=2", "model.optimizer.lr=-1,1e-3", ok=False
+        "-m", "strategy=ddp", "devices=2", "model.optimizer.weight_decay=-1,0.0", ok=False
     )
     assert proc.returncode != 0
     failed, completed = jobs(sweep)
     assert failed["status"] == "failed"
-    assert "Invalid learning rate: -1" in failed["error"]
+    assert "Invalid weight_decay value: -1" in failed["error"]
     output = proc.stdout + proc.stderr
     assert f"sweep job 0 FAILED, directory {failed['dir']}" in output
     assert completed["status"] == "completed"

@@ -55,6 +55,16 @@ from trainkit.tasks import ImageClassifier
         ("devices=0", r"devices=0: give a positive count"),
         ("num_nodes=0", r"num_nodes=0: must be 1 or more"),
         ("threads=-1", r"threads=-1: must be 1 or more"),
+        ("threads=0", r"threads=0: must be 1 or more"),  # (it ran on every core)
+        ("data.eval_batch_size=0", r"data\.eval_batch_size=0: must be 1 or more"),
+        # Lightning divides by these after training started (ZeroDivisionError)
+        ("trainer.accumulate_grad_batches=0", r"trainer\.accumulate_grad_batches=0: must be 1"),
+        ("trainer.check_val_every_n_epoch=0", r"trainer\.check_val_every_n_epoch=0: must be 1"),
+        ("seed=abc", r"seed='abc': must be a whole number \(0 is a seed\), or null"),
+        ("model.optimizer.lr=-1", r"model\.optimizer\.lr=-1: must be a number above 0"),
+        ("model.optimizer.lr=abc", r"model\.optimizer\.lr='abc': must be a number above 0"),
+        ("devices=-1", r"devices=-1 \(every GPU\) on accelerator=cpu: give the number of"),
+        ("devices=abc", r"devices=abc: give a count, a list of ids, or auto"),
         ("num_nodes=2", r"num_nodes=2 but this process was not started on 2 nodes.*torchrun"),
         ("accelerator=gpu", r"no CUDA GPU is visible: use accelerator=cpu"),
     ],
