@@ -118,20 +118,25 @@ def set_threads(cfg: DictConfig, processes_per_node: int) -> int:
 RUN_FILES = ("checkpoints", "metrics.json", "tensorboard")
 
 
-def check_new_output_dir(output_dir: str) -> None:
+def check_new_output_dir(output_dir: str, ckpt_path: str | None = None) -> None:
     """A run never writes into an earlier run's directory (``hydra.run.dir`` given twice): its
-    checkpoints and logs would be mixed with or replace the earlier ones. A run its launcher
-    restarted is the same run: it continues there (``resume.resolve_ckpt_path``)."""
+    checkpoints and logs would be mixed with or replace the earlier ones. The same run going on is
+    welcome there: its launcher's restart (``resume.resolve_ckpt_path``), or a start that resumes
+    one of the directory's own checkpoints."""
     if not first_process():
         return  # the other ranks of a run share its directory
     if is_restart(output_dir):
         return
+    own = (Path(output_dir) / "checkpoints").resolve()
+    if ckpt_path and ckpt_path != "last" and Path(ckpt_path).resolve().parent == own:
+        return  # the run continues from its own checkpoint, where it stopped
     found = [name for name in RUN_FILES if (Path(output_dir) / name).exists()]
     if found:
+        last = Path(output_dir) / "checkpoints" / "last.ckpt"
         raise ConfigError(
             f"{output_dir} already holds a run ({', '.join(found)}): give a new hydra.run.dir "
-            f"(the default makes a new one per run); to continue that run pass "
-            f"ckpt_path={Path(output_dir) / 'checkpoints' / 'last.ckpt'}"
+            f"(the default makes a new one per run); to continue that run there, add "
+            f"ckpt_path={last}"
         )
 
 
@@ -227,7 +232,7 @@ def preflight(cfg: DictConfig, training: bool = True) -> ParallelDims:
     check_positive(cfg)
     check_torchrun_restarts()
     if cfg.paths.get("output_dir"):
-        check_new_output_dir(cfg.paths.output_dir)
+        check_new_output_dir(cfg.paths.output_dir, cfg.get("ckpt_path"))
     dims = ParallelDims.from_config(cfg)
     check_precision(cfg, dims.accelerator)
     check_strategy(cfg, dims)

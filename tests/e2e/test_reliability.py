@@ -98,17 +98,20 @@ def test_signal_saves_exits_nonzero_and_resumes_exactly(
     if sig == "SIGINT":
         return  # the resume is the same as after SIGTERM, below
 
-    before = (stopped / "checkpoints" / "last.ckpt").read_bytes()
+    last = stopped / "checkpoints" / "last.ckpt"
+    before = last.read_bytes()
     proc = train(tmp_path, *base, f"hydra.run.dir={stopped}")  # into the stopped run's directory
     assert proc.returncode != 0 and f"{stopped} already holds a run" in proc.stderr
-    assert (stopped / "checkpoints" / "last.ckpt").read_bytes() == before  # nothing overwritten
+    assert f"to continue that run there, add ckpt_path={last}" in proc.stderr
+    assert last.read_bytes() == before  # nothing overwritten
 
-    proc = train(tmp_path, *base, "ckpt_path=last")  # the same command as before, plus the resume
+    # as the refusal says: the run goes on in its own directory (ckpt_path=last, into a new
+    # one, is tested under ddp and fsdp)
+    proc = train(tmp_path, *base, f"hydra.run.dir={stopped}", f"ckpt_path={last}")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    resumed = next(r for r in runs(tmp_path) if r != stopped)  # a new directory; the old one kept
-    assert (stopped / "checkpoints" / "last.ckpt").is_file()
-    assert f"Resuming from {stopped / 'checkpoints' / 'last.ckpt'}" in proc.stderr + proc.stdout
-    final = torch.load(resumed / "checkpoints" / "last.ckpt", weights_only=True)
+    assert runs(tmp_path) == [stopped]  # no other directory
+    assert f"Resuming from {last}" in proc.stderr + proc.stdout
+    final = torch.load(last, weights_only=True)
     assert final["global_step"] == 3 * STEPS_PER_EPOCH  # no step repeated or skipped
     reference = weights(uninterrupted / "checkpoints" / "last.ckpt")
     for name, tensor in final["state_dict"].items():

@@ -399,3 +399,16 @@ def test_a_stage_the_task_or_data_lacks_is_named_before_it_starts() -> None:
     assert why_cannot("validate", TrainsOnly(), data) == "TrainsOnly has no validation_step"
     assert why_cannot("predict", TrainsOnly(), data) is None  # Lightning's default predict_step
     assert why_cannot("test", module, TrainDataOnly()) == "TrainDataOnly has no test_dataloader"
+
+
+def test_the_run_itself_continues_in_its_directory(
+    earlier_run: Path, launched_by, tmp_path: Path
+) -> None:
+    """Started by hand (not its launcher's restart): from one of its own checkpoints, the run
+    goes on there; from another run's, it is a second run and refused."""
+    launched_by({})
+    check_new_output_dir(str(earlier_run), str(earlier_run / "checkpoints" / "last.ckpt"))
+    with pytest.raises(ConfigError, match=r"already holds a run .* add ckpt_path=.*last\.ckpt"):
+        check_new_output_dir(str(earlier_run), str(tmp_path / "other" / "checkpoints" / "x.ckpt"))
+    with pytest.raises(ConfigError, match="already holds a run"):
+        check_new_output_dir(str(earlier_run), "last")  # the newest *other* run's
