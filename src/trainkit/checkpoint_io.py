@@ -48,6 +48,33 @@ def unreadable_hparams(obj: Any) -> dict[str, str]:
     return {k: v for k, v in found.items() if v is not None}
 
 
+TEMP_PREFIX = "."  # atomic_torch_save's temporary file: .<name>.tmp-<pid of the saving process>
+
+
+def remove_stale_temp_files(directory: str | os.PathLike) -> list[Path]:
+    """The temporary files of saves whose process is gone (killed mid-save: SIGKILL, out of
+    memory), removed; called when a run starts in its directory, where they would stay forever.
+    Returns what it removed."""
+    removed = []
+    for path in Path(directory).glob(f"{TEMP_PREFIX}*.tmp-*"):
+        pid = path.name.rsplit(".tmp-", 1)[1]
+        if pid.isdigit() and not _alive(int(pid)):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     """``torch.save`` to a temporary file beside ``path``, fsync, then rename over ``path``.
 
@@ -56,7 +83,7 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f"{TEMP_PREFIX}{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
             torch.save(obj, f)

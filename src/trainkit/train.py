@@ -22,6 +22,7 @@ from trainkit.callbacks import (
 )
 from trainkit.callbacks.preemption import Preempted
 from trainkit.callbacks.run_config import read_checkpoint_tracker_runs
+from trainkit.checkpoint_io import remove_stale_temp_files
 from trainkit.launch import in_multirun, isolated_job
 from trainkit.loggers import (
     continue_tracker_runs,
@@ -99,6 +100,8 @@ def _train_and_test(cfg: DictConfig) -> float | None:
     restart = bool(ckpt_path) and is_restart(cfg.paths.output_dir)  # before record_launch
     if first_process():
         record_launch(cfg.paths.output_dir)  # so that the launcher's restarts resume this run
+        for stale in remove_stale_temp_files(Path(cfg.paths.output_dir) / "checkpoints"):
+            log.info("removed %s, left by a save that was killed", stale)
     if ckpt_path:
         log.info("Resuming from %s", ckpt_path)
     # A resumed run logs on into its tracker runs, except a sweep's jobs that all start from one

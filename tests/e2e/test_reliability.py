@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from helpers import alive, run_python, start_python
+from trainkit.checkpoint_io import remove_stale_temp_files
 
 pytestmark = pytest.mark.slow  # long end-to-end runs: CI's `slow` job
 STEPS_PER_EPOCH = 50  # 800 training images of the test MNIST, batch 16
@@ -73,6 +74,13 @@ def test_sigkill_during_saves_never_leaves_a_truncated_checkpoint(tmp_path: Path
     proc.wait()
     loaded = torch.load(path, weights_only=True, mmap=True)
     assert loaded["w"].shape == (25_000_000,) and loaded["w"][-1] == loaded["i"]
+    # the killed save's temporary file: removed at the run's next start, and only it
+    left = sorted(tmp_path.glob(".last.ckpt.tmp-*"))
+    assert [p.name for p in left] == [f".last.ckpt.tmp-{proc.pid}"]
+    saving_now = tmp_path / f".best.ckpt.tmp-{os.getpid()}"  # a live process's save
+    saving_now.touch()
+    assert remove_stale_temp_files(tmp_path) == left
+    assert sorted(tmp_path.iterdir()) == sorted([path, saving_now])
 
 
 # --- preemption: SIGTERM / SIGINT -------------------------------------------------------------
