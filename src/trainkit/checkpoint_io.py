@@ -8,6 +8,7 @@ import io
 import os
 import pickle
 import re
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -48,16 +49,19 @@ def unreadable_hparams(obj: Any) -> dict[str, str]:
     return {k: v for k, v in found.items() if v is not None}
 
 
-TEMP_PREFIX = "."  # atomic_torch_save's temporary file: .<name>.tmp-<pid of the saving process>
+def temp_name(path: Path) -> Path:
+    """``atomic_torch_save``'s temporary file for ``path``: ``.<name>.tmp-<host>-<pid>``, the
+    saving process's (on a shared filesystem, a pid means something on its own host only)."""
+    return path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
 
 
 def remove_stale_temp_files(directory: str | os.PathLike) -> list[Path]:
-    """The temporary files of saves whose process is gone (killed mid-save: SIGKILL, out of
-    memory), removed; called when a run starts in its directory, where they would stay forever.
-    Returns what it removed."""
+    """The temporary files that saves on this host left when their process died mid-save
+    (SIGKILL, out of memory), removed: called when a run starts in its directory, where they
+    would stay forever. Returns what it removed."""
     removed = []
-    for path in Path(directory).glob(f"{TEMP_PREFIX}*.tmp-*"):
-        pid = path.name.rsplit(".tmp-", 1)[1]
+    for path in Path(directory).glob(f".*.tmp-{socket.gethostname()}-*"):
+        pid = path.name.rsplit("-", 1)[1]
         if pid.isdigit() and not _alive(int(pid)):
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
@@ -83,7 +87,7 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{TEMP_PREFIX}{path.name}.tmp-{os.getpid()}")
+    tmp = temp_name(path)
     try:
         with open(tmp, "wb") as f:
             torch.save(obj, f)

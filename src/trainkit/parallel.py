@@ -30,6 +30,8 @@ def resolve_accelerator(name: str) -> str:
 
 def device_count(devices: Any, accelerator: str) -> int:
     """How many devices per node ``devices`` asks for (a count, a list of ids, -1 or auto)."""
+    if isinstance(devices, str):
+        devices = devices.strip()
     if isinstance(devices, str) and devices != "auto":
         if "," in devices:
             devices = [d for d in devices.split(",") if d.strip()]
@@ -42,11 +44,13 @@ def device_count(devices: Any, accelerator: str) -> int:
     if isinstance(devices, int):
         if devices == -1 and accelerator == "gpu":
             return torch.cuda.device_count()
-        if devices == -1:  # Lightning refuses it on CPU, once the Trainer is built
+        if devices == -1 and accelerator == "cpu":  # Lightning refuses it once it builds a Trainer
             raise ConfigError(
                 f"devices=-1 (every GPU) on accelerator={accelerator}: give the number of "
                 f"processes, e.g. devices=2"
             )
+        if devices == -1:  # every device of another kind (MPS): Lightning's to count
+            return 1
         if devices <= 0:
             raise ConfigError(f"devices={devices}: give a positive count, a list of ids, or auto")
         return devices

@@ -122,17 +122,17 @@ def check_new_output_dir(output_dir: str, ckpt_path: str | None = None) -> None:
     """A run never writes into an earlier run's directory (``hydra.run.dir`` given twice): its
     checkpoints and logs would be mixed with or replace the earlier ones. The same run going on is
     welcome there: its launcher's restart (``resume.resolve_ckpt_path``), or a start that resumes
-    one of the directory's own checkpoints."""
+    the directory's own ``last.ckpt``, where the run stopped (another of its checkpoints would
+    rewind it, over what it wrote since)."""
     if not first_process():
         return  # the other ranks of a run share its directory
     if is_restart(output_dir):
         return
-    own = (Path(output_dir) / "checkpoints").resolve()
-    if ckpt_path and ckpt_path != "last" and Path(ckpt_path).resolve().parent == own:
-        return  # the run continues from its own checkpoint, where it stopped
+    last = Path(output_dir) / "checkpoints" / "last.ckpt"
+    if ckpt_path and Path(ckpt_path).expanduser().resolve() == last.resolve():
+        return  # the run continues from where it stopped
     found = [name for name in RUN_FILES if (Path(output_dir) / name).exists()]
     if found:
-        last = Path(output_dir) / "checkpoints" / "last.ckpt"
         raise ConfigError(
             f"{output_dir} already holds a run ({', '.join(found)}): give a new hydra.run.dir "
             f"(the default makes a new one per run); to continue that run there, add "
@@ -166,36 +166,48 @@ def check_torchrun_restarts() -> None:
         )
 
 
-# Keys that must be whole numbers of at least 1, where they are set: null (or absent) is the
-# default's meaning, and -1 is "no limit" for max_epochs. Lightning would divide by some of them
-# after training started (accumulate_grad_batches, check_val_every_n_epoch: ZeroDivisionError).
-POSITIVE = (
-    "data.batch_size",
-    "data.eval_batch_size",
-    "trainer.max_epochs",
-    "trainer.log_every_n_steps",
-    "trainer.accumulate_grad_batches",
-    "trainer.check_val_every_n_epoch",
-    "threads",
-)
+# Keys that must be whole numbers of at least 1; True where null means a default (-1 is also "no
+# limit" for max_epochs). Lightning would divide by some of them after training started
+# (accumulate_grad_batches, check_val_every_n_epoch: ZeroDivisionError); we divide by
+# log_every_n_steps (Lightning's 0, "no per-step logging", is refused for that).
+POSITIVE = {
+    "data.batch_size": False,
+    "data.eval_batch_size": True,
+    "trainer.max_epochs": True,
+    "trainer.log_every_n_steps": False,
+    "trainer.accumulate_grad_batches": False,
+    "trainer.check_val_every_n_epoch": True,
+    "threads": True,
+}
+MAX_SEED = 2**32 - 1  # Lightning's seed_everything uses 0 for a seed outside 0..MAX_SEED
 
 
 def check_positive(cfg: DictConfig) -> None:
-    """Sizes that must be positive integers, and the seed, with the key to fix."""
-    for key in POSITIVE:
-        value = OmegaConf.select(cfg, key, default=None)
-        if value is None or (key == "trainer.max_epochs" and value == -1):
+    """Sizes that must be positive integers, the seed and the learning rate, with the key to
+    fix. Keys the config does not have (a datamodule of the user's) are not checked."""
+    for key, nullable in POSITIVE.items():
+        parent, name = key.rsplit(".", 1) if "." in key else ("", key)
+        node = OmegaConf.select(cfg, parent) if parent else cfg
+        if not isinstance(node, DictConfig) or name not in node:
+            continue
+        value = node[name]
+        if (value is None and nullable) or (key == "trainer.max_epochs" and value == -1):
             continue
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{key}={value!r}: must be a whole number, e.g. {key}=32")
         if value < 1:
             raise ConfigError(f"{key}={value}: must be 1 or more")
     seed = cfg.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise ConfigError(f"seed={seed!r}: must be a whole number (0 is a seed), or null")
-    lr = OmegaConf.select(cfg, "model.optimizer.lr", default=None)
-    if lr is not None and not (isinstance(lr, (int, float)) and lr > 0):
-        raise ConfigError(f"model.optimizer.lr={lr!r}: must be a number above 0, e.g. 1e-3")
+    if seed is not None and (
+        isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED
+    ):
+        raise ConfigError(f"seed={seed!r}: must be a whole number from 0 to {MAX_SEED}, or null")
+    optimizer = cfg.get("model", {}).get("optimizer")
+    lr = optimizer.get("lr") if isinstance(optimizer, DictConfig) else None
+    if lr is not None and not (isinstance(lr, (int, float)) and not isinstance(lr, bool)):
+        raise ConfigError(f"model.optimizer.lr={lr!r}: must be a number, e.g. 1e-3")
+    if lr is not None and lr < 0:
+        raise ConfigError(f"model.optimizer.lr={lr}: must be 0 or more, e.g. 1e-3")
 
 
 def resolve_drop_last(cfg: DictConfig) -> None:

@@ -11,10 +11,12 @@ calling ``on_multirun_end``: the summary is there all the same.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -65,7 +67,7 @@ class JobReporter(Callback):
                 *(hc.job.num, job_dir, " ".join(record["overrides"]), record["error"]),
             )
         job_dir.mkdir(parents=True, exist_ok=True)
-        (job_dir / JOB_FILE).write_text(json.dumps(record, indent=2) + "\n")
+        replace_text(job_dir / JOB_FILE, json.dumps(record, indent=2) + "\n")
         write_summary(job_dir.parent)  # (the sweep dir: a job dir is one of its subdirs)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
@@ -77,17 +79,29 @@ class JobReporter(Callback):
         )
 
 
+def replace_text(path: Path, text: str) -> None:
+    """``path`` replaced whole: a reader sees the old text or the new, never half of it (the
+    temporary name is this process's on this host: jobs of a sweep may run on several nodes)."""
+    partial = path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+    partial.write_text(text)
+    partial.replace(path)
+
+
 def write_summary(sweep_dir: Path) -> dict[str, Any]:
-    """``sweep.json`` from every ``job.json`` of the sweep so far, replaced whole (jobs that a
-    launcher runs at once each rewrite it, one at a time under a lock beside it)."""
+    """``sweep.json`` from every ``job.json`` of the sweep so far, replaced whole. Jobs that a
+    launcher runs at once each rewrite it, one at a time under a lock beside it, where the
+    filesystem locks (across nodes, a shared filesystem may neither lock nor list another node's
+    newest files at once: the last job's summary can miss a job that ends at the same time)."""
     sweep_dir.mkdir(parents=True, exist_ok=True)
     with open(sweep_dir / f".{SWEEP_FILE}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        jobs = [json.loads(p.read_text()) for p in sweep_dir.glob(f"*/{JOB_FILE}")]
+        with contextlib.suppress(OSError):  # a filesystem without locks: unlocked, still whole
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        jobs = []
+        for path in sweep_dir.glob(f"*/{JOB_FILE}"):
+            with contextlib.suppress(OSError, ValueError):  # gone or unreadable: the next has it
+                jobs.append(json.loads(path.read_text()))
         jobs.sort(key=lambda job: job["num"])
         failed = [job for job in jobs if job["status"] != "completed"]
         summary = {"jobs": jobs, "completed": len(jobs) - len(failed), "failed": len(failed)}
-        partial = sweep_dir / f".{SWEEP_FILE}.tmp-{os.getpid()}"
-        partial.write_text(json.dumps(summary, indent=2) + "\n")
-        partial.replace(sweep_dir / SWEEP_FILE)
+        replace_text(sweep_dir / SWEEP_FILE, json.dumps(summary, indent=2) + "\n")
     return summary

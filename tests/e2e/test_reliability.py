@@ -3,11 +3,13 @@ exception in one process, in this one): nothing already written is lost, a faile
 non-zero, and a resumed run ends where an uninterrupted one would. (A
 failed save in one process: unit/test_checkpoint_io.py.)"""
 
+import contextlib
 import importlib.util
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -65,19 +67,30 @@ while True:
 """
 
 
+def saving(directory: Path) -> bool:
+    for partial in directory.glob(".last.ckpt.tmp-*"):
+        with contextlib.suppress(FileNotFoundError):  # renamed over last.ckpt meanwhile
+            if partial.stat().st_size:
+                return True
+    return False
+
+
 def test_sigkill_during_saves_never_leaves_a_truncated_checkpoint(tmp_path: Path) -> None:
     path = tmp_path / "last.ckpt"
     proc = start_python("-c", SAVER, str(path), stdout=subprocess.PIPE)
     assert proc.stdout.readline().strip() == "1"  # one whole save, then kill during the next
-    time.sleep(0.05)
+    deadline = time.monotonic() + 30
+    while not saving(tmp_path):  # the second save has written some of its 100 MB
+        assert time.monotonic() < deadline, "the second save never started"
+        time.sleep(0.01)
     proc.kill()
     proc.wait()
     loaded = torch.load(path, weights_only=True, mmap=True)
     assert loaded["w"].shape == (25_000_000,) and loaded["w"][-1] == loaded["i"]
     # the killed save's temporary file: removed at the run's next start, and only it
     left = sorted(tmp_path.glob(".last.ckpt.tmp-*"))
-    assert [p.name for p in left] == [f".last.ckpt.tmp-{proc.pid}"]
-    saving_now = tmp_path / f".best.ckpt.tmp-{os.getpid()}"  # a live process's save
+    assert [p.name for p in left] == [f".last.ckpt.tmp-{socket.gethostname()}-{proc.pid}"]
+    saving_now = tmp_path / f".best.ckpt.tmp-{socket.gethostname()}-{os.getpid()}"  # a live one
     saving_now.touch()
     assert remove_stale_temp_files(tmp_path) == left
     assert sorted(tmp_path.iterdir()) == sorted([path, saving_now])

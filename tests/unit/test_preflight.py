@@ -60,9 +60,12 @@ from trainkit.tasks import ImageClassifier
         # Lightning divides by these after training started (ZeroDivisionError)
         ("trainer.accumulate_grad_batches=0", r"trainer\.accumulate_grad_batches=0: must be 1"),
         ("trainer.check_val_every_n_epoch=0", r"trainer\.check_val_every_n_epoch=0: must be 1"),
-        ("seed=abc", r"seed='abc': must be a whole number \(0 is a seed\), or null"),
-        ("model.optimizer.lr=-1", r"model\.optimizer\.lr=-1: must be a number above 0"),
-        ("model.optimizer.lr=abc", r"model\.optimizer\.lr='abc': must be a number above 0"),
+        ("seed=abc", r"seed='abc': must be a whole number from 0 to 4294967295, or null"),
+        ("seed=-1", r"seed=-1: must be a whole number from 0"),  # Lightning would use 0
+        ("model.optimizer.lr=-1", r"model\.optimizer\.lr=-1: must be 0 or more"),
+        ("model.optimizer.lr=abc", r"model\.optimizer\.lr='abc': must be a number"),
+        ("trainer.log_every_n_steps=null", r"trainer\.log_every_n_steps=None: must be a whole"),
+        ("data.batch_size=null", r"data\.batch_size=None: must be a whole number"),
         ("devices=-1", r"devices=-1 \(every GPU\) on accelerator=cpu: give the number of"),
         ("devices=abc", r"devices=abc: give a count, a list of ids, or auto"),
         ("num_nodes=2", r"num_nodes=2 but this process was not started on 2 nodes.*torchrun"),
@@ -404,11 +407,13 @@ def test_a_stage_the_task_or_data_lacks_is_named_before_it_starts() -> None:
 def test_the_run_itself_continues_in_its_directory(
     earlier_run: Path, launched_by, tmp_path: Path
 ) -> None:
-    """Started by hand (not its launcher's restart): from one of its own checkpoints, the run
-    goes on there; from another run's, it is a second run and refused."""
+    """Started by hand (not its launcher's restart): from its own last.ckpt, the run goes on
+    there; from another run's checkpoint, or an older one of its own, it is refused."""
     launched_by({})
     check_new_output_dir(str(earlier_run), str(earlier_run / "checkpoints" / "last.ckpt"))
     with pytest.raises(ConfigError, match=r"already holds a run .* add ckpt_path=.*last\.ckpt"):
         check_new_output_dir(str(earlier_run), str(tmp_path / "other" / "checkpoints" / "x.ckpt"))
+    with pytest.raises(ConfigError, match="already holds a run"):  # would rewind the run
+        check_new_output_dir(str(earlier_run), str(earlier_run / "checkpoints" / "best.ckpt"))
     with pytest.raises(ConfigError, match="already holds a run"):
         check_new_output_dir(str(earlier_run), "last")  # the newest *other* run's

@@ -90,18 +90,23 @@ class NonFiniteLossStop(L.Callback):
 
 
 def finite(tensors: Any) -> bool:
-    """Whether every floating-point tensor in ``tensors`` (nested containers) is finite. Buffers
-    are left out by the caller: a mask of -inf is a model's own choice."""
-    return all(
-        bool(torch.isfinite(t).all())
-        for t in tree_leaves(tensors)
-        if isinstance(t, torch.Tensor) and t.is_floating_point()
-    )
+    """Whether every floating-point tensor in ``tensors`` (nested containers) is finite, with one
+    device wait per device. Buffers are left out by the caller: a mask of -inf is a model's own
+    choice."""
+    verdicts: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tree_leaves(tensors):
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.element_size() > 1:
+            verdicts.setdefault(t.device, []).append(torch.isfinite(t).all())
+    return all(bool(torch.stack(found).all()) for found in verdicts.values())
 
 
 def good_checkpoints(trainer) -> str:
     """The checkpoints the run has on disk (a callback may name one whose save was stopped)."""
-    saved = {cb.last_model_path or cb.best_model_path for cb in trainer.checkpoint_callbacks}
+    saved = {
+        path
+        for cb in trainer.checkpoint_callbacks
+        for path in (cb.last_model_path, cb.best_model_path)
+    }
     return ", ".join(sorted(p for p in saved if p and Path(p).is_file())) or (
         "none was saved before it"
     )
