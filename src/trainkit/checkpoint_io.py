@@ -49,6 +49,13 @@ def unreadable_hparams(obj: Any) -> dict[str, str]:
     return {k: v for k, v in found.items() if v is not None}
 
 
+def atomic_write_text(path: Path, text: str) -> None:
+    """``path`` replaced whole by ``text``: a reader sees the old text or the new, never half."""
+    partial = temp_name(path)
+    partial.write_text(text)
+    partial.replace(path)
+
+
 def temp_name(path: Path) -> Path:
     """``atomic_torch_save``'s temporary file for ``path``: ``.<name>.tmp-<host>-<pid>``, the
     saving process's (on a shared filesystem, a pid means something on its own host only)."""

@@ -17,11 +17,12 @@ from torch import nn
 
 from trainkit.build import launches_others
 from trainkit.checkpoint_io import unreadable_hparams
+from trainkit.data.sharding import check_train_data
 from trainkit.errors import ConfigError
 from trainkit.parallel import Capabilities, ParallelDims, capabilities, strategy_class
 from trainkit.resume import first_process, is_restart, under_slurm
 from trainkit.runtime import BF16_FLAGS, cpu_flags, has_bf16_units, usable_cores
-from trainkit.strategies.pipeline_task import STEPS, check_pipeline_task
+from trainkit.strategies.pipeline_task import STEPS, check_pipeline_task, defined_by
 
 log = logging.getLogger(__name__)
 
@@ -258,16 +259,6 @@ def preflight(cfg: DictConfig, training: bool = True) -> ParallelDims:
 # --- the built run: task, data and strategy ------------------------------------------------------
 
 
-def _own_method(cls: type, name: str) -> tuple[Any, type] | None:
-    """``cls``'s method ``name`` and the class that defines it; None where Lightning's is used."""
-    for owner in cls.__mro__:
-        if name in vars(owner):
-            if owner.__module__.startswith("lightning."):
-                return None
-            return vars(owner)[name], owner
-    return None
-
-
 def step_side_effects(module: nn.Module) -> list[str]:
     """What ``module``'s steps do besides computing, read from their source and that of the
     module's methods they call: each ``self.log``/``self.log_dict`` call and each torchmetrics
@@ -281,11 +272,11 @@ def step_side_effects(module: nn.Module) -> list[str]:
     todo, seen = list(STEPS), set()
     while todo:
         name = todo.pop(0)
-        method = _own_method(type(module), name) if name not in seen else None
+        owner = defined_by(type(module), name) if name not in seen else None
         seen.add(name)
-        if method is None:
+        if owner is None or owner.__module__.startswith("lightning."):  # none, or Lightning's
             continue
-        function, owner = method
+        function = vars(owner)[name]
         try:
             tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
         except (OSError, TypeError, SyntaxError):  # no source to read: nothing to say
@@ -391,8 +382,6 @@ def check_built_run(
     check_reloadable(cfg, model, datamodule)
     batch_size = cfg.data.get("batch_size")
     if launches_others(dims):
-        from trainkit.data.sharding import check_train_data
-
         batch_size = check_train_data(datamodule, dims.replicas, caps.full_batches) or batch_size
     if hasattr(strategy, "check_run"):
         strategy.check_run(model, dims.devices, batch_size, dims.num_nodes)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from trainkit.checkpoint_io import atomic_write_text
 from trainkit.errors import ConfigError
 
 LAUNCH_FILE = "launch.json"  # in a run directory: what makes a later start a restart of the run
@@ -86,9 +87,7 @@ def record_launch(output_dir: str) -> None:
     """Written by the run's first process when it starts: its launcher's id and its overrides."""
     record = _launch_record()
     if record is not None:  # replaced whole: the other ranks may be reading it
-        path = Path(output_dir) / LAUNCH_FILE
-        path.with_suffix(".tmp").write_text(json.dumps(record, indent=1) + "\n")
-        os.replace(path.with_suffix(".tmp"), path)
+        atomic_write_text(Path(output_dir) / LAUNCH_FILE, json.dumps(record, indent=1) + "\n")
 
 
 def is_restart(output_dir: str) -> bool:

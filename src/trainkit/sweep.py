@@ -16,7 +16,6 @@ import fcntl
 import json
 import logging
 import os
-import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from trainkit.checkpoint_io import atomic_write_text
 from trainkit.launch import ENTRY_POINT_ENV, in_multirun
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ class JobReporter(Callback):
                 *(hc.job.num, job_dir, " ".join(record["overrides"]), record["error"]),
             )
         job_dir.mkdir(parents=True, exist_ok=True)
-        replace_text(job_dir / JOB_FILE, json.dumps(record, indent=2) + "\n")
+        atomic_write_text(job_dir / JOB_FILE, json.dumps(record, indent=2) + "\n")
         write_summary(job_dir.parent)  # (the sweep dir: a job dir is one of its subdirs)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
@@ -77,14 +77,6 @@ class JobReporter(Callback):
             "sweep: %d job(s) completed, %d failed; summary in %s",
             *(summary["completed"], summary["failed"], sweep_dir / SWEEP_FILE),
         )
-
-
-def replace_text(path: Path, text: str) -> None:
-    """``path`` replaced whole: a reader sees the old text or the new, never half of it (the
-    temporary name is this process's on this host: jobs of a sweep may run on several nodes)."""
-    partial = path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
-    partial.write_text(text)
-    partial.replace(path)
 
 
 def write_summary(sweep_dir: Path) -> dict[str, Any]:
@@ -103,5 +95,5 @@ def write_summary(sweep_dir: Path) -> dict[str, Any]:
         jobs.sort(key=lambda job: job["num"])
         failed = [job for job in jobs if job["status"] != "completed"]
         summary = {"jobs": jobs, "completed": len(jobs) - len(failed), "failed": len(failed)}
-        replace_text(sweep_dir / SWEEP_FILE, json.dumps(summary, indent=2) + "\n")
+        atomic_write_text(sweep_dir / SWEEP_FILE, json.dumps(summary, indent=2) + "\n")
     return summary

@@ -2,14 +2,13 @@
 (docs/design.md, "SIGTERM and Lightning's stop path"), and every DataLoader sharded exactly over
 the data-parallel replicas (docs/design.md, "Any DataLoader, sharded without padding")."""
 
-from typing import Any
-
 import lightning as L
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.trainer.connectors.data_connector import _DataConnector
 from lightning.pytorch.trainer.states import RunningStage
 
 from trainkit.data.sharding import shard_dataloader, shards_itself
+from trainkit.parallel import data_shard
 
 
 class _EpochLoop(_TrainingEpochLoop):
@@ -32,8 +31,7 @@ class _ShardingDataConnector(_DataConnector):
         connector = trainer._accelerator_connector
         if not (connector.use_distributed_sampler and connector.is_distributed):
             return super()._prepare_dataloader(dataloader, shuffle, mode)
-        kwargs: dict[str, Any] = trainer.distributed_sampler_kwargs or {}
-        replica, replicas = kwargs.get("rank", 0), kwargs.get("num_replicas", 1)
+        replica, replicas = data_shard(trainer.strategy)
         declared = shards_itself(trainer.datamodule)
         overfit = trainer.overfit_batches
         return shard_dataloader(dataloader, mode, replica, replicas, overfit, declared)

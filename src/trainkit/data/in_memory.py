@@ -40,12 +40,9 @@ class InMemoryLoader:
         self._resume_at = 0  # batches the next pass skips (set by load_state_dict)
 
     def _sizes(self) -> list[int]:
-        """Each batch's size: full ones only when dropping the last; else as many batches as the
-        longest rank's part makes (``batch_sizes``)."""
-        n = len(self.sampler)
-        if self.drop_last:
-            return [self.batch_size] * (n // self.batch_size)
-        return batch_sizes(n, self.batch_size, self.sampler.longest)
+        """Each batch's size (``batch_sizes``: as many as the longest rank's part makes)."""
+        longest = self.sampler.longest
+        return batch_sizes(len(self.sampler), self.batch_size, longest, self.drop_last)
 
     def __iter__(self) -> Iterator[tuple[Tensor, ...]]:
         idx = self.sampler.indices()

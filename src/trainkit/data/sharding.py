@@ -93,17 +93,25 @@ class ShardSampler:
     @property
     def longest(self) -> int:
         """The length of the longest rank's part."""
-        return len(self) if self.even else -(-self.size // self.world_size)
+        return len(self) if self.even else ceil_div(self.size, self.world_size)
 
 
-def batch_sizes(n: int, batch_size: int, longest: int) -> list[int]:
+def ceil_div(n: int, k: int) -> int:
+    """``n / k`` rounded up: batches of ``k`` in ``n`` samples, or the longest of ``k`` parts."""
+    return -(-n // k)
+
+
+def batch_sizes(n: int, batch_size: int, longest: int, drop_last: bool = False) -> list[int]:
     """The sizes of the batches of a rank's ``n`` samples, so that every rank takes as many as the
     ``longest`` part: evaluation parts are one sample apart, and where that sample starts a
     batch, a rank with one batch fewer would leave the others waiting in a forward that is a
     collective (fsdp's all-gathers). Such a part is spread over the same count, in near-equal
-    batches; every other part is cut into ``batch_size`` batches as usual."""
-    count = -(-longest // batch_size)
-    if -(-n // batch_size) == count:
+    batches; every other part is cut into ``batch_size`` batches as usual (``drop_last``: full
+    ones only, as training parts are equal)."""
+    if drop_last:
+        return [batch_size] * (n // batch_size)
+    count = ceil_div(longest, batch_size)
+    if ceil_div(n, batch_size) == count:
         return [min(batch_size, n - start) for start in range(0, n, batch_size)]
     if n < count:
         raise ConfigError(
@@ -122,18 +130,13 @@ class EvenBatches(BatchSampler):
         self.longest = longest
 
     def __iter__(self) -> Iterator[list[int]]:
-        if self.drop_last:  # training: equal parts, cut as usual
-            yield from super().__iter__()
-            return
         indices, start = list(self.sampler), 0
-        for size in batch_sizes(len(indices), self.batch_size, self.longest):
+        for size in batch_sizes(len(indices), self.batch_size, self.longest, self.drop_last):
             yield indices[start : start + size]
             start += size
 
     def __len__(self) -> int:
-        if self.drop_last:
-            return super().__len__()
-        return len(batch_sizes(len(self.sampler), self.batch_size, self.longest))
+        return len(batch_sizes(len(self.sampler), self.batch_size, self.longest, self.drop_last))
 
 
 def seeded_split(n: int, n_val: int, seed: int) -> tuple[Tensor, Tensor]:
@@ -318,8 +321,8 @@ def shard_dataloader(
             sampler = UnrepeatedDistributedSampler(loader.dataset, **kwargs)
         else:
             sampler = UnrepeatedDistributedSamplerWrapper(sampler, **kwargs)
-        longest, batch = -(-len(loader.sampler) // replicas), loader.batch_size
-        one_batch_short = batch and -(-len(sampler) // batch) < -(-longest // batch)
+        longest, batch = ceil_div(len(loader.sampler), replicas), loader.batch_size
+        one_batch_short = batch and ceil_div(len(sampler), batch) < ceil_div(longest, batch)
         if one_batch_short:  # as many batches as the longest part, as our own shards
             return _with_batches(loader, EvenBatches(sampler, batch, longest), stage)
     return _update_dataloader(loader, sampler, mode=stage)
@@ -361,7 +364,7 @@ def check_train_data(datamodule: L.LightningDataModule, replicas: int, full_batc
     batch_size = getattr(loader, "batch_size", None)
     sized = not reason and not already_sharded(loader)
     if full_batches and batch_size and sized and not loader.drop_last:
-        part = -(-len(loader.sampler) // replicas)  # a DistributedSampler's, padded
+        part = ceil_div(len(loader.sampler), replicas)  # a DistributedSampler's, padded
         if part % batch_size:
             raise ConfigError(
                 f"the training DataLoader's last batch of each epoch would hold "

@@ -60,21 +60,23 @@ class PipelineTask(L.LightningModule):
         return self.prediction(self(self.split_batch(batch)[0]))
 
 
+def defined_by(cls: type, name: str) -> type | None:
+    """The class of ``cls``'s MRO that defines ``name``; None if none does."""
+    return next((c for c in cls.__mro__ if name in vars(c)), None)
+
+
 def implements(module: nn.Module, member: str) -> bool:
     """Whether ``module`` has ``member``, other than ``PipelineTask``'s unimplemented stubs."""
-    if not hasattr(module, member):
-        return False
-    defined_by = next((c for c in type(module).__mro__ if member in vars(c)), None)
-    return defined_by is not PipelineTask
+    return hasattr(module, member) and defined_by(type(module), member) is not PipelineTask
 
 
 def overridden_steps(module: nn.Module) -> list[str]:
     """The steps ``module``'s class writes itself, which a pipeline would not call."""
     own = []
     for name in STEPS:
-        defined_by = next(c for c in type(module).__mro__ if name in vars(c))
-        if defined_by not in (PipelineTask, L.LightningModule):
-            own.append(f"{defined_by.__name__}.{name}")
+        owner = defined_by(type(module), name)
+        if owner not in (PipelineTask, L.LightningModule):
+            own.append(f"{owner.__name__}.{name}")
     return own
 
 
