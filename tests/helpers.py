@@ -12,8 +12,9 @@
   a real gloo group;
 - image-folder trees of real PNG and JPEG files;
 - copies of the project (rename, walkthroughs);
-- the README's bash blocks, running their ``python train.py`` lines on test data, and
-  ``README_RUN_BY_E2E``: the README commands that e2e tests run as their own runs.
+- the user docs' bash blocks (README.md and its pages in docs/), running their ``python train.py``
+  lines on test data, and ``README_RUN_BY_E2E``: the documented commands that e2e tests run as
+  their own runs.
 """
 
 import contextlib
@@ -558,7 +559,10 @@ def run_in(
 
 # --- the README's commands -----------------------------------------------------------------------
 
-README = (ROOT / "README.md").read_text()
+# README.md, then the pages it sends a reader to (docs/*.md): a heading is found in the first
+README = "\n".join(
+    p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+)
 FAST = [
     "data.val_size=200",
     "trainer.max_epochs=1",
@@ -577,8 +581,8 @@ def bash_block_after(heading: str) -> list[str]:
 
 # README commands that an e2e test runs as written, with its test data and settings appended, and
 # checks in depth: name -> (section, command). test_readme runs the other commands of a section.
-STRATEGIES = "### Strategies, devices and precision"
-PIPELINE = "### Pipeline (model parallel)"
+STRATEGIES = "## Strategies, devices and precision"  # docs/strategies.md
+PIPELINE = "## Pipeline (model parallel)"
 README_RUN_BY_E2E = {
     "ddp4": (STRATEGIES, "python train.py strategy=ddp devices=4"),  # e2e/test_strategies.py
     "spawn2": (STRATEGIES, "python train.py strategy=ddp_spawn devices=2"),  # the same
@@ -603,11 +607,11 @@ README_RUN_BY_E2E = {
         "python train.py strategy=pipeline devices=4 data.batch_size=128",
     ),
     "ddp_sweep": (  # e2e/test_sweep.py
-        "### Sweeps",
+        "# Sweeps",
         "python train.py -m strategy=ddp devices=1,2 model.optimizer.lr=1e-3,3e-3",
     ),
     "fsdp3": (STRATEGIES, "python train.py strategy=fsdp devices=3"),  # e2e/test_fsdp.py
-    "fsdp_sweep": ("### Sweeps", "python train.py -m strategy=ddp,fsdp devices=2"),  # the same
+    "fsdp_sweep": ("# Sweeps", "python train.py -m strategy=ddp,fsdp devices=2"),  # the same
 }
 
 

@@ -26,9 +26,9 @@ RUN_BY_E2E = {command for _, command in README_RUN_BY_E2E.values()}
 COMMANDS_HERE = {
     section: [c for c in bash_block_after(section) if c not in RUN_BY_E2E]
     for section in (
-        "### Strategies, devices and precision",
-        "### Pipeline (model parallel)",
-        "### Sweeps",
+        "## Strategies, devices and precision",
+        "## Pipeline (model parallel)",
+        "# Sweeps",
     )
 }
 SECTIONS = tuple(section for section, commands in COMMANDS_HERE.items() if commands)
