@@ -110,6 +110,16 @@ def alive(pid: int) -> bool:
         return False
 
 
+def tree_state(root: Path) -> dict[str, tuple[int, bytes]]:
+    """Every file and directory under ``root`` (itself included): its modification time, and a
+    file's bytes. Equal states: nothing was created, removed, rewritten or touched."""
+    state = {}
+    for path in [root, *sorted(root.rglob("*"))]:
+        data = path.read_bytes() if path.is_file() else b""
+        state[str(path.relative_to(root))] = (path.stat().st_mtime_ns, data)
+    return state
+
+
 def run_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     """The weights of a run's ``checkpoints/last.ckpt``, on the CPU."""
     path = run_dir / "checkpoints" / "last.ckpt"

@@ -14,6 +14,7 @@ from trainkit.errors import ConfigError
 from trainkit.launch import isolated_job
 from trainkit.loggers import ending_tracker_runs
 from trainkit.preflight import check_built_run, preflight, why_cannot
+from trainkit.run_dir import owning_run_dir
 from trainkit.train import as_floats, write_json
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ def with_checkpoint_config(cfg: DictConfig) -> DictConfig:
 
 def run(cfg: DictConfig) -> dict[str, dict[str, float]]:
     """Evaluate a checkpoint on its own data and model config; one entry per stage."""
-    with isolated_job():
+    with isolated_job(), owning_run_dir(cfg):
         return _evaluate(cfg)
 
 

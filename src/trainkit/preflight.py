@@ -8,7 +8,6 @@ import inspect
 import logging
 import os
 import textwrap
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,7 +19,7 @@ from trainkit.checkpoint_io import unreadable_hparams
 from trainkit.data.sharding import check_train_data
 from trainkit.errors import ConfigError
 from trainkit.parallel import Capabilities, ParallelDims, capabilities, strategy_class
-from trainkit.resume import first_process, is_restart, under_slurm
+from trainkit.resume import under_slurm
 from trainkit.runtime import BF16_FLAGS, cpu_flags, has_bf16_units, usable_cores
 from trainkit.strategies.pipeline_task import STEPS, check_pipeline_task, defined_by
 
@@ -114,31 +113,6 @@ def set_threads(cfg: DictConfig, processes_per_node: int) -> int:
     torch.set_num_threads(threads)
     log.info("%d thread(s) per process (%s)", threads, why)
     return threads
-
-
-RUN_FILES = ("checkpoints", "metrics.json", "tensorboard")
-
-
-def check_new_output_dir(output_dir: str, ckpt_path: str | None = None) -> None:
-    """A run never writes into an earlier run's directory (``hydra.run.dir`` given twice): its
-    checkpoints and logs would be mixed with or replace the earlier ones. The same run going on is
-    welcome there: its launcher's restart (``resume.resolve_ckpt_path``), or a start that resumes
-    the directory's own ``last.ckpt``, where the run stopped (another of its checkpoints would
-    rewind it, over what it wrote since)."""
-    if not first_process():
-        return  # the other ranks of a run share its directory
-    if is_restart(output_dir):
-        return
-    last = Path(output_dir) / "checkpoints" / "last.ckpt"
-    if ckpt_path and Path(ckpt_path).expanduser().resolve() == last.resolve():
-        return  # the run continues from where it stopped
-    found = [name for name in RUN_FILES if (Path(output_dir) / name).exists()]
-    if found:
-        raise ConfigError(
-            f"{output_dir} already holds a run ({', '.join(found)}): give a new hydra.run.dir "
-            f"(the default makes a new one per run); to continue that run there, add "
-            f"ckpt_path={last}"
-        )
 
 
 def check_torchrun_restarts() -> None:
@@ -244,8 +218,6 @@ def preflight(cfg: DictConfig, training: bool = True) -> ParallelDims:
     ``training=False`` (eval.py) skips what only training needs: full batches."""
     check_positive(cfg)
     check_torchrun_restarts()
-    if cfg.paths.get("output_dir"):
-        check_new_output_dir(cfg.paths.output_dir, cfg.get("ckpt_path"))
     dims = ParallelDims.from_config(cfg)
     check_precision(cfg, dims.accelerator)
     check_strategy(cfg, dims)

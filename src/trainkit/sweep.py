@@ -27,6 +27,7 @@ from omegaconf import DictConfig
 
 from trainkit.checkpoint_io import atomic_write_text
 from trainkit.launch import ENTRY_POINT_ENV, in_multirun
+from trainkit.run_dir import RunDirTaken
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,9 @@ class JobReporter(Callback):
             record["return_value"] = value if isinstance(value, (int, float)) else None
         else:
             error = job_return._return_value
+            if isinstance(error, RunDirTaken):  # another run's directory: left as it is
+                log.error("sweep job %s refused: %s", hc.job.num, error)
+                return
             record["error"] = f"{type(error).__name__}: {error}"
             log.error(
                 "sweep job %s FAILED, directory %s, overrides %s: %s",

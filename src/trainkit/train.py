@@ -41,6 +41,7 @@ from trainkit.resume import (
     record_launch,
     resolve_ckpt_path,
 )
+from trainkit.run_dir import owning_run_dir
 from trainkit.runtime import tune_malloc
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,7 @@ def run(cfg: DictConfig) -> float | None:
     """Train and test; returns the best value of ``cfg.monitor`` (the number sweeps optimise).
 
     One job of a sweep leaves nothing behind for the next: see ``isolated_job``."""
-    with isolated_job():
+    with isolated_job(), owning_run_dir(cfg):
         return _train_and_test(cfg)
 
 

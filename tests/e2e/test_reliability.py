@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import alive, run_python, start_python
+from helpers import alive, run_python, start_python, tree_state
 from trainkit.checkpoint_io import remove_stale_temp_files
 
 pytestmark = pytest.mark.slow  # long end-to-end runs: CI's `slow` job
@@ -96,6 +96,45 @@ def test_sigkill_during_saves_never_leaves_a_truncated_checkpoint(tmp_path: Path
     assert sorted(tmp_path.iterdir()) == sorted([path, saving_now])
 
 
+# --- one run, one directory ------------------------------------------------------------------
+
+
+def test_runs_started_together_into_one_directory_leave_it_to_one(base, tmp_path: Path) -> None:
+    """Three runs, told apart by their seed, into one hydra.run.dir at the same moment: one
+    trains, the others are refused, and every record in the directory is the one run's."""
+    run_dir = tmp_path / "run"
+    started = [
+        train(
+            tmp_path,
+            *base,
+            "trainer.max_epochs=1",
+            f"hydra.run.dir={run_dir}",
+            f"seed={seed}",
+            wait=False,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for seed in range(3)
+    ]
+    errors = [proc.communicate()[1] for proc in started]
+    (seed,) = [seed for seed, proc in enumerate(started) if proc.returncode == 0]
+    for other, proc in enumerate(started):
+        if other != seed:
+            assert proc.returncode == 1
+            assert re.search(
+                rf"{run_dir} (is in use by another run|already holds a run)", errors[other]
+            )
+    pid = started[seed].pid
+    assert f"seed={seed}" in (run_dir / ".hydra" / "overrides.yaml").read_text().split()
+    assert f"\nseed: {seed}\n" in (run_dir / "config.yaml").read_text()
+    saved = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
+    assert saved["trainkit_config"]["seed"] == seed
+    log = (run_dir / "train.log").read_text()
+    assert f'"pid": {pid}' in log and "already holds" not in log and "in use" not in log
+    writers = {p.name.split(".")[-2] for p in (run_dir / "tensorboard").rglob("events.out.*")}
+    assert writers == {str(pid)}  # TensorBoard's files: <time>.<host>.<pid>.<n>
+
+
 # --- preemption: SIGTERM / SIGINT -------------------------------------------------------------
 
 
@@ -120,11 +159,11 @@ def test_signal_saves_exits_nonzero_and_resumes_exactly(
         return  # the resume is the same as after SIGTERM, below
 
     last = stopped / "checkpoints" / "last.ckpt"
-    before = last.read_bytes()
+    before = tree_state(stopped)
     proc = train(tmp_path, *base, f"hydra.run.dir={stopped}")  # into the stopped run's directory
     assert proc.returncode != 0 and f"{stopped} already holds a run" in proc.stderr
     assert f"to continue that run there, add ckpt_path={last}" in proc.stderr
-    assert last.read_bytes() == before  # nothing overwritten
+    assert tree_state(stopped) == before  # nothing written: not Hydra's .hydra/, not train.log
 
     # as the refusal says: the run goes on in its own directory (ckpt_path=last, into a new
     # one, is tested under ddp and fsdp)

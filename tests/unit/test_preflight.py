@@ -21,7 +21,6 @@ import lightning_docs
 from helpers import SLURM_TASK, in_process_state
 from trainkit.build import build_datamodule, build_model, model_config
 from trainkit.checkpoint_io import unreadable_hparams
-from trainkit.config import compose_config
 from trainkit.data import MNISTDataModule
 from trainkit.errors import ConfigError
 from trainkit.evaluate import check_stages
@@ -29,7 +28,6 @@ from trainkit.models import MLP
 from trainkit.parallel import LIGHTNING, ParallelDims, capabilities
 from trainkit.preflight import (
     check_compile,
-    check_new_output_dir,
     check_reloadable,
     check_threaded_steps,
     preflight,
@@ -37,7 +35,7 @@ from trainkit.preflight import (
     step_side_effects,
     why_cannot,
 )
-from trainkit.resume import is_restart, record_launch, resolve_ckpt_path
+from trainkit.resume import resolve_ckpt_path
 from trainkit.runtime import cpu_flags, has_bf16_units, usable_cores
 from trainkit.strategies.dp import DataParallelStrategy
 from trainkit.tasks import ImageClassifier
@@ -111,44 +109,6 @@ def test_torchrun_restarts_need_a_store_per_attempt_and_a_run_id(
         return
     with pytest.raises(ConfigError, match=rf"--max-restarts=2 .*{message}.*SHARE_RDZV_TCP_STORE"):
         preflight(compose())
-
-
-# --- restarts: recognised by what the first start recorded, not by the launchers' counters ------
-
-
-@pytest.fixture
-def earlier_run(tmp_path: Path, launched_by) -> Path:
-    """A run directory that SLURM job 42's first start wrote (launch.json, checkpoints)."""
-    launched_by(SLURM_TASK)
-    run_dir = tmp_path / "slurm_42"
-    (run_dir / "checkpoints").mkdir(parents=True)
-    record_launch(str(run_dir))
-    return run_dir
-
-
-def test_the_launchers_restart_continues_in_its_directory(earlier_run: Path, overrides) -> None:
-    """The same job's next start (no restart counter needed: torchrun's is per node)."""
-    cfg = compose_config("train", earlier_run, overrides)
-    assert is_restart(str(earlier_run))
-    preflight(cfg)  # not refused as an earlier run's directory
-    assert resolve_ckpt_path(cfg) is None  # no last.ckpt yet: starts as the first start did
-
-
-@pytest.mark.parametrize(
-    "env",
-    [
-        {},  # a run started by hand into that directory
-        {**SLURM_TASK, "SLURM_JOB_ID": "43", "SLURM_RESTART_COUNT": "1"},  # another, requeued job
-        {**SLURM_TASK, "SLURM_STEP_ID": "1"},  # a second srun of the same job
-    ],
-)
-def test_another_run_into_that_directory_is_refused(
-    earlier_run: Path, launched_by, env: dict
-) -> None:
-    launched_by(env)
-    assert not is_restart(str(earlier_run))
-    with pytest.raises(ConfigError, match="already holds a run"):
-        check_new_output_dir(str(earlier_run))
 
 
 def test_unknown_group_option_lists_the_options(compose) -> None:
@@ -402,18 +362,3 @@ def test_a_stage_the_task_or_data_lacks_is_named_before_it_starts() -> None:
     assert why_cannot("validate", TrainsOnly(), data) == "TrainsOnly has no validation_step"
     assert why_cannot("predict", TrainsOnly(), data) is None  # Lightning's default predict_step
     assert why_cannot("test", module, TrainDataOnly()) == "TrainDataOnly has no test_dataloader"
-
-
-def test_the_run_itself_continues_in_its_directory(
-    earlier_run: Path, launched_by, tmp_path: Path
-) -> None:
-    """Started by hand (not its launcher's restart): from its own last.ckpt, the run goes on
-    there; from another run's checkpoint, or an older one of its own, it is refused."""
-    launched_by({})
-    check_new_output_dir(str(earlier_run), str(earlier_run / "checkpoints" / "last.ckpt"))
-    with pytest.raises(ConfigError, match=r"already holds a run .* add ckpt_path=.*last\.ckpt"):
-        check_new_output_dir(str(earlier_run), str(tmp_path / "other" / "checkpoints" / "x.ckpt"))
-    with pytest.raises(ConfigError, match="already holds a run"):  # would rewind the run
-        check_new_output_dir(str(earlier_run), str(earlier_run / "checkpoints" / "best.ckpt"))
-    with pytest.raises(ConfigError, match="already holds a run"):
-        check_new_output_dir(str(earlier_run), "last")  # the newest *other* run's

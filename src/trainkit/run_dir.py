@@ -1,0 +1,103 @@
+"""A run directory belongs to exactly one run: claimed before anything is written into it.
+
+The claim is an exclusive lock on ``<dir>/.run.lock``, held by the run's first process while it
+runs (the kernel drops it when that process ends, however it ends). Under the lock the directory
+is checked (``check_new_output_dir``) and only then written: Hydra's own record (``.hydra/``, which
+conf/hydra/default.yaml tells Hydra not to write itself) and everything after. So two runs
+started at once into one ``hydra.run.dir`` cannot both pass the check, and a refused run leaves
+the directory as it found it (docs/reliability.md, "One run, one directory").
+"""
+
+import contextlib
+import errno
+import fcntl
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from trainkit.errors import ConfigError
+from trainkit.resume import first_process, is_restart
+
+LOCK_FILE = ".run.lock"
+HYDRA_RECORD = ".hydra"  # Hydra's config.yaml, hydra.yaml and overrides.yaml of the run
+RUN_FILES = ("checkpoints", "metrics.json", "tensorboard")  # what a run that trained leaves
+
+
+class RunDirTaken(ConfigError):
+    """Another run owns the directory, or has finished in it; nothing was written there."""
+
+
+def check_new_output_dir(output_dir: str, ckpt_path: str | None = None) -> bool:
+    """A run never writes into an earlier run's directory (``hydra.run.dir`` given twice): its
+    checkpoints and logs would be mixed with or replace the earlier ones. The same run going on is
+    welcome there: its launcher's restart (``resume.resolve_ckpt_path``), or a start that resumes
+    the directory's own ``last.ckpt``, where the run stopped (another of its checkpoints would
+    rewind it, over what it wrote since). True where the run goes on, False for a new run."""
+    if is_restart(output_dir):
+        return True
+    last = Path(output_dir) / "checkpoints" / "last.ckpt"
+    if ckpt_path and Path(ckpt_path).expanduser().resolve() == last.resolve():
+        return True  # the run continues from where it stopped
+    found = [name for name in RUN_FILES if (Path(output_dir) / name).exists()]
+    if found:
+        raise RunDirTaken(
+            f"{output_dir} already holds a run ({', '.join(found)}): give a new hydra.run.dir "
+            f"(the default makes a new one per run); to continue that run there, add "
+            f"ckpt_path={last}"
+        )
+    return False
+
+
+def _lock(handle, output_dir: Path) -> None:
+    """Takes the exclusive lock on the open lock file and signs it; RunDirTaken if another
+    process holds it (the file is then left as it was: opened to append, never truncated)."""
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        if err.errno not in (errno.EAGAIN, errno.EACCES):
+            return  # a filesystem without locks: the check alone, as before
+        handle.seek(0)
+        raise RunDirTaken(
+            f"{output_dir} is in use by another run ({handle.read().strip() or 'unknown'}): "
+            f"give a new hydra.run.dir, or wait for that run to end"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    handle.flush()
+
+
+def write_hydra_record(output_dir: Path, cfg: DictConfig) -> None:
+    """What Hydra writes into ``.hydra/`` before a job, written here once the run owns the
+    directory: the job's config as composed, Hydra's own config, and the overrides as typed."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():  # composed outside @hydra.main (tests, notebooks)
+        return
+    hydra_cfg = HydraConfig.instance().cfg
+    record = output_dir / HYDRA_RECORD
+    record.mkdir(exist_ok=True)
+    OmegaConf.save(cfg, record / "config.yaml")
+    OmegaConf.save(hydra_cfg, record / "hydra.yaml")
+    OmegaConf.save(hydra_cfg.hydra.overrides.task, record / "overrides.yaml")
+
+
+@contextlib.contextmanager
+def owning_run_dir(cfg: DictConfig) -> Iterator[None]:
+    """The run's first process owns ``cfg.paths.output_dir`` for the block, or RunDirTaken is
+    raised before anything is written there. The other processes of the run share it."""
+    output_dir = cfg.paths.get("output_dir")
+    if not output_dir or not first_process():
+        yield
+        return
+    path, ckpt_path = Path(output_dir), cfg.get("ckpt_path")
+    check_new_output_dir(output_dir, ckpt_path)  # first unlocked: a refusal creates no lock file
+    path.mkdir(parents=True, exist_ok=True)
+    with open(path / LOCK_FILE, "a+") as handle:  # closing it drops the lock
+        _lock(handle, path)
+        if not check_new_output_dir(output_dir, ckpt_path):  # again: the run may have started
+            write_hydra_record(path, cfg)  # (a run that goes on keeps how it was started)
+        yield
