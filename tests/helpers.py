@@ -344,21 +344,34 @@ def sample_digest(sample: torch.Tensor) -> str:
 
 class SeenSamples(L.Callback):
     """What this rank trained on in each epoch: the digest of every sample (``sample_digest`` of
-    the batch's first element, the inputs) and the number of batches. Writes
-    ``seen.rank<r>.json`` (``[{"batches": n, "samples": [...]}, ...]``, one entry per epoch) into
-    the run's directory."""
-
-    def on_train_epoch_start(self, trainer, pl_module) -> None:
-        self._epoch = {"batches": 0, "samples": []}
+    the batch's first element, the inputs), the number of batches and whether the epoch's
+    validation ran. Writes ``seen.rank<r>.json`` (``[{"epoch": e, "batches": n, "samples": [...],
+    "validated": bool}, ...]``, one entry per epoch this process trained in, a stopped one
+    included) into the run's directory."""
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if not hasattr(self, "_epoch"):  # (Lightning skips on_train_epoch_start mid-epoch)
+            self._epoch = {"epoch": trainer.current_epoch, "batches": 0, "samples": []}
+            self._epoch["validated"] = False
         self._epoch["batches"] += 1
         self._epoch["samples"] += [sample_digest(x) for x in batch[0]]
 
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking and hasattr(self, "_epoch"):
+            self._epoch["validated"] = True
+
     def on_train_epoch_end(self, trainer, pl_module) -> None:
+        self._write(trainer)
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        if hasattr(self, "_epoch"):  # stopped (a signal): the epoch so far
+            self._write(trainer)
+
+    def _write(self, trainer) -> None:
         out = Path(trainer.default_root_dir) / f"seen.rank{trainer.global_rank}.json"
         epochs = json.loads(out.read_text()) if out.exists() else []
         out.write_text(json.dumps([*epochs, self._epoch]))
+        del self._epoch
 
 
 class ShardSizes(L.Callback):

@@ -8,6 +8,7 @@ own ``last.ckpt``, whatever ``ckpt_path`` says (docs/design.md, "Restarts contin
 """
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -15,6 +16,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainkit.checkpoint_io import atomic_write_text
 from trainkit.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 LAUNCH_FILE = "launch.json"  # in a run directory: what makes a later start a restart of the run
 
@@ -113,7 +116,7 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
     missing, not a trainkit checkpoint, or trained another model."""
     own = Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt"
     if own.is_file() and is_restart(cfg.paths.output_dir):
-        check_same_model(own, cfg)
+        check_resume_config(own, cfg)
         return str(own)
     if cfg.ckpt_path is None:
         return None
@@ -127,18 +130,71 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
             )
     else:
         path = Path(cfg.ckpt_path).expanduser()
-    check_same_model(path, cfg)
+    check_resume_config(path, cfg)
     return str(path)
 
 
-def check_same_model(path: Path, cfg: DictConfig) -> None:
-    # imported here: it imports Lightning, which preflight (importing this module) does not need
-    from trainkit.callbacks.run_config import read_checkpoint_config
+# What a resume may change, and what it refuses (docs/reliability.md, "What a resume may
+# change"). Any other key is the run's to change: the loggers, callbacks, trainer limits (more
+# epochs), the number of devices and the batch size (the epoch goes on sample-exactly: see
+# callbacks.ResumeChanges), the optimizer's and scheduler's settings (applied over the saved ones).
+REFUSED_ON_RESUME = {
+    "model.optimizer._target_": "the optimizer's saved state is its own",
+    "model.scheduler._target_": "the scheduler's saved state is its own",
+}
+# ...and, mid-epoch only, what decides which samples the epoch's order holds
+REFUSED_MID_EPOCH = {
+    "seed": "it draws the epoch's order",
+    "data.split_seed": "it decides which samples are training ones",
+    "data.val_size": "it decides which samples are training ones",
+}
 
+
+# ...and what it logs when changed (applied: the optimizer's and scheduler's settings)
+APPLIED_ON_RESUME = ("model.optimizer", "model.scheduler", "data.batch_size", "devices")
+
+
+def check_resume_config(path: Path, cfg: DictConfig) -> None:
+    """Refuses a resume whose config changes what the checkpoint's state cannot follow, naming the
+    key; logs each change that the run applies."""
+    from trainkit.callbacks.run_config import CONFIG_KEY, read_checkpoint
+
+    checkpoint = read_checkpoint(path, cfg.get("weights_only", True))
+    check_same_model(path, cfg, checkpoint[CONFIG_KEY])
+    trained = OmegaConf.create(checkpoint[CONFIG_KEY])
+    states = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+    mid_epoch = any(any(s.values()) for s in states.get("combined_loader") or [])
+    refused = {**REFUSED_ON_RESUME, **(REFUSED_MID_EPOCH if mid_epoch else {})}
+    for key, why in refused.items():
+        old, new = _value(trained, key), _value(cfg, key)
+        if old != new:
+            when = " mid-epoch" if key in REFUSED_MID_EPOCH else ""
+            raise ConfigError(
+                f"{key}={new} on resume from {path}, which was trained with {key}={old}: {why}, "
+                f"so it cannot change{when}; resume with {key}={old}, or start a new run"
+            )
+    for key in APPLIED_ON_RESUME:
+        old, new = _value(trained, key), _value(cfg, key)
+        pairs = (
+            [(f"{key}.{k}", old.get(k), v) for k, v in new.items()]
+            if (isinstance(old, dict) and isinstance(new, dict))
+            else [(key, old, new)]
+        )
+        for name, was, value in pairs:
+            if value != was:
+                log.info("resuming with %s=%s (the checkpoint's run had %s)", name, value, was)
+
+
+def _value(cfg: DictConfig, key: str):
+    """The resolved value at ``key`` (a mapping as a dict); None where there is none."""
+    value = OmegaConf.select(cfg, key, throw_on_missing=False)
+    return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else value
+
+
+def check_same_model(path: Path, cfg: DictConfig, trained: dict) -> None:
     if "net" not in cfg.model:  # a model of the user's: its state dict's keys and shapes decide
         return
-    theirs = read_checkpoint_config(path, cfg.get("weights_only", True)).get("model", {})
-    theirs = theirs.get("net")
+    theirs = trained.get("model", {}).get("net")
     net = OmegaConf.masked_copy(cfg.model.net, [k for k in cfg.model.net if k != "num_classes"])
     ours = OmegaConf.to_container(net, resolve=True)
     theirs = {k: v for k, v in (theirs or {}).items() if k != "num_classes"}

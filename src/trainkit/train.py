@@ -18,6 +18,7 @@ from trainkit.callbacks import (
     NonFiniteLossStop,
     Preemption,
     ProcessInfo,
+    ResumeChanges,
     RunConfig,
 )
 from trainkit.callbacks.preemption import Preempted
@@ -71,12 +72,14 @@ def build(
     model = build_model(cfg, datamodule)
     output_dir = Path(cfg.paths.output_dir)
     write_config(output_dir / "config.yaml", cfg)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
     trainer = build_trainer(
         cfg,
         dims,
         callbacks=[
             # built here, not in conf/callbacks: every run needs them, and they take run facts
-            RunConfig(OmegaConf.to_container(cfg, resolve=True)),  # the config in checkpoints
+            RunConfig(resolved),  # the config in checkpoints
+            ResumeChanges(resolved),  # what a resume changes in the checkpoint's state
             ProcessInfo(job_overrides(), cfg.paths.output_dir, cfg.task_name),
             Preemption(str(output_dir / "checkpoints")),  # SIGTERM/SIGINT: save, then exit
             NonFiniteLossStop(check_every=cfg.trainer.log_every_n_steps),

@@ -218,6 +218,88 @@ def test_ddp_sigterm_stops_every_rank_and_resumes(base, ddp_reference, tmp_path:
     assert_ddp_reference(runs(tmp_path / "logs")[-1] / "checkpoints" / "last.ckpt", ddp_reference)
 
 
+# --- a resume with a changed config: applied, sample-exact, or refused before it starts ----------
+
+SEEN = "+callbacks.seen._target_=helpers.SeenSamples"
+
+
+def seen_in(run_dir: Path, epoch: int) -> tuple[list[str], list[dict]]:
+    """Every sample the run's ranks trained on in ``epoch``, and each rank's record of it."""
+    records = [
+        entry
+        for path in sorted(run_dir.glob("seen.rank*.json"))
+        for entry in json.loads(path.read_text())
+        if entry["epoch"] == epoch
+    ]
+    return [sample for entry in records for sample in entry["samples"]], records
+
+
+@pytest.fixture(scope="module")
+def stopped_on_two_ranks(base, tmp_path_factory) -> Path:
+    """ddp x2 in batches of 16 (25 steps an epoch), stopped by SIGTERM 5 steps into epoch 1."""
+    log_dir = tmp_path_factory.mktemp("stopped-ddp")
+    hook = "+callbacks.signal_at"
+    proc = train(
+        log_dir, *base, *DDP2, SEEN, f"{hook}._target_=helpers.SignalAt", f"{hook}.step=30"
+    )
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    return runs(log_dir)[0]
+
+
+@pytest.mark.parametrize(
+    ("change", "steps_left"),
+    [
+        (("devices=1",), 40),  # a requeue onto a smaller allocation: 640 samples left, by 16
+        (("data.batch_size=48", "model.optimizer.lr=5e-4"), 7),  # 320 a rank, by 48
+    ],
+    ids=["2-to-1-device", "batch-16-to-48-and-a-new-lr"],
+)
+def test_a_mid_epoch_resume_with_other_ranks_or_batches_trains_each_sample_once(
+    change: tuple[str, ...], steps_left: int, base, stopped_on_two_ranks: Path, tmp_path: Path
+) -> None:
+    last = stopped_on_two_ranks / "checkpoints" / "last.ckpt"
+    proc = train(tmp_path, *base, *DDP2, SEEN, *change, f"ckpt_path={last}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (resumed,) = runs(tmp_path)
+    whole_epoch, _ = seen_in(stopped_on_two_ranks, 0)
+    assert len(whole_epoch) == len(set(whole_epoch)) == 800  # every training sample, once
+    before, _ = seen_in(stopped_on_two_ranks, 1)
+    after, records = seen_in(resumed, 1)
+    assert len(before) == 2 * 5 * 16
+    assert sorted(before + after) == sorted(whole_epoch)  # none repeated, none skipped
+    assert all(record["validated"] for record in records)  # the epoch ended as any epoch does
+    saved = torch.load(resumed / "checkpoints" / "last.ckpt", weights_only=True)
+    assert saved["global_step"] == 30 + steps_left and saved["epoch"] == 1
+    lr = 5e-4 if "model.optimizer.lr=5e-4" in change else 1e-3
+    assert [g["lr"] for g in saved["optimizer_states"][0]["param_groups"]] == [lr]
+    if lr != 1e-3:
+        assert "resuming with model.optimizer.lr=0.0005 (the checkpoint's run had 0.001)" in (
+            proc.stdout + proc.stderr
+        )
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            "model.optimizer._target_=torch.optim.SGD",
+            "model.optimizer._target_=torch.optim.SGD on resume from .*, which was trained with "
+            "model.optimizer._target_=torch.optim.Adam: the optimizer's saved state is its own",
+        ),
+        ("seed=7", "seed=7 on resume .* it draws the epoch's order, so it cannot change mid-epoch"),
+    ],
+    ids=["optimizer-class", "seed-mid-epoch"],
+)
+def test_a_resume_that_cannot_follow_its_config_is_refused_before_it_starts(
+    change: str, message: str, base, stopped_on_two_ranks: Path, tmp_path: Path
+) -> None:
+    last = stopped_on_two_ranks / "checkpoints" / "last.ckpt"
+    proc = train(tmp_path, *base, change, f"ckpt_path={last}")
+    assert proc.returncode == 1 and re.search(message, proc.stderr), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert not list(tmp_path.rglob("*.ckpt")) and not list(tmp_path.rglob("events.out.*"))
+
+
 @shares_ddp_reference
 def test_torchrun_restart_after_a_killed_worker_resumes_the_run(
     base, ddp_reference, tmp_path: Path

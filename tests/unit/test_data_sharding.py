@@ -221,3 +221,59 @@ class NeedsTrainer(L.LightningDataModule):
 
 def test_a_loader_that_cannot_be_built_before_the_run_is_checked_at_its_first_use() -> None:
     assert check_train_data(NeedsTrainer(), replicas=2, full_batches=True) is None
+
+
+# --- a resumed epoch: the samples taken so far are a prefix of the epoch's order ----------------
+
+
+def taken(loaders: list[InMemoryLoader], batches: int) -> list[int]:
+    """The samples that ``batches`` batches of each rank's loader hold (the first pass)."""
+    passes = [iter(loader) for loader in loaders]
+    return [int(i) for it in passes for _ in range(batches) for i in next(it)[0]]
+
+
+def rank_loaders(
+    world: int, batch_size: int, drop_last: bool = False, n: int = 103
+) -> list[InMemoryLoader]:
+    samples = torch.arange(n)
+    return [
+        InMemoryLoader(
+            [samples],
+            batch_size,
+            ShardSampler(n, shuffle=True, seed=3, rank=r, world_size=world),
+            drop_last=drop_last,
+        )
+        for r in range(world)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("before", "after"), [((2, 8), (1, 8)), ((2, 8), (2, 24)), ((1, 16), (3, 5)), ((3, 4), (2, 7))]
+)
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_an_epoch_resumed_on_other_ranks_or_batches_takes_each_sample_once(
+    before: tuple[int, int], after: tuple[int, int], drop_last: bool
+) -> None:
+    """(ranks, batch size) before and after the stop: what the ranks took before, then after,
+    is the whole epoch once, less fewer than one batch of each rank where drop_last, and less
+    fewer than one sample a rank to keep the parts equal."""
+    stopped = rank_loaders(*before, drop_last)
+    first = taken(stopped, 3)
+    state = stopped[0].state_dict()
+    assert state == {"samples_done": len(first)}
+    assert all(loader.state_dict() == state for loader in stopped)  # every rank says the same
+
+    resumed = rank_loaders(*after, drop_last)
+    for loader in resumed:
+        loader.load_state_dict(state)
+    left = resumed[0].batches_left(state["samples_done"])
+    rest = taken(resumed, left)
+    assert all(loader.state_dict() == {"samples_done": 0} for loader in resumed)  # epoch over
+    assert len(set(first + rest)) == len(first + rest)  # none twice
+    world, batch_size = after
+    dropped = 103 - len(first + rest)
+    assert 0 <= dropped < world * (batch_size if drop_last else 1)
+    assert left <= len(resumed[0])  # Lightning's count of the epoch so far is not negative
+    second = [int(i) for loader in resumed for batch in loader for i in batch[0]]
+    whole = 103 // world // batch_size * batch_size if drop_last else 103 // world
+    assert len(second) == whole * world  # the next pass is a whole epoch again

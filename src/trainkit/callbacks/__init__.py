@@ -6,6 +6,7 @@ from trainkit.callbacks.prediction_writer import PredictionWriter
 from trainkit.callbacks.preemption import Preemption
 from trainkit.callbacks.process_info import ProcessInfo
 from trainkit.callbacks.profile_steps import ProfileSteps
+from trainkit.callbacks.resume_changes import ResumeChanges
 from trainkit.callbacks.run_config import RunConfig
 from trainkit.callbacks.startup_time import StartupTime
 from trainkit.callbacks.training_monitor import TrainingMonitor
@@ -18,6 +19,7 @@ __all__ = [
     "Preemption",
     "ProcessInfo",
     "ProfileSteps",
+    "ResumeChanges",
     "RunConfig",
     "StartupTime",
     "TrainingMonitor",

@@ -17,17 +17,18 @@ TRACKERS_KEY = "trainkit_tracker_runs"  # loggers.tracker_run_ids
 def read_checkpoint_config(ckpt_path: str | Path, weights_only: bool = True) -> dict[str, Any]:
     """The resolved config a trainkit checkpoint carries (train.py's resume, eval.py's rebuild);
     a one-line ConfigError that names the fix when there is none."""
-    return _read_checkpoint(ckpt_path, weights_only)[CONFIG_KEY]
+    return read_checkpoint(ckpt_path, weights_only)[CONFIG_KEY]
 
 
 def read_checkpoint_tracker_runs(
     ckpt_path: str | Path, weights_only: bool = True
 ) -> dict[str, str]:
     """The tracker runs (MLflow, W&B) that the run which wrote the checkpoint logged to."""
-    return dict(_read_checkpoint(ckpt_path, weights_only).get(TRACKERS_KEY) or {})
+    return dict(read_checkpoint(ckpt_path, weights_only).get(TRACKERS_KEY) or {})
 
 
-def _read_checkpoint(ckpt_path: str | Path, weights_only: bool) -> dict[str, Any]:
+def read_checkpoint(ckpt_path: str | Path, weights_only: bool = True) -> dict[str, Any]:
+    """A trainkit checkpoint, memory-mapped; a one-line ConfigError where it is not one."""
     path = Path(ckpt_path).expanduser()
     if not path.is_file():
         raise ConfigError(

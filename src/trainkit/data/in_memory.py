@@ -17,8 +17,11 @@ class InMemoryLoader:
 
     Lightning accepts any sized iterable as a dataloader; it finds ``sampler.set_epoch`` as it does
     on a DataLoader. It is also stateful (``state_dict``/``load_state_dict``): Lightning stores the
-    position in mid-epoch checkpoints, and a resumed epoch continues from the next batch instead of
-    starting over, so no sample is seen twice or skipped.
+    position in mid-epoch checkpoints as the samples of the epoch's order that all ranks trained
+    on, and a resumed epoch goes on from the next one, on any number of ranks and in any batch
+    size (``ShardSampler``), so no sample is seen twice or skipped. ``len`` is always a whole
+    epoch's batches: Lightning counts a resumed epoch's batches from where it stopped
+    (``callbacks.ResumeChanges`` restates that count in this loader's batches).
     """
 
     batch_sampler = None  # read by Lightning's DataLoader checks beside ``sampler``
@@ -36,32 +39,45 @@ class InMemoryLoader:
             raise ValueError("all tensors must have the same first dimension")
         self.tensors, self.batch_size = tuple(tensors), batch_size
         self.sampler, self.drop_last = sampler, drop_last
-        self._yielded = 0  # batches handed out in the current pass
-        self._resume_at = 0  # batches the next pass skips (set by load_state_dict)
+        self.resume_at = 0  # samples of the epoch's order the next pass skips (load_state_dict)
+        self._pass_start, self._taken, self._left = 0, 0, 0  # the current pass: this rank's
 
-    def _sizes(self) -> list[int]:
-        """Each batch's size (``batch_sizes``: as many as the longest rank's part makes)."""
-        longest = self.sampler.longest
-        return batch_sizes(len(self.sampler), self.batch_size, longest, self.drop_last)
+    def _sizes(self, start: int = 0) -> list[int]:
+        """Each batch's size from the ``start``-th sample of the epoch (``batch_sizes``: as many
+        as the longest rank's part makes)."""
+        n = self.sampler.length(start)
+        longest = self.sampler.longest if start == 0 else n  # (only training parts resume)
+        return batch_sizes(n, self.batch_size, longest, self.drop_last)
 
     def __iter__(self) -> Iterator[tuple[Tensor, ...]]:
-        idx = self.sampler.indices()
-        sizes = self._sizes()
-        self._yielded, self._resume_at = self._resume_at, 0
-        start = sum(sizes[: self._yielded])
-        for size in sizes[self._yielded :]:
-            batch = idx[start : start + size]
-            start += size
-            self._yielded += 1
+        start, self.resume_at = self.resume_at, 0
+        idx, sizes = self.sampler.indices(start), self._sizes(start)
+        self._pass_start, self._taken, self._left = start, 0, len(sizes)
+        for size in sizes:
+            batch = idx[self._taken : self._taken + size]
+            self._taken += size
+            self._left -= 1
             yield tuple(t[batch] for t in self.tensors)
 
     def state_dict(self) -> dict[str, int]:
-        """Batches handed out in this pass: the ones trained on, since Lightning's fetcher asks for
-        a batch only when its step starts (it knows the length, so it does not fetch ahead)."""
-        return {"batches_done": self._yielded if self._yielded < len(self) else 0}
+        """The samples of this epoch's order that all ranks have taken (0 once the epoch is
+        over): the ones trained on, since Lightning's fetcher asks for a batch only when its step
+        starts (it knows the length, so it does not fetch ahead)."""
+        done = self._pass_start + self._taken * self.sampler.world_size
+        return {"samples_done": done if self._left else 0}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self._resume_at = state["batches_done"]
+        if "samples_done" not in state:  # saved by an earlier trainkit: batches, in this shape
+            state = {"samples_done": state["batches_done"] * self.batch_size * self.world_size}
+        self.resume_at = state["samples_done"]
+
+    @property
+    def world_size(self) -> int:
+        return self.sampler.world_size
+
+    def batches_left(self, samples_done: int) -> int:
+        """The batches of the epoch that remain after ``samples_done`` of its samples."""
+        return len(self._sizes(samples_done))
 
     def __len__(self) -> int:
         return len(self._sizes())

@@ -51,6 +51,11 @@ class ShardSampler:
     Training shards (``even=True``) have equal length on every rank, as DDP needs the same number of
     steps everywhere: up to ``world_size - 1`` samples of a shuffled epoch are left out. Evaluation
     shards (``even=False``) cover every sample exactly once, so gathered metrics are exact.
+
+    Rank ``r`` takes every ``world_size``-th index of the epoch's order from ``r``, so what all
+    ranks have taken after any number of equal batches is a prefix of that order, whatever the
+    batch size and the number of ranks: a resumed epoch (``indices(start)``) goes on from the
+    ``start``-th index on any number of ranks, each sample of the epoch once.
     """
 
     def __init__(
@@ -72,23 +77,29 @@ class ShardSampler:
         """Called by Lightning's fit loop at the start of each epoch."""
         self.epoch = epoch
 
-    def indices(self) -> Tensor:
+    def indices(self, start: int = 0) -> Tensor:
+        """This rank's part of the epoch's order, from its ``start``-th index on (all ranks')."""
         if self.shuffle:
             g = torch.Generator().manual_seed(self.seed + self.epoch)
             order = torch.randperm(self.size, generator=g)
         else:
             order = torch.arange(self.size)
+        order = order[start:]
         if self.even:
-            order = order[: len(self) * self.world_size]
+            order = order[: self.length(start) * self.world_size]
         return order[self.rank :: self.world_size]
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.indices().tolist())
 
-    def __len__(self) -> int:
+    def length(self, start: int = 0) -> int:
+        """The length of ``indices(start)``."""
         if self.even:
-            return self.size // self.world_size
-        return len(range(self.rank, self.size, self.world_size))
+            return max(0, self.size - start) // self.world_size
+        return len(range(start + self.rank, self.size, self.world_size))
+
+    def __len__(self) -> int:
+        return self.length()
 
     @property
     def longest(self) -> int:
