@@ -120,6 +120,15 @@ def tree_state(root: Path) -> dict[str, tuple[int, bytes]]:
     return state
 
 
+def zero_block(path: Path, size: int = 4096) -> None:
+    """Zeros over a block in the middle of a file, its size unchanged: a bad sector, a torn
+    copy."""
+    length = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.seek(length // 2 // size * size)
+        f.write(bytes(size))
+
+
 def run_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     """The weights of a run's ``checkpoints/last.ckpt``, on the CPU."""
     path = run_dir / "checkpoints" / "last.ckpt"

@@ -4,11 +4,15 @@ file in $TMPDIR").
 """
 
 import contextlib
+import errno
 import io
+import logging
 import os
 import pickle
 import re
+import shutil
 import socket
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +21,10 @@ from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch import nn
+
+from trainkit.errors import ConfigError, DiskFullError
+
+log = logging.getLogger(__name__)
 
 
 def unreadable_global(obj: Any) -> str | None:
@@ -90,7 +98,8 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     """``torch.save`` to a temporary file beside ``path``, fsync, then rename over ``path``.
 
     The rename is atomic on one filesystem (POSIX), so a reader or a resumed run sees the previous
-    file or the new one; the directory is fsync'ed too, so the rename survives a power cut.
+    file or the new one; the directory is fsync'ed too, so the rename survives a power cut. A full
+    disk is one line (``DiskFullError``), where torch would say ``unexpected pos``.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -101,15 +110,83 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
+        if _disk_full(err):
+            raise DiskFullError(_disk_full_message(obj, path)) from err
         raise
     fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _disk_full(err: BaseException | None) -> bool:
+    """ENOSPC (or a quota) anywhere in the chain: torch's writer raises its own error from it."""
+    while err is not None:
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(err):  # torch's writer keeps only the text
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def _disk_full_message(obj: Any, path: Path) -> str:
+    needed = sum(t.nbytes for t in _tensors(obj))
+    free = shutil.disk_usage(path.parent).free
+    previous = f"the previous {path.name} is intact" if path.exists() else "nothing was lost"
+    return (
+        f"no space left in {path.parent}: saving {path.name} needs about {needed / 2**20:.1f} MB, "
+        f"{free / 2**20:.1f} MB are free; {previous}. Free space there (or give paths.log_dir "
+        f"on a larger disk) and resume with ckpt_path=last"
+    )
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
+def damage(path: str | os.PathLike) -> str | None:
+    """Why a checkpoint file is damaged, or None if it is whole: ``torch.save`` writes a zip whose
+    every record carries a CRC-32 of its bytes, which ``torch.load`` does not check (a zeroed
+    block loads as zeros); this reads the file once and checks them all."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as err:
+        return f"not a whole checkpoint file: {err}"
+    return f"{bad} fails its CRC-32 check" if bad else None
+
+
+def newest_intact(path: Path) -> Path:
+    """``path`` if it is whole; else, with a warning that names both, the newest whole checkpoint
+    beside it (the run's ``best.ckpt``, an epoch's save); a one-line ConfigError
+    where there is none."""
+    why = damage(path)
+    if why is None:
+        return path
+    others = sorted(
+        (p for p in path.parent.glob("*.ckpt") if p != path),
+        key=lambda p: p.stat().st_mtime,
+        reverse=True,
+    )
+    for other in others:
+        if damage(other) is None:
+            log.warning("%s is damaged (%s): resuming from %s instead", path, why, other)
+            return other
+    raise ConfigError(
+        f"ckpt_path={path} is damaged ({why}) and {path.parent} holds no whole checkpoint: "
+        f"resume from a copy of it, or start a new run"
+    )
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

@@ -8,3 +8,8 @@ class ConfigError(CompactHydraException, ValueError):
 
     As one of Hydra's compact exceptions, it reaches the console as its message alone, without a
     traceback (``HYDRA_FULL_ERROR=1`` shows the traceback)."""
+
+
+class DiskFullError(CompactHydraException, OSError):
+    """A save found no space left: where, how much it needed, and that the previous file is whole
+    (one line on the console, as a ConfigError)."""

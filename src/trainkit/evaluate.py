@@ -10,6 +10,7 @@ import trainkit.resolvers  # noqa: F401  registers the resolvers that conf/ uses
 from trainkit.build import build_datamodule, build_model, build_trainer, prepare_data_once
 from trainkit.callbacks import PredictionWriter
 from trainkit.callbacks.run_config import read_checkpoint_config
+from trainkit.checkpoint_io import damage
 from trainkit.errors import ConfigError
 from trainkit.launch import isolated_job
 from trainkit.loggers import ending_tracker_runs
@@ -35,6 +36,9 @@ def check_stages(stages: list[str]) -> None:
 def with_checkpoint_config(cfg: DictConfig) -> DictConfig:
     """The eval config completed by the checkpoint's: its model, its data (``cfg.data``'s non-null
     keys override), and its precision unless ``precision`` is given."""
+    why = damage(cfg.ckpt_path) if Path(cfg.ckpt_path).is_file() else None
+    if why:
+        raise ConfigError(f"ckpt_path={cfg.ckpt_path} is damaged ({why}): evaluate another one")
     trained = OmegaConf.create(read_checkpoint_config(cfg.ckpt_path, cfg.weights_only))
     data = trained.data
     for key, value in (cfg.get("data") or {}).items():

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from trainkit.checkpoint_io import atomic_write_text
+from trainkit.checkpoint_io import atomic_write_text, newest_intact
 from trainkit.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -116,6 +116,7 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
     missing, not a trainkit checkpoint, or trained another model."""
     own = Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt"
     if own.is_file() and is_restart(cfg.paths.output_dir):
+        own = newest_intact(own)
         check_resume_config(own, cfg)
         return str(own)
     if cfg.ckpt_path is None:
@@ -130,6 +131,8 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
             )
     else:
         path = Path(cfg.ckpt_path).expanduser()
+    if path.is_file():  # (a missing file: read_checkpoint names it)
+        path = newest_intact(path)
     check_resume_config(path, cfg)
     return str(path)
 

@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -17,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import alive, run_python, start_python, tree_state
-from trainkit.checkpoint_io import remove_stale_temp_files
+from helpers import alive, run_python, start_python, tree_state, zero_block
+from trainkit.checkpoint_io import damage, remove_stale_temp_files
 
 pytestmark = pytest.mark.slow  # long end-to-end runs: CI's `slow` job
 STEPS_PER_EPOCH = 50  # 800 training images of the test MNIST, batch 16
@@ -133,6 +134,60 @@ def test_runs_started_together_into_one_directory_leave_it_to_one(base, tmp_path
     assert f'"pid": {pid}' in log and "already holds" not in log and "in use" not in log
     writers = {p.name.split(".")[-2] for p in (run_dir / "tensorboard").rglob("events.out.*")}
     assert writers == {str(pid)}  # TensorBoard's files: <time>.<host>.<pid>.<n>
+
+
+# --- damaged checkpoints, a full disk -----------------------------------------------------------
+
+
+@shares_uninterrupted
+def test_a_damaged_last_checkpoint_is_reported_and_the_newest_whole_one_resumed(
+    base, uninterrupted: Path, tmp_path: Path
+) -> None:
+    checkpoints = tmp_path / "copy" / "checkpoints"
+    shutil.copytree(uninterrupted / "checkpoints", checkpoints)  # (modification times kept)
+    last, best = checkpoints / "last.ckpt", checkpoints / "best.ckpt"
+    zero_block(last)  # its size unchanged: torch.load alone would resume from it
+    proc = train(tmp_path / "logs", *base, f"ckpt_path={last}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    output = proc.stdout + proc.stderr
+    assert re.search(
+        rf"{last} is damaged \(.* fails its CRC-32 check\): resuming from {best}", output
+    )
+    assert f"Resuming from {best}" in output
+
+
+def mount_tmpfs(where: Path, size: str) -> None:
+    where.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)])
+    if done.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (it needs root)")
+
+
+def test_a_full_disk_is_one_line_and_the_previous_checkpoint_stays_whole(
+    base, tmp_path: Path
+) -> None:
+    """A 16 MB disk holds the first epoch's two saves (6.4 MB each: the MLP and Adam's state),
+    not a third."""
+    disk = tmp_path / "disk"
+    mount_tmpfs(disk, "16m")
+    try:
+        proc = train(disk, *base)
+        assert proc.returncode == 1, proc.stderr[-3000:]
+        (run_dir,) = runs(disk)
+        checkpoints = run_dir / "checkpoints"
+        (line,) = [line for line in proc.stderr.splitlines() if "no space left" in line]
+        assert re.fullmatch(
+            rf"no space left in {checkpoints}: saving (last|best)\.ckpt needs about [\d.]+ MB, "
+            r"[\d.]+ MB are free; the previous (last|best)\.ckpt is intact\. .* resume with "
+            r"ckpt_path=last",
+            line,
+        ), line
+        assert "Traceback" not in proc.stderr and "unexpected pos" not in proc.stderr
+        saved = sorted(p.name for p in checkpoints.iterdir())
+        assert saved == ["best.ckpt", "last.ckpt"]  # and no temporary file left
+        assert all(damage(checkpoints / name) is None for name in saved)
+    finally:
+        subprocess.run(["umount", "--lazy", str(disk)], check=True)
 
 
 # --- preemption: SIGTERM / SIGINT -------------------------------------------------------------

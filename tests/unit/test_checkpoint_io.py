@@ -1,12 +1,17 @@
-"""Checkpoints are written atomically: a save that fails half-way keeps the previous file whole.
-A process killed while saving is in e2e/test_reliability.py."""
+"""Checkpoints are written atomically: a save that fails half-way keeps the previous file whole;
+a damaged file is found on load. A process killed while saving, a full disk and a resume from a
+damaged last.ckpt are in e2e/test_reliability.py."""
 
+import logging
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from trainkit.checkpoint_io import atomic_torch_save
+from helpers import zero_block
+from trainkit.checkpoint_io import atomic_torch_save, damage, newest_intact
+from trainkit.errors import ConfigError
 
 
 class Unpicklable:
@@ -22,3 +27,22 @@ def test_failed_save_keeps_the_previous_file_whole(tmp_path: Path) -> None:
     loaded = torch.load(path, weights_only=True)
     assert loaded["step"] == 1 and torch.equal(loaded["w"], torch.ones(1000))
     assert [p.name for p in path.parent.iterdir()] == ["last.ckpt"]  # no temporary left
+
+
+def test_a_damaged_checkpoint_is_found_and_the_newest_whole_one_taken(tmp_path: Path, caplog):
+    older, last = tmp_path / "epoch=0.ckpt", tmp_path / "last.ckpt"
+    atomic_torch_save({"step": 1, "w": torch.randn(100_000)}, older)
+    atomic_torch_save({"step": 2, "w": torch.randn(100_000)}, last)
+    os.utime(older, (1, 1))  # older than last.ckpt, whatever the clock's resolution
+    assert damage(last) is None and newest_intact(last) == last
+    zero_block(last)
+    assert torch.load(last, weights_only=True)["step"] == 2  # torch.load does not see it
+    assert "fails its CRC-32 check" in damage(last)
+    with caplog.at_level(logging.WARNING):
+        assert newest_intact(last) == older
+    assert f"{last} is damaged" in caplog.text and f"resuming from {older} instead" in caplog.text
+    zero_block(older)
+    with pytest.raises(ConfigError, match=rf"ckpt_path={last} is damaged .* no whole checkpoint"):
+        newest_intact(last)
+    last.write_bytes(last.read_bytes()[:1000])  # truncated
+    assert "not a whole checkpoint file" in damage(last)
