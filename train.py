@@ -7,6 +7,7 @@ with imports_frozen():  # faster start and exit: runtime.py
     from omegaconf import DictConfig
 
     import trainkit.startup  # noqa: F401  first: before Lightning imports torchmetrics
+    from trainkit.config import did_you_mean
     from trainkit.train import run
 
 
@@ -16,4 +17,5 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    main()
+    with did_you_mean("train"):  # a line naming the closest key, where Hydra refused an unknown one
+        main()

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 from collections.abc import Sequence
 from typing import Any
 
 import lightning as L
 import torch
+from hydra.errors import InstantiationException
 from hydra.utils import get_object, instantiate
 from lightning.pytorch.plugins import TorchSyncBatchNorm
 from lightning.pytorch.plugins.environments import SLURMEnvironment
@@ -84,7 +86,7 @@ def build_datamodule(cfg: DictConfig) -> L.LightningDataModule:
     """The datamodule of ``cfg.data``, given plain lists and dicts (``_convert_="all"``): what it
     keeps, in ``save_hyperparameters()`` too, is never one of Hydra's containers, which a
     ``weights_only`` checkpoint load refuses."""
-    return instantiate(cfg.data, _convert_=cfg.data.get("_convert_", "all"))
+    return instantiate_config(cfg.data, _convert_=cfg.data.get("_convert_", "all"))
 
 
 def build_model(cfg: DictConfig, datamodule: L.LightningDataModule) -> L.LightningModule:
@@ -95,7 +97,7 @@ def build_model(cfg: DictConfig, datamodule: L.LightningDataModule) -> L.Lightni
     model = model_config(cfg, datamodule)
     convert = model.get("_convert_", "all")
     if not capabilities(cfg.strategy).materialises_blocks:
-        return instantiate(model, _convert_=convert)
+        return instantiate_config(model, _convert_=convert)
     from trainkit.models.blocks import BlockSequence
 
     net = model.get("net") or {}
@@ -105,10 +107,25 @@ def build_model(cfg: DictConfig, datamodule: L.LightningDataModule) -> L.Lightni
     # into meta tensors (a no-op) and be lost when its blocks are initialised
     pretrained = net.get("weights") is not None
     if pretrained or not (isinstance(net_class, type) and issubclass(net_class, BlockSequence)):
-        return instantiate(model, _convert_=convert)
+        return instantiate_config(model, _convert_=convert)
     with torch.device("meta"):
-        built = instantiate(model.net, _convert_=convert)
-    return instantiate(model, net=built, _convert_=convert)
+        built = instantiate_config(model.net, _convert_=convert)
+    return instantiate_config(model, net=built, _convert_=convert)
+
+
+def instantiate_config(config: DictConfig, **kwargs: Any) -> Any:
+    """Hydra's ``instantiate``, where a class that refuses its arguments (a ValueError or
+    TypeError from its ``__init__``) is a one-line ConfigError naming the config key, not
+    Hydra's three-line wrapper (``HYDRA_FULL_ERROR=1`` shows the traceback)."""
+    try:
+        return instantiate(config, **kwargs)
+    except InstantiationException as err:
+        cause = err.__cause__
+        if not isinstance(cause, (ValueError, TypeError)) or isinstance(cause, ConfigError):
+            raise
+        where = re.search(r"full_key: (\S+)", str(err))
+        key = where.group(1) if where else config.get("_target_", "the config")
+        raise ConfigError(f"{key}: {cause}") from err
 
 
 def build_strategy(cfg: DictConfig, dims: ParallelDims) -> Any:

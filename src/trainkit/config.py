@@ -1,10 +1,13 @@
 """Composing the project's Hydra configs outside ``@hydra.main`` (benchmark, tests, notebooks)."""
 
-from collections.abc import Sequence
+import contextlib
+import difflib
+import sys
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 import trainkit.resolvers  # noqa: F401  registers the resolvers that conf/ uses
 
@@ -28,3 +31,49 @@ def compose_config(
                 *overrides,
             ],
         )
+
+
+@contextlib.contextmanager
+def did_you_mean(config_name: str) -> Iterator[None]:
+    """Around a script's ``main()``: where Hydra refused the run (exit 1), a line for each
+    command-line key that the config lacks, with the closest key it has (Hydra says only that the
+    key is not in the config)."""
+    try:
+        yield
+    except SystemExit as stop:
+        if stop.code:
+            for line in unknown_keys(config_name, sys.argv[1:]):
+                print(line, file=sys.stderr)
+        raise
+
+
+def unknown_keys(config_name: str, overrides: Sequence[str]) -> list[str]:
+    """``<key>: not a key of the config; did you mean <closest>?`` for each ``key=value`` override
+    (not ``+key``, ``~key`` or ``hydra.*``) of a key the composed config does not have."""
+    groups = {p.name for p in CONF_DIR.iterdir() if p.is_dir()}
+    keyed = [o.split("=", 1) for o in overrides if "=" in o and o[0] not in "+~"]
+    chosen = [f"{k}={v}" for k, v in keyed if k in groups]
+    try:
+        cfg = compose_config(config_name, "/nonexistent", chosen)
+    except Exception:  # a choice Hydra refuses: its own message says which
+        return []
+    known = set(_keys(cfg))
+    lines = []
+    for key, _ in keyed:
+        if key in groups or key.startswith("hydra.") or key in known:
+            continue
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
+        hint = f"did you mean {close[0]}?" if close else f"add it with +{key}=... if it is new"
+        lines.append(f"{key}: not a key of the config; {hint}")
+    return lines
+
+
+def _keys(cfg: DictConfig, prefix: str = "") -> Iterator[str]:
+    for key in cfg:
+        name = f"{prefix}{key}"
+        yield name
+        if OmegaConf.is_missing(cfg, key) or OmegaConf.is_interpolation(cfg, key):
+            continue
+        node = cfg.get(key)
+        if isinstance(node, DictConfig):
+            yield from _keys(node, f"{name}.")

@@ -18,9 +18,9 @@ from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
-from helpers import SLURM_TASK, TORCHRUN_WORKER
+from helpers import SLURM_TASK, TORCHRUN_WORKER, run_python
 from trainkit.callbacks import ProfileSteps, RunConfig, StartupTime
-from trainkit.config import compose_config
+from trainkit.config import compose_config, unknown_keys
 from trainkit.data import MNISTDataModule
 from trainkit.models import MLP
 from trainkit.parallel import ParallelDims
@@ -485,3 +485,33 @@ def test_a_datamodule_without_drop_last_asks_the_strategy(
     datamodule.trainer = trainer  # as trainer.fit attaches it
     assert datamodule.drop_last(train=True) is drop_last
     assert datamodule.drop_last(train=False) is False
+
+
+def test_an_unknown_key_is_named_with_the_closest_key_the_config_has() -> None:
+    overrides = [
+        "trainer.max_epoch=3",
+        "model=resnet50",  # a group choice: the keys are the chosen option's
+        "model.net.cifar_stme=true",
+        "data.batch_size=8",  # known: nothing to say
+        "+callbacks.mine._target_=x.Y",  # added on purpose
+        "hydra.run.dir=/tmp/x",
+        "zzz_nothing_like_it=1",
+    ]
+    assert unknown_keys("train", overrides) == [
+        "trainer.max_epoch: not a key of the config; did you mean trainer.max_epochs?",
+        "model.net.cifar_stme: not a key of the config; did you mean model.net.cifar_stem?",
+        "zzz_nothing_like_it: not a key of the config; add it with +zzz_nothing_like_it=... if "
+        "it is new",
+    ]
+    assert unknown_keys("eval", ["stage=test"]) == [
+        "stage: not a key of the config; did you mean stages?"
+    ]
+
+
+def test_a_typo_on_the_command_line_ends_with_the_suggestion_and_no_traceback() -> None:
+    proc = run_python("train.py", "trainer.max_epoch=3")
+    assert proc.returncode == 1
+    assert proc.stderr.rstrip().splitlines()[-1] == (
+        "trainer.max_epoch: not a key of the config; did you mean trainer.max_epochs?"
+    )
+    assert "Traceback" not in proc.stderr

@@ -362,3 +362,28 @@ def test_a_stage_the_task_or_data_lacks_is_named_before_it_starts() -> None:
     assert why_cannot("validate", TrainsOnly(), data) == "TrainsOnly has no validation_step"
     assert why_cannot("predict", TrainsOnly(), data) is None  # Lightning's default predict_step
     assert why_cannot("test", module, TrainDataOnly()) == "TrainDataOnly has no test_dataloader"
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("model.net.hidden=abc", r"model\.net: hidden='abc': give the hidden layers' widths as a"),
+        ("model.net.hidden=[512,x]", r"model\.net: hidden=\[512, 'x'\]: give the hidden layers'"),
+        ("model.net.hidden=[0]", r"model\.net: MLP sizes must be positive"),
+        ("data.val_size=-3", r"data: data\.val_size must be a positive count or a fraction"),
+    ],
+)
+def test_values_a_model_or_datamodule_refuses_name_the_key(compose, override, message) -> None:
+    """A class's own refusal of its arguments, as one line that names where in the config."""
+    cfg = compose(override)
+    with pytest.raises(ConfigError, match=message) as err:
+        build_model(cfg, build_datamodule(cfg))
+    assert "\n" not in str(err.value)
+
+
+def test_an_mlp_without_hidden_layers_says_it_is_linear(compose, caplog) -> None:
+    cfg = compose("model.net.hidden=[]")
+    with caplog.at_level(logging.INFO):
+        model = build_model(cfg, build_datamodule(cfg))
+    assert "MLP without a hidden layer (hidden=[]): a linear model" in caplog.text
+    assert len(model.net) == 1

@@ -1,8 +1,11 @@
+import logging
 from collections.abc import Sequence
 
 from torch import nn
 
 from trainkit.models.blocks import BlockSequence, draw_init_seed
+
+log = logging.getLogger(__name__)
 
 
 class MLP(BlockSequence):
@@ -19,6 +22,13 @@ class MLP(BlockSequence):
         num_classes: int = 10,
         dropout: float = 0.0,
     ) -> None:
+        if isinstance(hidden, str) or not all(_whole(h) for h in hidden):
+            raise ValueError(
+                f"hidden={hidden!r}: give the hidden layers' widths as a list of whole numbers, "
+                f"e.g. hidden=[512,256] (hidden=[]: no hidden layer)"
+            )
+        if not hidden:
+            log.info("MLP without a hidden layer (hidden=[]): a linear model")
         if in_features <= 0 or num_classes <= 0 or any(h <= 0 for h in hidden):
             raise ValueError(
                 f"MLP sizes must be positive: in_features={in_features}, hidden={list(hidden)}, "
@@ -37,3 +47,7 @@ class MLP(BlockSequence):
         head = nn.Linear(width, num_classes)
         blocks.append(nn.Sequential(nn.Flatten(), head) if not hidden else head)
         super().__init__(*blocks, init_seed=init_seed)
+
+
+def _whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
