@@ -11,6 +11,7 @@ from trainkit.build import build_datamodule, build_model, build_trainer, prepare
 from trainkit.callbacks import PredictionWriter
 from trainkit.callbacks.run_config import read_checkpoint_config
 from trainkit.checkpoint_io import damage
+from trainkit.console import quiet
 from trainkit.errors import ConfigError
 from trainkit.launch import isolated_job
 from trainkit.loggers import ending_tracker_runs
@@ -53,6 +54,7 @@ def with_checkpoint_config(cfg: DictConfig) -> DictConfig:
 
 def run(cfg: DictConfig) -> dict[str, dict[str, float]]:
     """Evaluate a checkpoint on its own data and model config; one entry per stage."""
+    quiet()  # Lightning's messages that do not apply to this run
     with isolated_job(), owning_run_dir(cfg):
         return _evaluate(cfg)
 

@@ -1,5 +1,7 @@
 """Imported first by the entry points (train.py, eval.py): imports that the first training step
-does not need are left for later (docs/design.md, "torchmetrics imports scipy.signal").
+does not need are left for later (docs/design.md, "torchmetrics imports scipy.signal"), and the
+console's filters are set before anything can warn (console.py: Hydra's resolvers already ask
+Lightning about SLURM).
 
 Not in trainkit/__init__.py, which imports nothing: the benchmark's plain loop imports trainkit's
 models and data readers, and only them."""
@@ -9,6 +11,8 @@ import importlib.machinery
 import importlib.util
 import sys
 import types
+
+from trainkit.console import quiet
 
 
 class _Placeholder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -56,3 +60,4 @@ def _remove(placeholder: _Placeholder) -> None:
 
 
 import_torchmetrics()
+quiet()

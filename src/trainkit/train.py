@@ -24,6 +24,7 @@ from trainkit.callbacks import (
 from trainkit.callbacks.preemption import Preempted
 from trainkit.callbacks.run_config import read_checkpoint_tracker_runs
 from trainkit.checkpoint_io import remove_stale_temp_files
+from trainkit.console import quiet
 from trainkit.launch import in_multirun, isolated_job
 from trainkit.loggers import (
     continue_tracker_runs,
@@ -94,6 +95,7 @@ def run(cfg: DictConfig) -> float | None:
     """Train and test; returns the best value of ``cfg.monitor`` (the number sweeps optimise).
 
     One job of a sweep leaves nothing behind for the next: see ``isolated_job``."""
+    quiet()  # Lightning's messages that do not apply to this run
     with isolated_job(), owning_run_dir(cfg):
         return _train_and_test(cfg)
 

@@ -1,5 +1,6 @@
 """Lightning callbacks: what the run records beside the model's own metrics."""
 
+from trainkit.callbacks.model_summary import ModelSummary
 from trainkit.callbacks.monitored_metric import MonitoredMetric
 from trainkit.callbacks.non_finite_loss import NonFiniteLossStop
 from trainkit.callbacks.prediction_writer import PredictionWriter
@@ -13,6 +14,7 @@ from trainkit.callbacks.training_monitor import TrainingMonitor
 from trainkit.callbacks.validation_images import ValidationImages
 
 __all__ = [
+    "ModelSummary",
     "MonitoredMetric",
     "NonFiniteLossStop",
     "PredictionWriter",

@@ -71,10 +71,9 @@ class ImageClassifier(Task):
             self.log("train/loss_step", loss, on_step=True, on_epoch=False, prog_bar=True)
 
     def on_train_epoch_end(self) -> None:
-        self.log("train/loss", self.train_loss.compute())
-        self.log("train/acc", self.train_acc.compute())
-        self.train_loss.reset()
-        self.train_acc.reset()
+        # the metric objects: Lightning computes them across ranks, then resets them
+        self.log("train/loss", self.train_loss)
+        self.log("train/acc", self.train_acc)
 
     def on_validation_batch_end(self, outputs, batch, batch_idx: int, dataloader_idx: int = 0):
         self.val_loss.update(sample_mean(outputs["loss"], len(outputs["target"])))
