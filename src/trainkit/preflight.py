@@ -213,11 +213,25 @@ def check_compile(cfg: DictConfig, dims: ParallelDims) -> None:
         )
 
 
+def check_full_checkpoints(cfg: DictConfig) -> None:
+    """A weights-only save (``save_weights_only=true``) calls no callback in Lightning: the file
+    would carry neither the run's config, which eval.py and a resume rebuild the run from, nor the
+    check that what it holds is finite (callbacks.NonFiniteLossStop)."""
+    for name, callback in (cfg.get("callbacks") or {}).items():
+        if isinstance(callback, DictConfig) and callback.get("save_weights_only"):
+            raise ConfigError(
+                f"callbacks.{name}.save_weights_only=true: such a checkpoint carries no run "
+                f"config (eval.py and ckpt_path cannot use it) and is not checked for non-finite "
+                f"weights. Keep full checkpoints; the weights are torch.load(path)['state_dict']"
+            )
+
+
 def preflight(cfg: DictConfig, training: bool = True) -> ParallelDims:
     """Validates the run's shape and applies process settings; returns its parallel layout.
     ``training=False`` (eval.py) skips what only training needs: full batches."""
     check_positive(cfg)
     check_torchrun_restarts()
+    check_full_checkpoints(cfg)
     dims = ParallelDims.from_config(cfg)
     check_precision(cfg, dims.accelerator)
     check_strategy(cfg, dims)

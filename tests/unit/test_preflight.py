@@ -68,6 +68,10 @@ from trainkit.tasks import ImageClassifier
         ("devices=abc", r"devices=abc: give a count, a list of ids, or auto"),
         ("num_nodes=2", r"num_nodes=2 but this process was not started on 2 nodes.*torchrun"),
         ("accelerator=gpu", r"no CUDA GPU is visible: use accelerator=cpu"),
+        (
+            "callbacks.last_checkpoint.save_weights_only=true",
+            r"callbacks\.last_checkpoint\.save_weights_only=true: such a checkpoint carries no",
+        ),
     ],
 )
 def test_refused_with_the_key_and_the_fix(compose, override: str, message: str) -> None:
