@@ -69,7 +69,7 @@ from trainkit.tasks import ImageClassifier
         ("num_nodes=2", r"num_nodes=2 but this process was not started on 2 nodes.*torchrun"),
         ("accelerator=gpu", r"no CUDA GPU is visible: use accelerator=cpu"),
         (
-            "callbacks.last_checkpoint.save_weights_only=true",
+            "+callbacks.last_checkpoint.save_weights_only=true",
             r"callbacks\.last_checkpoint\.save_weights_only=true: such a checkpoint carries no",
         ),
     ],
