@@ -136,6 +136,12 @@ class JobScriptLauncher(_SubprocessScriptLauncher):
             _children.append(proc)
 
 
+# Set by a job for the life of the process, not of the job: W&B's service, which W&B starts once
+# per process; ddp_spawn ranks of later jobs attach to their job's run through it (without it
+# they start a service of their own, and the run is not theirs: WandbAttachFailedError).
+PROCESS_ENV = ("WANDB_SERVICE",)
+
+
 class RankFailedError(RuntimeError):
     """A rank this process started exited with an error although this rank finished."""
 
@@ -162,8 +168,9 @@ def isolated_job(child_timeout_s: float = 120) -> Iterator[None]:
                 codes.append(proc.wait())
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+        kept = {k: os.environ[k] for k in PROCESS_ENV if k in os.environ}
         os.environ.clear()
-        os.environ.update(environ)
+        os.environ.update({**environ, **kept})
     bad = {rank: code for rank, code in enumerate(codes, start=1) if code != 0}
     if bad:
         raise RankFailedError(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -182,7 +183,14 @@ def log_image(logger: Logger, key: str, image: np.ndarray, step: int) -> None:
 def ending_tracker_runs(loggers: list[Logger]) -> Iterator[None]:
     """Ends this job's W&B run when the block ends. Lightning leaves it open until the process
     exits, and the next job of a sweep in the same process would log into it (``WandbLogger``
-    takes over an active run). A failure to end it does not hide the job's own error."""
+    takes over an active run). A failure to end it does not hide the job's own error.
+
+    Meanwhile the ranks that attach to that run (ddp_spawn's) write into its directory: they set
+    W&B up anew, and would put the run's files (the logged images) under the working directory.
+    (``WANDB_DIR`` goes with the job's environment: ``launch.isolated_job``.)"""
+    for logger in loggers:
+        if isinstance(logger, WandbLogger) and logger.save_dir:
+            os.environ["WANDB_DIR"] = str(logger.save_dir)
     failed = True
     try:
         yield

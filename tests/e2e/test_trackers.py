@@ -249,3 +249,32 @@ def test_sweep_jobs_are_runs_of_one_experiment_and_a_resumed_job_continues_its_r
     (resumed_dir,) = (tmp_path / "train" / "runs").iterdir()
     again = wandb_run(resumed_dir)  # W&B offline: a second directory of the same run id
     assert again["id"] == wandb_runs[0]["id"]
+
+
+def test_a_ddp_spawn_sweep_logs_each_job_to_its_own_wandb_run(
+    overrides: tuple[str, ...], tmp_path: Path
+) -> None:
+    """Spawned ranks attach to their job's W&B run through the service W&B started in this
+    process at the first job; the second job's ranks too (they failed to attach:
+    WandbAttachFailedError). What they log is in the job's directory, not the working one."""
+    lrs = ("0.001", "0.002")
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    proc = run_python(
+        str(ROOT / "train.py"), "-m", *overrides, "threads=1", "trainer.max_epochs=1",
+        "strategy=ddp_spawn", "devices=2", "logger=wandb", f"model.optimizer.lr={','.join(lrs)}",
+        log_dir=tmp_path, cwd=cwd,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not list(cwd.iterdir())  # (the spawned ranks wrote the images into ./wandb)
+    (sweep,) = (tmp_path / "train" / "multiruns").iterdir()
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and p.name[0].isdigit())
+    runs = [wandb_run(job) for job in jobs]
+    assert [r["config"]["model.optimizer.lr"] for r in runs] == [float(lr) for lr in lrs]
+    assert runs[0]["id"] != runs[1]["id"]
+    assert all(r["history"].get("val/acc") for r in runs)
+    assert all(r["images"].get("val/samples") for r in runs)  # logged by a spawned rank 0
+    for r in runs:
+        assert all((r["dir"] / "files" / f).is_file() for f in r["images"]["val/samples"])
+    summary = json.loads((sweep / "sweep.json").read_text())
+    assert (summary["completed"], summary["failed"]) == (2, 0)
