@@ -4,6 +4,7 @@ unit/test_bench.py."""
 
 import csv
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from helpers import run_python
+from helpers import ROOT, run_python
 from trainkit.bench.clock import PHASES
 from trainkit.bench.report import PLAIN_RGB, TEMPLATE_RGB
 
@@ -34,10 +35,28 @@ def bench(*args: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def bench_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("bench") / "run"
+    page = shutil.copy(ROOT / "docs" / "performance.md", out.parent / "performance.md")
     args = ("--quick", "--rounds", "1", "--repeats", str(REPEATS), "--out", str(out))
-    proc = bench(*args, "--cells", *CELLS)
+    proc = bench(*args, "--docs", str(page), "--cells", *CELLS)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out
+
+
+@shares_bench_run
+def test_the_docs_page_gets_the_runs_tables(bench_run: Path) -> None:
+    """What `make bench` does to docs/performance.md, on a copy: the tables between its markers
+    are this run's results.md; the text around them is the page's."""
+    page = (bench_run.parent / "performance.md").read_text()
+    ours = (ROOT / "docs" / "performance.md").read_text()
+    tables = (bench_run / "results.md").read_text()
+    assert tables in page and "One run of `make bench` at commit" in page
+    assert (
+        page.split("<!-- bench:results:start -->")[0]
+        == ours.split("<!-- bench:results:start -->")[0]
+    )
+    assert (
+        page.split("<!-- bench:results:end -->")[1] == ours.split("<!-- bench:results:end -->")[1]
+    )
 
 
 @pytest.fixture(scope="module")

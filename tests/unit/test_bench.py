@@ -19,6 +19,8 @@ from trainkit.bench.cells import (
 )
 from trainkit.bench.clock import PHASES, StepClock
 from trainkit.bench.report import (
+    DOCS_END,
+    DOCS_START,
     add_scaling,
     compile_warmup_s,
     launches,
@@ -26,6 +28,7 @@ from trainkit.bench.report import (
     memory,
     phase_gaps,
     ratios,
+    write_docs,
 )
 
 
@@ -87,7 +90,7 @@ def test_scaling_is_against_the_same_runner_on_one_device() -> None:
     assert "scaling_efficiency" not in cells[4]
 
 
-def test_ratio_goals_and_failed_cells() -> None:
+def test_ratio_goals_and_failed_cells(tmp_path: Path) -> None:
     top, bottom = "mlp-template-auto-1dev-32-true", "mlp-plain-auto-1dev-32-true"
     cells = [
         _cell(top, "mlp", "template", 1, 90.0),
@@ -135,6 +138,17 @@ def test_ratio_goals_and_failed_cells() -> None:
     assert "| template vs plain loop, mlp | 4.00 vs 3.00 (+1.00) | 5.00 vs 5.00 (+0.00) |" in table
     assert "| mlp, one process | 6.00 s | 5.00 s | 1.20x | **2.40x** (goal <= 2.0x) |" in table
     assert "| failed |" in table
+
+    # the docs page: its tables are the benchmark's, rewritten between its markers
+    page = tmp_path / "performance.md"
+    page.write_text(f"# P\n\nintro\n{DOCS_START}\nold figures\n{DOCS_END}\n\nwhat they mean\n")
+    write_docs(page, report, "One run.")
+    assert page.read_text() == (
+        f"# P\n\nintro\n{DOCS_START}\nOne run.\n\n{table}\n{DOCS_END}\n\nwhat they mean\n"
+    )
+    page.write_text("no markers")
+    with pytest.raises(ValueError, match="needs one"):
+        write_docs(page, report, "One run.")
 
 
 def test_clock_phases_split_each_timed_step() -> None:

@@ -18,6 +18,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import lightning as L
@@ -33,6 +34,7 @@ from trainkit.bench.report import (
     phase_gaps,
     ratios,
     write_all,
+    write_docs,
 )
 from trainkit.config import ROOT_DIR
 from trainkit.runtime import cpu_flags, has_bf16_units, usable_cores
@@ -80,6 +82,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="2 warm-up + 4 timed steps (tests)")
     parser.add_argument("--loading", action="store_true", help="also ImageFolder images/s")
     parser.add_argument("--out", type=Path, help="a new directory (default: logs/bench/<time>)")
+    parser.add_argument(
+        "--docs", type=Path, help="also write the results into this page (docs/performance.md)"
+    )
     args = parser.parse_args(argv)
     unknown = sorted(set(args.cells or ()) - set(names))
     if unknown:
@@ -116,6 +121,7 @@ def selected(args: argparse.Namespace) -> list[matrix.Cell]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.monotonic()
     args = parse_args(argv)
     cells = selected(args)
     if args.list:
@@ -157,6 +163,14 @@ def main(argv: list[str] | None = None) -> int:
 
         report["loading"] = bench_imagefolder(args.out / "data", 256, [0, 1, 2], args.repeats or 3)
     paths = write_all(args.out, report)
+    if args.docs:
+        minutes, seconds = divmod(round(time.monotonic() - started), 60)
+        how = (
+            f"One run of `make bench` at commit {report['machine'].get('commit', '?')}, "
+            f"{minutes} min {seconds} s, written here by the benchmark:"
+        )
+        write_docs(args.docs, report, how)
+        paths.append(args.docs)
     print(markdown(report))
     print("Wrote " + ", ".join(str(p) for p in paths))
     failed = [r["cell"] for r in results if "error" in r]

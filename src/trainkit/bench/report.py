@@ -371,6 +371,20 @@ def write_tensorboard(logdir: Path, report: dict) -> None:
             writer.add_scalar(tag, r["value"], 0)
 
 
+DOCS_START, DOCS_END = "<!-- bench:results:start -->", "<!-- bench:results:end -->"
+
+
+def write_docs(page: Path, report: dict, how: str) -> None:
+    """The results, as ``markdown`` writes them, between the page's two markers: the published
+    figures are the benchmark's own, never pasted by hand. ``how`` says which run they are."""
+    text = page.read_text()
+    if text.count(DOCS_START) != 1 or text.count(DOCS_END) != 1:
+        raise ValueError(f"{page} needs one {DOCS_START} and one {DOCS_END}")
+    before, rest = text.split(DOCS_START)
+    after = rest.split(DOCS_END)[1]
+    page.write_text(f"{before}{DOCS_START}\n{how}\n\n{markdown(report)}\n{DOCS_END}{after}")
+
+
 def write_all(run_dir: Path, report: dict) -> list[Path]:
     paths = [run_dir / f"results.{ext}" for ext in ("json", "csv", "md", "png")]
     paths[0].write_text(json.dumps(report, indent=2) + "\n")
