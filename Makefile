@@ -58,10 +58,10 @@ tensorboard: $(STAMP)  ## serve the logs: make tensorboard LOGDIR=logs PORT=6006
 screenshots: $(STAMP)  ## TensorBoard pages as PNGs (headless Chromium): make screenshots LOGDIR=<run> [OUT=docs/img]
 	$(BIN)/python -m trainkit.screenshots --logdir $(LOGDIR) --out $(OUT)
 
-bench: $(STAMP)  ## strategy benchmark matrix (< 10 min on 2 cores): make bench [ARGS="--workloads mlp"]
-	$(BIN)/python -m trainkit.bench $(ARGS)
+bench: $(STAMP)  ## strategy benchmark matrix (< 10 min on 2 cores), into docs/performance.md: make bench [ARGS="--workloads mlp"]
+	$(BIN)/python -m trainkit.bench --docs docs/performance.md $(ARGS)
 
-rename:  ## rename the package, imports, configs and docs: make rename NAME=myproject
+rename:  ## rename the project's package src/myproject (never src/trainkit): make rename NAME=acme
 	@test -n "$(NAME)" || { echo "make rename: give the new name, e.g. make rename NAME=myproject" >&2; exit 2; }
 	$(PYTHON) tools/rename.py $(NAME)
 

@@ -604,17 +604,19 @@ FAST = [
 ]
 
 
-def bash_block_after(heading: str) -> list[str]:
-    """The command lines of the first ```bash block after ``heading``, comments stripped."""
-    section = README[README.index(heading) :]
+def bash_block_after(marker: str) -> list[str]:
+    """The command lines of the ```bash block after ``<!-- test: <marker> -->`` in the README
+    or its pages, comments stripped: a marker, so that headings stay free to change."""
+    tag = f"<!-- test: {marker} -->"
+    assert README.count(tag) == 1, f"the docs should hold {tag} once"
+    section = README[README.index(tag) :]
     block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
     return [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
 
 
 # README commands that an e2e test runs as written, with its test data and settings appended, and
 # checks in depth: name -> (section, command). test_readme runs the other commands of a section.
-STRATEGIES = "## Strategies, devices and precision"  # docs/strategies.md
-PIPELINE = "## Pipeline (model parallel)"
+STRATEGIES, PIPELINE, SWEEPS = "strategies", "pipeline", "sweeps"  # docs/strategies.md, sweeps.md
 README_RUN_BY_E2E = {
     "ddp4": (STRATEGIES, "python train.py strategy=ddp devices=4"),  # e2e/test_strategies.py
     "spawn2": (STRATEGIES, "python train.py strategy=ddp_spawn devices=2"),  # the same
@@ -639,11 +641,11 @@ README_RUN_BY_E2E = {
         "python train.py strategy=pipeline devices=4 data.batch_size=128",
     ),
     "ddp_sweep": (  # e2e/test_sweep.py
-        "# Sweeps",
+        SWEEPS,
         "python train.py -m strategy=ddp devices=1,2 model.optimizer.lr=1e-3,3e-3",
     ),
     "fsdp3": (STRATEGIES, "python train.py strategy=fsdp devices=3"),  # e2e/test_fsdp.py
-    "fsdp_sweep": ("# Sweeps", "python train.py -m strategy=ddp,fsdp devices=2"),  # the same
+    "fsdp_sweep": (SWEEPS, "python train.py -m strategy=ddp,fsdp devices=2"),  # the same
 }
 
 

@@ -1,10 +1,14 @@
-"""Rename the package of a fresh fork: ``make rename NAME=myproject``.
+"""Rename the project's own package in a fork: ``make rename NAME=acme``.
 
-Every text file of the project (code, configs, docs, CI) has the package name replaced, in lower
-case (imports, ``_target_`` paths) and in upper case (environment variables: ``<NAME>_DATA_DIR``),
-and ``src/<package>`` moves to ``src/<new name>``. Standard library only: it runs before anything
-is installed. The name is checked before any file is touched; then every new text is computed
-before the first is written, so a file that cannot be read stops the rename with nothing changed.
+The project's package (``src/myproject/``: its models, datamodules and task) moves to
+``src/<name>/`` and every text file that names it (imports, ``_target_`` paths in ``conf/``,
+tests, docs) has the name replaced as a whole word. The library, ``src/trainkit/``, is left byte
+for byte as it is, so that the fork takes upstream's changes to it with a plain ``git merge``
+(docs/fork.md). ``.trainkit-upstream`` records the upstream version the fork came from.
+
+Standard library only: it runs before anything is installed. The name is checked before any
+file is touched; then every new text is computed before the first is written, so a file that
+cannot be read stops the rename with nothing changed.
 """
 
 import argparse
@@ -12,7 +16,6 @@ import importlib.util
 import keyword
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,13 +25,15 @@ ROOT = Path(__file__).resolve().parents[1]
 SKIP_DIRS = {".git", ".venv", ".venv-servers", "venv", "node_modules", "__pycache__"}
 SKIP_SUFFIXES = (".egg-info", "_cache")
 SKIP_TOP_LEVEL = {"data", "logs", "outputs", "multirun"}
+LIBRARY = ("trainkit", "hydra_plugins")  # under src/: never renamed, never rewritten
+RECORD = ".trainkit-upstream"
 TEXT_SUFFIXES = {".py", ".yaml", ".yml", ".toml", ".md", ".txt", ".cfg", ".ini", ".json", ".sh"}
 TEXT_NAMES = {"Makefile", "run", ".gitignore", ".pre-commit-config.yaml"}
 # Modules the project imports: a package of that name would shadow them, installed or not yet.
 DEPENDENCIES = {
     "torch", "torchvision", "lightning", "pytorch_lightning", "hydra", "hydra_plugins",
     "omegaconf", "torchmetrics", "tensorboard", "optuna", "submitit", "joblib", "rich",
-    "numpy", "PIL", "pytest", "tests", "helpers", "conf", "train", "eval",
+    "numpy", "PIL", "pytest", "tests", "helpers", "conf", "train", "eval", *LIBRARY,
 }  # fmt: skip
 
 
@@ -37,10 +42,17 @@ class RenameError(ValueError):
 
 
 def current_package(root: Path) -> str:
-    """The one package under ``src/``: the name to replace."""
-    packages = sorted(init.parent.name for init in (root / "src").glob("*/__init__.py"))
+    """The project's package: the one under ``src/`` that is not the library's."""
+    packages = sorted(
+        init.parent.name
+        for init in (root / "src").glob("*/__init__.py")
+        if init.parent.name not in LIBRARY
+    )
     if len(packages) != 1:
-        raise RenameError(f"expected one package under {root / 'src'}, found {packages or 'none'}")
+        raise RenameError(
+            f"expected one package of the project's beside trainkit under {root / 'src'}, "
+            f"found {packages or 'none'}"
+        )
     return packages[0]
 
 
@@ -69,6 +81,8 @@ def project_files(root: Path) -> list[Path]:
     files = []
     for directory, dirs, names in os.walk(root):
         top = Path(directory) == root
+        if Path(directory) == root / "src":
+            dirs[:] = [d for d in dirs if d not in LIBRARY]
         dirs[:] = sorted(
             d
             for d in dirs
@@ -90,33 +104,30 @@ def rename(root: Path, name: str) -> tuple[str, list[Path]]:
     target = root / "src" / name
     if target.exists():
         raise RenameError(f"{target} already exists; move it away first")
-    pattern = re.compile(f"{old}|{old.upper()}")
-
-    def replace(match: re.Match) -> str:
-        return name if match.group(0) == old else name.upper()
-
+    pattern = re.compile(rf"(?<![A-Za-z0-9_]){old}(?![A-Za-z0-9_])")
     new_texts = {}
     for path in project_files(root):
         text = path.read_text(encoding="utf-8")
-        new = pattern.sub(replace, text)
+        new = pattern.sub(name, text)
         if new != text:
             new_texts[path] = new
     for path, text in new_texts.items():
         path.write_text(text, encoding="utf-8")
     (root / "src" / old).rename(target)
-    for stale in (root / "src").glob(f"{old}.egg-info"):
-        shutil.rmtree(stale)
+    if not (root / RECORD).exists():  # the first rename: where the fork came from
+        (root / RECORD).write_text(f"{upstream_version(root)}\n", encoding="utf-8")
     return old, list(new_texts)
 
 
-def forget_old_install(root: Path, old: str) -> None:
-    """Uninstall the old name from .venv so that the next ``make`` installs the new one."""
-    python = root / ".venv" / "bin" / "python"
-    if python.exists():
-        subprocess.run(
-            [str(python), "-m", "pip", "uninstall", "--quiet", "--yes", old], check=False
-        )
-        (root / ".venv" / ".installed").unlink(missing_ok=True)
+def upstream_version(root: Path) -> str:
+    """``trainkit <version>`` of the library, and the commit, where the tree is a git clone."""
+    init = (root / "src" / "trainkit" / "__init__.py").read_text(encoding="utf-8")
+    found = re.search(r'__version__ = "([^"]+)"', init)
+    version = f"trainkit {found.group(1) if found else 'unknown'}"
+    commit = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=False
+    )
+    return f"{version} {commit.stdout.strip()}" if commit.returncode == 0 else version
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,9 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     except RenameError as err:
         print(f"make rename: {err}", file=sys.stderr)
         return 2
-    forget_old_install(args.root, old)
     print(f"renamed {old} -> {args.name} in {len(changed)} files; src/{args.name}/ is the package.")
-    print("Next: `make test` reinstalls under the new name and runs the tests; then commit.")
+    print("Next: `make test` runs the tests; then commit. src/trainkit/ is unchanged.")
     return 0
 
 

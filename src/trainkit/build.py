@@ -23,8 +23,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from trainkit.checkpoint_io import AtomicCheckpointIO
 from trainkit.errors import ConfigError
+from trainkit.launch import under_slurm
 from trainkit.parallel import ParallelDims, capabilities
-from trainkit.resume import under_slurm
 from trainkit.strategies.ddp import DDPStrategy
 
 DATA_FACTS = ("num_classes", "input_shape")  # what a datamodule may tell a model about its data

@@ -12,7 +12,8 @@ from omegaconf import DictConfig, OmegaConf
 import trainkit.resolvers  # noqa: F401  registers the resolvers that conf/ uses
 
 ROOT_DIR = Path(__file__).resolve().parents[2]
-CONF_DIR = ROOT_DIR / "conf"
+CONF_DIR = ROOT_DIR / "conf"  # the project's: its groups, train.yaml and eval.yaml
+LIBRARY_CONF_DIR = Path(__file__).resolve().parent / "conf"  # the library's groups, after it
 
 
 def compose_config(
@@ -50,7 +51,7 @@ def did_you_mean(config_name: str) -> Iterator[None]:
 def unknown_keys(config_name: str, overrides: Sequence[str]) -> list[str]:
     """``<key>: not a key of the config; did you mean <closest>?`` for each ``key=value`` override
     (not ``+key``, ``~key`` or ``hydra.*``) of a key the composed config does not have."""
-    groups = {p.name for p in CONF_DIR.iterdir() if p.is_dir()}
+    groups = {p.name for d in (CONF_DIR, LIBRARY_CONF_DIR) for p in d.iterdir() if p.is_dir()}
     keyed = [o.split("=", 1) for o in overrides if "=" in o and o[0] not in "+~"]
     chosen = [f"{k}={v}" for k, v in keyed if k in groups]
     try:

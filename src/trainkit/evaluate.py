@@ -9,8 +9,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 import trainkit.resolvers  # noqa: F401  registers the resolvers that conf/ uses
 from trainkit.build import build_datamodule, build_model, build_trainer, prepare_data_once
 from trainkit.callbacks import PredictionWriter
-from trainkit.callbacks.run_config import read_checkpoint_config
-from trainkit.checkpoint_io import damage
+from trainkit.checkpoint_io import damage, read_checkpoint_config
 from trainkit.console import quiet
 from trainkit.errors import ConfigError
 from trainkit.launch import isolated_job

@@ -18,8 +18,8 @@ from trainkit.build import launches_others
 from trainkit.checkpoint_io import unreadable_hparams
 from trainkit.data.sharding import check_train_data
 from trainkit.errors import ConfigError
+from trainkit.launch import under_slurm
 from trainkit.parallel import Capabilities, ParallelDims, capabilities, strategy_class
-from trainkit.resume import under_slurm
 from trainkit.runtime import BF16_FLAGS, cpu_flags, has_bf16_units, usable_cores
 from trainkit.strategies.pipeline_task import STEPS, check_pipeline_task, defined_by
 

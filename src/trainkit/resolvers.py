@@ -8,7 +8,7 @@ from datetime import datetime
 
 from omegaconf import OmegaConf
 
-from trainkit.resume import launcher_rank, launcher_run_id
+from trainkit.launch import launcher_rank, launcher_run_id
 
 # ${cwd:} is the launch directory. Unlike ${hydra:runtime.cwd} it also resolves where Hydra computes
 # a sweep's directory, before any job runs.
@@ -23,7 +23,7 @@ OmegaConf.register_new_resolver(
 
 def run_name() -> str:
     """A run directory's name: the launcher's id of the run where it has one, which every process
-    of the run and every restart of it share (``resume.launcher_run_id``); else the time to the
+    of the run and every restart of it share (``launch.launcher_run_id``); else the time to the
     microsecond, so that runs started in the same second differ."""
     return launcher_run_id() or datetime.now().strftime("%Y-%m-%d_%H-%M-%S_%f")
 

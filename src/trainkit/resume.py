@@ -9,13 +9,13 @@ own ``last.ckpt``, whatever ``ckpt_path`` says (docs/design.md, "Restarts contin
 
 import json
 import logging
-import os
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from trainkit.checkpoint_io import atomic_write_text, newest_intact
+from trainkit.checkpoint_io import CONFIG_KEY, atomic_write_text, newest_intact, read_checkpoint
 from trainkit.errors import ConfigError
+from trainkit.launch import launcher_run_id
 
 log = logging.getLogger(__name__)
 
@@ -27,58 +27,6 @@ def job_overrides() -> list[str]:
     from hydra.core.hydra_config import HydraConfig
 
     return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
-
-
-def under_torchrun() -> bool:
-    """torchrun started this process: its ranks, restarts and run id win over SLURM's, as in
-    Lightning's choice of environment (torchrun may run inside a SLURM allocation)."""
-    from lightning.fabric.plugins.environments import TorchElasticEnvironment
-
-    return TorchElasticEnvironment.detect()
-
-
-def under_slurm() -> bool:
-    """SLURM started this process as one of a job's tasks (not a shell in an interactive
-    allocation, not a torchrun worker inside a job)."""
-    from lightning.fabric.plugins.environments import SLURMEnvironment
-
-    return SLURMEnvironment.detect() and not under_torchrun()
-
-
-def launcher_rank() -> int:
-    """This process's global rank as its launcher set it (torchrun's ``RANK``, SLURM's
-    ``SLURM_PROCID``); 0 where no launcher started it."""
-    if "RANK" in os.environ:
-        return int(os.environ["RANK"])
-    return int(os.environ.get("SLURM_PROCID") or 0) if under_slurm() else 0
-
-
-def first_process() -> bool:
-    """Whether this is a run's first process: global rank 0 of its launcher, and not a rank that
-    Lightning's ddp launcher started (``LOCAL_RANK``)."""
-    return launcher_rank() == 0 and os.environ.get("LOCAL_RANK", "0") == "0"
-
-
-def slurm_job_id() -> str | None:
-    """This SLURM job's id as ``scontrol`` takes it (``<array job>_<task>`` in a job array), or
-    None outside SLURM."""
-    array = os.environ.get("SLURM_ARRAY_JOB_ID")
-    if array:
-        return f"{array}_{os.environ['SLURM_ARRAY_TASK_ID']}"
-    return os.environ.get("SLURM_JOB_ID")
-
-
-def launcher_run_id() -> str | None:
-    """The launcher's id of this run, which all its processes, on every node, and all its
-    restarts share: ``torchrun_<rendezvous id>``, ``slurm_<job id>[_<step>]``. None for a process
-    started by hand, or by torchrun with its default id "none", which every torchrun shares."""
-    if under_torchrun():
-        run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-        return None if run == "none" else f"torchrun_{run}"
-    if under_slurm():
-        step = os.environ.get("SLURM_STEP_ID")  # a job's first srun is step 0
-        return f"slurm_{slurm_job_id()}" + (f"_{step}" if step and step != "0" else "")
-    return None
 
 
 def _launch_record() -> dict | None:
@@ -160,8 +108,6 @@ APPLIED_ON_RESUME = ("model.optimizer", "model.scheduler", "data.batch_size", "d
 def check_resume_config(path: Path, cfg: DictConfig) -> None:
     """Refuses a resume whose config changes what the checkpoint's state cannot follow, naming the
     key; logs each change that the run applies."""
-    from trainkit.callbacks.run_config import CONFIG_KEY, read_checkpoint
-
     checkpoint = read_checkpoint(path, cfg.get("weights_only", True))
     check_same_model(path, cfg, checkpoint[CONFIG_KEY])
     trained = OmegaConf.create(checkpoint[CONFIG_KEY])

@@ -19,7 +19,8 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from trainkit.errors import ConfigError
-from trainkit.resume import first_process, is_restart
+from trainkit.launch import first_process
+from trainkit.resume import is_restart
 
 LOCK_FILE = ".run.lock"
 HYDRA_RECORD = ".hydra"  # Hydra's config.yaml, hydra.yaml and overrides.yaml of the run

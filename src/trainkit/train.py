@@ -22,10 +22,9 @@ from trainkit.callbacks import (
     RunConfig,
 )
 from trainkit.callbacks.preemption import Preempted
-from trainkit.callbacks.run_config import read_checkpoint_tracker_runs
-from trainkit.checkpoint_io import remove_stale_temp_files
+from trainkit.checkpoint_io import read_checkpoint_tracker_runs, remove_stale_temp_files
 from trainkit.console import quiet
-from trainkit.launch import in_multirun, isolated_job
+from trainkit.launch import first_process, in_multirun, isolated_job
 from trainkit.loggers import (
     continue_tracker_runs,
     ending_tracker_runs,
@@ -37,7 +36,6 @@ from trainkit.loggers import (
 from trainkit.parallel import ParallelDims
 from trainkit.preflight import check_built_run, preflight, why_cannot
 from trainkit.resume import (
-    first_process,
     is_restart,
     job_overrides,
     record_launch,

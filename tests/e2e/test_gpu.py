@@ -13,7 +13,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from helpers import run_python, write_tree
-from trainkit.data.imagefolder import ImageFolderDataModule
+from myproject.data.imagefolder import ImageFolderDataModule
 from trainkit.data.synthetic import write_cifar10
 
 pytestmark = [

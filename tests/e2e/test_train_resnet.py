@@ -115,13 +115,13 @@ def test_short_run_leaves_checkpoints_and_metrics(
     assert math.isfinite(metrics["test"]["test/loss"])
 
     cfg = OmegaConf.load(run_dir / "config.yaml")
-    assert cfg.model.net._target_ == "trainkit.models.ResNet50"
+    assert cfg.model.net._target_ == "myproject.models.ResNet50"
     assert cfg.data.batch_size == 4 and cfg.trainer.max_epochs == 1
     if name == "cifar":
-        assert cfg.data._target_ == "trainkit.data.CIFAR10DataModule"
+        assert cfg.data._target_ == "myproject.data.CIFAR10DataModule"
         assert cfg.model.net.cifar_stem is True and cfg.model.num_classes == 10
     else:
-        assert cfg.data._target_ == "trainkit.data.ImageFolderDataModule"
+        assert cfg.data._target_ == "myproject.data.ImageFolderDataModule"
         assert cfg.model.net.channels_last is True and cfg.model.num_classes == 3
         assert cfg.data.image_size == 32
 

@@ -19,17 +19,14 @@ from helpers import (
     run_train_command,
     train_command_overrides,
 )
+from trainkit.config import LIBRARY_CONF_DIR
 from trainkit.data.synthetic import write_cifar10, write_mnist
 
 RUN_BY_E2E = {command for _, command in README_RUN_BY_E2E.values()}
 # The sections' commands that run here: those an e2e test does not run (helpers.README_RUN_BY_E2E)
 COMMANDS_HERE = {
     section: [c for c in bash_block_after(section) if c not in RUN_BY_E2E]
-    for section in (
-        "## Strategies, devices and precision",
-        "## Pipeline (model parallel)",
-        "# Sweeps",
-    )
+    for section in ("strategies", "pipeline", "sweeps")
 }
 SECTIONS = tuple(section for section, commands in COMMANDS_HERE.items() if commands)
 # The tests that read the module's quickstart run: one worker makes it.
@@ -72,7 +69,7 @@ def test_readme_commands_run(
     quickstart's. The strategy, pipeline and sweep blocks are test_readme_section_runs below."""
     data_root = quickstart_run.parents[3] / "synthetic"
     write_cifar10(data_root, n_per_batch=80, n_test=50)  # beside the MNIST files: one data.root
-    commands = bash_block_after("## Running things")
+    commands = bash_block_after("running-things")
     assert len(commands) >= 8
     for command in commands:
         command = command.replace("logs/train/runs/<run>", str(quickstart_run))
@@ -84,7 +81,7 @@ def test_readme_commands_run(
 
 @shares_quickstart
 def test_readme_eval_command(quickstart_run: Path, tmp_path: Path) -> None:
-    (command,) = [line for line in bash_block_after("Evaluate a checkpoint") if "eval" in line]
+    (command,) = [line for line in bash_block_after("evaluate") if "eval" in line]
     ckpt = quickstart_run / "checkpoints" / "best.ckpt"
     args = shlex.split(command.replace("logs/train/runs/<run>", str(quickstart_run)))
     assert args[:2] == ["make", "eval"]
@@ -130,11 +127,12 @@ def table_rows(after: str) -> dict[str, str]:
 
 def test_config_table_lists_every_group_and_option() -> None:
     rows = table_rows("| group / key | options | default |")
-    for group in sorted(p for p in (ROOT / "conf").iterdir() if p.is_dir()):
-        assert group.name in rows, f"README's config table has no row for conf/{group.name}/"
+    conf_dirs = (ROOT / "conf", LIBRARY_CONF_DIR)  # the project's groups and the library's
+    for group in sorted(p for conf in conf_dirs for p in conf.iterdir() if p.is_dir()):
+        assert group.name in rows, f"README's config table has no row for {group.name}/"
         cells = rows[group.name].split("|")
         for option in sorted(group.glob("*.yaml")):
-            assert f"`{option.stem}`" in cells[2], f"conf/{group.name}/{option.name} not in README"
+            assert f"`{option.stem}`" in cells[2], f"{group.name}/{option.name} not in README"
 
 
 def test_every_experiment_is_documented() -> None:

@@ -1,5 +1,6 @@
 """``make rename NAME=...`` in a copy of the project: refused names change nothing, and a renamed
-project has no trace of the old name and passes its own tests.
+project has no trace of the old name, its library (``src/trainkit``) is byte-identical, and it
+passes its own tests. A renamed fork taking a later upstream version: test_update.py.
 
 The renamed copy runs a part of its suite here (every module imported, every config group
 composed, real train/eval runs); CI's ``rename`` job (.github/workflows/ci.yml) runs all of it.
@@ -13,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import trainkit
+import myproject
 from helpers import copy_project, run_in
 
-OLD = trainkit.__name__  # so that this file still holds after the project itself is renamed
+OLD = myproject.__name__  # so that this file still holds after the project itself is renamed
 NEW = "renamed_project"
 
 # Fast files that import the modules, compose every config group and train in-process.
@@ -78,12 +79,14 @@ def test_a_refused_name_changes_nothing(project: Path, name: str, message: str) 
 
 
 def test_renamed_project_passes_its_tests(project: Path, mnist_root: Path, tmp_path: Path) -> None:
+    library = {k: v for k, v in snapshot(project).items() if k.startswith("src/trainkit/")}
     proc = make_rename(project, NEW)
     assert proc.returncode == 0, proc.stderr
     assert (project / "src" / NEW / "__init__.py").is_file()
     assert not (project / "src" / OLD).exists()
     assert files_mentioning(project, OLD) == []
-    assert f"{NEW.upper()}_DATA_DIR" in (project / "README.md").read_text()
+    assert {k: v for k, v in snapshot(project).items() if k.startswith("src/trainkit/")} == library
+    assert (project / ".trainkit-upstream").read_text().startswith("trainkit ")
 
     # the copy's src/ is first on PYTHONPATH, and no file of it names the old package: whatever
     # the tests import is the renamed one
@@ -93,7 +96,9 @@ def test_renamed_project_passes_its_tests(project: Path, mnist_root: Path, tmp_p
     logs = tmp_path / "logs"
     run_in(project, "train.py", f"data.root={mnist_root}", *FAST, f"paths.log_dir={logs}")
     (best,) = logs.glob("train/runs/*/checkpoints/best.ckpt")
-    assert f"{NEW}_config" in torch.load(best, weights_only=True)  # the checkpoint's config key
+    assert torch.load(best, weights_only=True)["trainkit_config"]["model"]["net"][
+        "_target_"
+    ].startswith(f"{NEW}.models.")
     run_in(project, "eval.py", f"ckpt_path={best}", f"paths.log_dir={logs}")
     assert list(logs.glob("eval/runs/*/metrics.json"))
 
@@ -103,5 +108,9 @@ def test_rename_twice(project: Path) -> None:
     assert make_rename(project, "first_name").returncode == 0
     proc = make_rename(project, "second_name")
     assert proc.returncode == 0, proc.stderr
-    assert sorted(p.name for p in (project / "src").iterdir()) == ["second_name"]
+    assert sorted(p.name for p in (project / "src").iterdir()) == [
+        "hydra_plugins",
+        "second_name",
+        "trainkit",
+    ]
     assert files_mentioning(project, "first_name") == []

@@ -28,6 +28,7 @@ def add_files(project: Path, doc: str) -> list[str]:
     assert files, f"{doc} has no <!-- file: ... --> blocks"
     for path, content in files:
         assert not (project / path).exists(), f"{doc} would overwrite {path}"
+        (project / path).parent.mkdir(parents=True, exist_ok=True)  # (a new folder of yours)
         (project / path).write_text(content)
     return [path for path, _ in files]
 
@@ -51,14 +52,14 @@ def train(project: Path, argv: list[str], data_root: Path, log_dir: Path) -> Pat
 
 def test_add_a_model(project: Path, mnist_root: Path, tmp_path: Path) -> None:
     assert add_files(project, "add_a_model.md") == [
-        "src/trainkit/models/convnet.py",
+        "src/myproject/models/convnet.py",
         "conf/model/convnet.yaml",
     ]
     plain, pipelined = commands("add_a_model.md")
 
     run_dir = train(project, plain, mnist_root, tmp_path)
     config = OmegaConf.load(run_dir / "config.yaml")
-    assert config.model.net._target_ == "trainkit.models.convnet.ConvNet"
+    assert config.model.net._target_ == "myproject.models.convnet.ConvNet"
     assert run_weights(run_dir)["net.0.0.weight"].shape == (32, 1, 3, 3)  # a conv, 32 channels
 
     run_dir = train(project, pipelined, mnist_root, tmp_path)
@@ -68,7 +69,7 @@ def test_add_a_model(project: Path, mnist_root: Path, tmp_path: Path) -> None:
 
 def test_add_a_datamodule(project: Path, mnist_root: Path, tmp_path: Path) -> None:
     assert add_files(project, "add_a_datamodule.md") == [
-        "src/trainkit/data/fashion_mnist.py",
+        "src/myproject/data/fashion_mnist.py",
         "conf/data/fashion_mnist.yaml",
     ]
     # Fashion-MNIST's files are in MNIST's idx format, under FashionMNIST/raw
@@ -78,13 +79,13 @@ def test_add_a_datamodule(project: Path, mnist_root: Path, tmp_path: Path) -> No
     for argv in commands("add_a_datamodule.md"):
         run_dir = train(project, argv, root, tmp_path / "logs")
         config = OmegaConf.load(run_dir / "config.yaml")
-        assert config.data._target_ == "trainkit.data.fashion_mnist.FashionMNISTDataModule"
+        assert config.data._target_ == "myproject.data.fashion_mnist.FashionMNISTDataModule"
         assert config.model.num_classes == 10
 
 
 def test_add_a_strategy(project: Path, mnist_root: Path, tmp_path: Path) -> None:
     assert add_files(project, "add_a_strategy.md") == [
-        "src/trainkit/strategies/ddp_fp16_grads.py",
+        "src/myproject/strategies/ddp_fp16_grads.py",
         "conf/strategy/ddp_fp16_grads.yaml",
     ]
     (argv,) = commands("add_a_strategy.md")
@@ -106,7 +107,7 @@ def test_add_a_task(project: Path, mnist_root: Path, tmp_path: Path) -> None:
     """The autoencoder under each strategy the walkthrough shows; under fsdp its test (on 2
     ranks, every test sample) equals eval.py's on one device, on the same checkpoint."""
     assert add_files(project, "add_a_task.md") == [
-        "src/trainkit/tasks/autoencoder.py",
+        "src/myproject/tasks/autoencoder.py",
         "conf/model/autoencoder.yaml",
         "conf/experiment/mnist_autoencoder.yaml",
     ]
@@ -120,7 +121,7 @@ def test_add_a_task(project: Path, mnist_root: Path, tmp_path: Path) -> None:
         # the whole test set: a distributed test that left out or repeated a sample would show
         run_dir = train(project, [*argv, "trainer.limit_test_batches=null"], mnist_root, tmp_path)
         config = OmegaConf.load(run_dir / "config.yaml")
-        assert config.model._target_ == "trainkit.tasks.autoencoder.Autoencoder"
+        assert config.model._target_ == "myproject.tasks.autoencoder.Autoencoder"
         assert "num_classes" not in config.model and list(config.model.input_shape) == [1, 28, 28]
         assert run_weights(run_dir)["net.3.weight"].shape == (784, 128)  # one output per pixel
         metrics = json.loads((run_dir / "metrics.json").read_text())

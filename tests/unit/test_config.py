@@ -5,6 +5,7 @@ import io
 import json
 import os
 import re
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger
@@ -19,13 +21,13 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
 from helpers import SLURM_TASK, TORCHRUN_WORKER, run_python
+from myproject.data import MNISTDataModule
+from myproject.models import MLP
+from myproject.tasks import ImageClassifier
 from trainkit.callbacks import ProfileSteps, RunConfig, StartupTime
-from trainkit.config import compose_config, unknown_keys
-from trainkit.data import MNISTDataModule
-from trainkit.models import MLP
+from trainkit.config import CONF_DIR, LIBRARY_CONF_DIR, compose_config, unknown_keys
 from trainkit.parallel import ParallelDims
 from trainkit.resolvers import run_name
-from trainkit.tasks import ImageClassifier
 from trainkit.train import build, run
 
 Built = tuple[DictConfig, MNISTDataModule, ImageClassifier, L.Trainer]
@@ -515,3 +517,22 @@ def test_a_typo_on_the_command_line_ends_with_the_suggestion_and_no_traceback() 
         "trainer.max_epoch: not a key of the config; did you mean trainer.max_epochs?"
     )
     assert "Traceback" not in proc.stderr
+
+
+def test_the_projects_configs_come_first_and_join_the_librarys_groups(tmp_path: Path) -> None:
+    """A project file of a library config's name replaces it; a new option joins the group."""
+    conf = shutil.copytree(CONF_DIR, tmp_path / "conf")
+    (conf / "trainer").mkdir()
+    (conf / "trainer" / "default.yaml").write_text("_target_: trainkit.trainer.Trainer\nx: 7\n")
+    (conf / "logger").mkdir()
+    (conf / "logger" / "mine.yaml").write_text("mine:\n  _target_: my.Logger\n")
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = compose("train", overrides=["logger=mine", "paths.output_dir=/x"])
+        assert OmegaConf.to_container(cfg.trainer) == {
+            "_target_": "trainkit.trainer.Trainer",
+            "x": 7,
+        }
+        assert cfg.logger.mine._target_ == "my.Logger"
+        assert "strategy" in cfg and cfg.strategy.name == "auto"  # the library's, found after
+        assert "csv" in compose("train", overrides=["logger=csv"]).logger
+    assert (LIBRARY_CONF_DIR / "trainer" / "default.yaml").is_file()

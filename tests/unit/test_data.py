@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from trainkit.data import MNISTDataModule
+from myproject.data import MNISTDataModule
+from myproject.data.mnist import MNIST_FILES
 from trainkit.data.decode import normalize_images
 from trainkit.data.in_memory import InMemoryLoader
-from trainkit.data.mnist import MNIST_FILES
 from trainkit.data.sharding import ShardSampler
 from trainkit.data.synthetic import write_mnist
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from helpers import quiet_trainer
-from trainkit.data import CIFAR10DataModule
+from myproject.data import CIFAR10DataModule
 from trainkit.data.decode import TEST_BATCH, TRAIN_BATCHES, random_crop_flip, read_batch
 from trainkit.data.synthetic import write_cifar10
 

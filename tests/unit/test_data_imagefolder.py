@@ -19,8 +19,8 @@ from helpers import (
     write_tree,
     write_truncated_jpeg,
 )
-from trainkit.data import ImageFolderDataModule
-from trainkit.data.imagefolder import IMAGENET_MEAN, IMAGENET_STD, BadImageError
+from myproject.data import ImageFolderDataModule
+from myproject.data.imagefolder import IMAGENET_MEAN, IMAGENET_STD, BadImageError
 
 SIZE = 16
 SORTED = sorted(CLASSES)
@@ -296,7 +296,7 @@ def test_skip_leaves_bad_files_out_and_lists_them(
     ]
     bad[0].write_text("not an image\n")
 
-    with caplog.at_level(logging.WARNING, logger="trainkit.data.imagefolder"):
+    with caplog.at_level(logging.WARNING, logger="myproject.data.imagefolder"):
         dm = setup(fresh_tree, bad_files="skip")
 
     warnings = "\n".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)

@@ -18,7 +18,7 @@ from torch.utils.data import (
     random_split,
 )
 
-from trainkit.data import MNISTDataModule
+from myproject.data import MNISTDataModule
 from trainkit.data.in_memory import InMemoryLoader
 from trainkit.data.sharding import (
     EvenBatches,

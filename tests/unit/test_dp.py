@@ -21,9 +21,9 @@ from lightning.pytorch.strategies.strategy import _ForwardRedirection
 from torch import Tensor, nn
 
 from helpers import quiet_trainer
+from myproject.tasks import ImageClassifier
 from trainkit.config import compose_config
 from trainkit.strategies.dp import DataParallelStrategy, _StepRouter, mean_loss
-from trainkit.tasks import ImageClassifier
 
 CPU_WARNING = "strategy=dp on CPU: torch.nn.DataParallel only splits batches across GPUs"
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from trainkit.models import MLP, ResNet50
+from myproject.models import MLP, ResNet50
 
 
 def seeded(seed: int, cls, **kwargs) -> nn.Sequential:

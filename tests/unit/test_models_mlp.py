@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from trainkit.models import MLP
+from myproject.models import MLP
 
 
 def linear_shapes(model: nn.Module) -> list[tuple[int, int]]:

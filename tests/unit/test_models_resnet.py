@@ -9,9 +9,9 @@ import torch
 from torch import nn
 from torchvision.models import resnet50
 
+from myproject.data import MNISTDataModule
+from myproject.models import ResNet50
 from trainkit.build import build_model
-from trainkit.data import MNISTDataModule
-from trainkit.models import ResNet50
 
 BLOCKS = ["stem", "layer1", "layer2", "layer3", "layer4", "head"]
 
@@ -153,7 +153,7 @@ def test_other_num_classes_keeps_the_head_at_init(
     torchvision_weights: tuple[Path, dict], caplog: pytest.LogCaptureFixture
 ) -> None:
     path, state = torchvision_weights
-    with caplog.at_level(logging.INFO, logger="trainkit.models.resnet"):
+    with caplog.at_level(logging.INFO, logger="myproject.models.resnet"):
         model = seeded(5, num_classes=5, weights=str(path))
     init = seeded(5, num_classes=5)
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 from lightning.pytorch.strategies import DDPStrategy as LightningDDP
 
-from trainkit.config import CONF_DIR
+from trainkit.config import LIBRARY_CONF_DIR
 from trainkit.errors import ConfigError
 from trainkit.parallel import LIGHTNING, Capabilities, ParallelDims, capabilities, data_shard
 from trainkit.strategies.dp import DataParallelStrategy
@@ -65,7 +65,7 @@ def test_every_strategy_option_declares_its_capabilities(compose) -> None:
             LIGHTNING, runs_task_steps=False, full_batches=True, materialises_blocks=True
         ),
     }
-    options = {p.stem for p in (CONF_DIR / "strategy").glob("*.yaml")}
+    options = {p.stem for p in (LIBRARY_CONF_DIR / "strategy").glob("*.yaml")}
     assert options == set(expected)
     for name, caps in expected.items():
         assert capabilities(compose(f"strategy={name}").strategy) == caps, name

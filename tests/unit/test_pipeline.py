@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from trainkit.models import MLP
+from myproject.models import MLP
+from myproject.tasks import ImageClassifier
 from trainkit.strategies.pipeline import (
     GlobalNormClipping,
     PipelineConfigError,
@@ -18,7 +19,6 @@ from trainkit.strategies.pipeline import (
     balanced_split,
     global_norm_clipping,
 )
-from trainkit.tasks import ImageClassifier
 
 # --- stage splitting, in-process --------------------------------------------------------------
 

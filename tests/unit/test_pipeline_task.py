@@ -9,11 +9,11 @@ import torch
 from torch import nn
 
 import lightning_docs
+from myproject.models import MLP
+from myproject.tasks import ImageClassifier
 from trainkit.errors import ConfigError
-from trainkit.models import MLP
 from trainkit.strategies.pipeline import PipelineStrategy
 from trainkit.strategies.pipeline_task import check_pipeline_task, overridden_steps
-from trainkit.tasks import ImageClassifier
 
 
 def classifier(cls: type = ImageClassifier) -> ImageClassifier:

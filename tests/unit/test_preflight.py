@@ -19,12 +19,13 @@ from torch import nn
 
 import lightning_docs
 from helpers import SLURM_TASK, in_process_state
+from myproject.data import MNISTDataModule
+from myproject.models import MLP
+from myproject.tasks import ImageClassifier
 from trainkit.build import build_datamodule, build_model, model_config
 from trainkit.checkpoint_io import unreadable_hparams
-from trainkit.data import MNISTDataModule
 from trainkit.errors import ConfigError
 from trainkit.evaluate import check_stages
-from trainkit.models import MLP
 from trainkit.parallel import LIGHTNING, ParallelDims, capabilities
 from trainkit.preflight import (
     check_compile,
@@ -38,7 +39,6 @@ from trainkit.preflight import (
 from trainkit.resume import resolve_ckpt_path
 from trainkit.runtime import cpu_flags, has_bf16_units, usable_cores
 from trainkit.strategies.dp import DataParallelStrategy
-from trainkit.tasks import ImageClassifier
 
 
 @pytest.mark.parametrize(

@@ -38,7 +38,7 @@ def imports_after(code: str) -> dict:
 PLAIN_THEN_RECIPE = """
 import sys
 from trainkit.bench import plain
-plain.build({"_target_": "trainkit.models.MLP", "in_features": 4, "hidden": [8], "num_classes": 2})
+plain.build({"_target_": "myproject.models.MLP", "in_features": 4, "hidden": [8], "num_classes": 2})
 heavy = ("lightning", "hydra", "omegaconf", "torchmetrics", "scipy", "matplotlib", "tensorboard")
 plain_loaded = [m for m in heavy if m in sys.modules]
 import trainkit.startup, trainkit.train, trainkit.evaluate

@@ -304,7 +304,7 @@ def test_flat_hparams_skips_recording_subtrees_only_at_the_top() -> None:
 def test_flat_hparams_targets_and_partials() -> None:
     """``_target_`` keeps the class name (a readable column); ``_partial_`` says nothing."""
     config = {
-        "_target_": "trainkit.tasks.ImageClassifier",
+        "_target_": "myproject.tasks.ImageClassifier",
         "_partial_": False,
         "optimizer": {"_target_": "torch.optim.Adam", "_partial_": True, "lr": 0.001},
         "net": {"_target_": "MLP"},

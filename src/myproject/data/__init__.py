@@ -1,7 +1,7 @@
 """LightningDataModules on torchvision's real datasets and on-disk formats.
 
-Each loads on first use (``trainkit.data.MNISTDataModule`` in a config imports mnist.py only), so
-``trainkit.data.decode`` stays importable without Lightning, for the benchmark's plain loop.
+Each loads on first use (``myproject.data.MNISTDataModule`` in a config imports mnist.py only), so
+a config that names one never imports the others.
 """
 
 import importlib

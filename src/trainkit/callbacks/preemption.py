@@ -12,7 +12,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
-from trainkit.resume import slurm_job_id, under_slurm
+from trainkit.launch import slurm_job_id, under_slurm
 
 log = logging.getLogger(__name__)
 

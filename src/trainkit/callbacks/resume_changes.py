@@ -13,7 +13,7 @@ from typing import Any
 
 import lightning as L
 
-from trainkit.callbacks.run_config import CONFIG_KEY
+from trainkit.checkpoint_io import CONFIG_KEY
 from trainkit.data.in_memory import InMemoryLoader
 
 log = logging.getLogger(__name__)

@@ -89,7 +89,7 @@ def check_pipeline_task(module: nn.Module) -> None:
         raise ConfigError(
             f"strategy=pipeline runs {name} through its stages but it lacks "
             f"{', '.join(missing)}: subclass trainkit.strategies.pipeline_task.PipelineTask and "
-            f"give it those members, as trainkit.tasks.ImageClassifier does"
+            f"give it those members, as the template's ImageClassifier does"
         )
     steps = overridden_steps(module)
     if steps:

@@ -1,6 +1,6 @@
-"""LightningModules: what is learned and how it is scored, whatever strategy runs it."""
+"""What every task shares (``Task``): a net of blocks, optimizer factories, and steps composed so
+that the same task runs under every strategy."""
 
 from trainkit.tasks.base import Task
-from trainkit.tasks.classification import ImageClassifier
 
-__all__ = ["ImageClassifier", "Task"]
+__all__ = ["Task"]
