@@ -616,7 +616,11 @@ def bash_block_after(marker: str) -> list[str]:
 
 # README commands that an e2e test runs as written, with its test data and settings appended, and
 # checks in depth: name -> (section, command). test_readme runs the other commands of a section.
-STRATEGIES, PIPELINE, SWEEPS = "strategies", "pipeline", "sweeps"  # docs/strategies.md, sweeps.md
+STRATEGIES, PIPELINE, SWEEPS = (
+    "strategies",
+    "pipeline",
+    "sweeps",
+)  # docs/strategies.md, pipeline.md, sweeps.md
 README_RUN_BY_E2E = {
     "ddp4": (STRATEGIES, "python train.py strategy=ddp devices=4"),  # e2e/test_strategies.py
     "spawn2": (STRATEGIES, "python train.py strategy=ddp_spawn devices=2"),  # the same

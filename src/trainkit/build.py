@@ -19,9 +19,10 @@ from hydra.errors import InstantiationException
 from hydra.utils import get_object, instantiate
 from lightning.pytorch.plugins import TorchSyncBatchNorm
 from lightning.pytorch.plugins.environments import SLURMEnvironment
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from trainkit.checkpoint_io import AtomicCheckpointIO
+from trainkit.config import settle
 from trainkit.errors import ConfigError
 from trainkit.launch import under_slurm
 from trainkit.parallel import ParallelDims, capabilities
@@ -66,20 +67,18 @@ def model_config(cfg: DictConfig, datamodule: L.LightningDataModule) -> DictConf
                     f"data's)"
                 )
         elif value is not None:
-            with open_dict(model):
-                model[key] = value
+            settle(cfg, f"model.{key}", value, f"{type(datamodule).__name__}.{key}")
         elif key in model.keys():  # noqa: SIM118  ??? that the data cannot fill
             if key == "input_shape":  # optional: only a pipeline balancing by FLOPs needs it
-                model[key] = None
+                settle(cfg, "model.input_shape", None, "the data has no input_shape")
                 continue
             raise ConfigError(
                 f"model.{key} is ??? (filled from the data), but {type(datamodule).__name__} "
                 f"has no {key} attribute: give the datamodule one, or set model.{key}=..."
             )
     if "compile" in model or cfg.get("compile"):
-        with open_dict(model):
-            model.compile = bool(cfg.get("compile"))
-    return model
+        settle(cfg, "model.compile", bool(cfg.get("compile")), "the run's compile")
+    return cfg.model
 
 
 def build_datamodule(cfg: DictConfig) -> L.LightningDataModule:

@@ -2,14 +2,18 @@
 
 import contextlib
 import difflib
+import logging
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
 import trainkit.resolvers  # noqa: F401  registers the resolvers that conf/ uses
+
+log = logging.getLogger(__name__)
 
 ROOT_DIR = Path(__file__).resolve().parents[2]
 CONF_DIR = ROOT_DIR / "conf"  # the project's: its groups, train.yaml and eval.yaml
@@ -78,3 +82,12 @@ def _keys(cfg: DictConfig, prefix: str = "") -> Iterator[str]:
         node = cfg.get(key)
         if isinstance(node, DictConfig):
             yield from _keys(node, f"{name}.")
+
+
+def settle(cfg: DictConfig, key: str, value: Any, why: str) -> None:
+    """The one way the run changes its own config after composing it: ``key`` (dotted, added
+    where the config lacks it) set to ``value``, for the reason ``why``, logged. What the run
+    settles this way is what ``config.yaml`` and the checkpoints record."""
+    OmegaConf.update(cfg, key, value, merge=False, force_add=True)
+    shown = "..." if isinstance(value, DictConfig) else value
+    log.debug("config: %s=%s (%s)", key, shown, why)

@@ -4,12 +4,13 @@ test and/or predict with a Trainer built as train.py builds it."""
 import logging
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 import trainkit.resolvers  # noqa: F401  registers the resolvers that conf/ uses
 from trainkit.build import build_datamodule, build_model, build_trainer, prepare_data_once
 from trainkit.callbacks import PredictionWriter
 from trainkit.checkpoint_io import damage, read_checkpoint_config
+from trainkit.config import settle
 from trainkit.console import quiet
 from trainkit.errors import ConfigError
 from trainkit.launch import isolated_job
@@ -44,10 +45,10 @@ def with_checkpoint_config(cfg: DictConfig) -> DictConfig:
     for key, value in (cfg.get("data") or {}).items():
         if value is not None:
             data[key] = value
-    with open_dict(cfg):
-        cfg.model, cfg.data = trained.model, data
-        if cfg.precision is None:
-            cfg.precision = trained.precision
+    settle(cfg, "model", trained.model, "the checkpoint's")
+    settle(cfg, "data", data, "the checkpoint's, with the data keys given")
+    if cfg.precision is None:
+        settle(cfg, "precision", trained.precision, "the checkpoint's")
     return cfg
 
 

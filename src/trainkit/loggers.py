@@ -18,7 +18,9 @@ from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, Wand
 from lightning.pytorch.loggers import MLFlowLogger as LightningMLFlowLogger
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities import rank_zero_only
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig
+
+from trainkit.config import settle
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +241,7 @@ def continue_tracker_runs(logger_cfg: DictConfig | None, ids: Mapping[str, str])
     new ones. A run id the config sets itself is kept."""
     from hydra.utils import get_object
 
-    for entry in (logger_cfg or {}).values():
+    for logger, entry in (logger_cfg or {}).items():
         if not isinstance(entry, DictConfig) or "_target_" not in entry:
             continue
         tracker = _tracker(get_object(entry._target_))
@@ -247,5 +249,4 @@ def continue_tracker_runs(logger_cfg: DictConfig | None, ids: Mapping[str, str])
             continue
         names = _RUN_ID_ARGUMENTS[tracker]
         if all(entry.get(name) is None for name in names):
-            with open_dict(entry):
-                entry[names[0]] = ids[tracker.__name__]
+            settle(logger_cfg, f"{logger}.{names[0]}", ids[tracker.__name__], "the run resumed")

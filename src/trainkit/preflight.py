@@ -16,6 +16,7 @@ from torch import nn
 
 from trainkit.build import launches_others
 from trainkit.checkpoint_io import unreadable_hparams
+from trainkit.config import settle
 from trainkit.data.sharding import check_train_data
 from trainkit.errors import ConfigError
 from trainkit.launch import under_slurm
@@ -52,7 +53,7 @@ def check_precision(cfg: DictConfig, accelerator: str) -> None:
             "Pass precision=bf16-mixed to say so and silence this.",
             precision,
         )
-        cfg.precision = "bf16-mixed"
+        settle(cfg, "precision", "bf16-mixed", "float16 autocast is a GPU feature")
         return
     if precision in ("16-true",):
         raise ConfigError(
@@ -193,7 +194,7 @@ def resolve_drop_last(cfg: DictConfig) -> None:
         return
     required = capabilities(cfg.strategy).full_batches
     if data.drop_last is None:
-        data.drop_last = required
+        settle(cfg, "data.drop_last", required, "what the strategy requires")
     elif required and not data.drop_last:
         raise ConfigError(
             "data.drop_last=false with a strategy that fixes its shapes after the first step "

@@ -25,7 +25,7 @@ from myproject.data import MNISTDataModule
 from myproject.models import MLP
 from myproject.tasks import ImageClassifier
 from trainkit.callbacks import ProfileSteps, RunConfig, StartupTime
-from trainkit.config import CONF_DIR, LIBRARY_CONF_DIR, compose_config, unknown_keys
+from trainkit.config import CONF_DIR, LIBRARY_CONF_DIR, compose_config, settle, unknown_keys
 from trainkit.parallel import ParallelDims
 from trainkit.resolvers import run_name
 from trainkit.train import build, run
@@ -536,3 +536,21 @@ def test_the_projects_configs_come_first_and_join_the_librarys_groups(tmp_path: 
         assert "strategy" in cfg and cfg.strategy.name == "auto"  # the library's, found after
         assert "csv" in compose("train", overrides=["logger=csv"]).logger
     assert (LIBRARY_CONF_DIR / "trainer" / "default.yaml").is_file()
+
+
+def test_the_run_changes_its_config_in_one_place(compose) -> None:
+    """``settle`` sets a key through the struct flag (adding it where missing) or replaces a
+    subtree; no other library code opens the config for writing."""
+    cfg = compose()
+    settle(cfg, "data.drop_last", True, "a test")
+    settle(cfg, "model.extra", [1, 2], "a test")
+    settle(cfg, "logger", OmegaConf.create({"csv": {"_target_": "x.Y"}}), "a test")
+    assert cfg.data.drop_last is True and list(cfg.model.extra) == [1, 2]
+    assert list(cfg.logger) == ["csv"]
+    library = Path(settle.__code__.co_filename).parent
+    writers = [
+        str(p.relative_to(library))
+        for p in library.rglob("*.py")
+        if re.search(r"open_dict|read_write|OmegaConf\.update", p.read_text())
+    ]
+    assert writers == ["config.py"]
