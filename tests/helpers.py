@@ -333,6 +333,68 @@ class SaveWeights(L.Callback):
         )
 
 
+# What reads a tensor's value on the host: on a GPU each one waits for the device.
+TENSOR_READS = ("item", "tolist", "numpy", "__float__", "__int__", "__bool__", "__index__")
+
+
+class TensorReads(L.Callback):
+    """Counts, per global step, the host-side reads of a tensor's value (``TENSOR_READS``, patched
+    on ``torch.Tensor`` from setup to teardown) while training runs; writes ``reads.json``
+    (``{step: count}``) into the run's directory. Not counted: torch's optimizers reading their
+    ``step`` counts, which stay host tensors on a GPU too (unless ``capturable``/``fused``).
+    ``every_step``: also reads the loss at every step, as a step path that waits on the device
+    would (the check's own check)."""
+
+    def __init__(self, every_step: bool = False) -> None:
+        self.every_step = every_step
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self.counts: Counter = Counter()
+        self._originals = {name: getattr(torch.Tensor, name) for name in TENSOR_READS}
+
+        def counted(name: str, original):
+            def read(tensor, *args, **kwargs):
+                caller = sys._getframe(1).f_code.co_filename
+                optimizer = f"torch{os.sep}optim{os.sep}" in caller
+                if trainer.training and not trainer.sanity_checking and not optimizer:
+                    self.counts[trainer.global_step] += 1
+                return original(tensor, *args, **kwargs)
+
+            return read
+
+        for name, original in self._originals.items():
+            setattr(torch.Tensor, name, counted(name, original))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if self.every_step:
+            outputs["loss"].item()
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        for name, original in self._originals.items():
+            setattr(torch.Tensor, name, original)
+        if stage == "fit":
+            out = Path(trainer.default_root_dir) / "reads.json"
+            out.write_text(json.dumps({str(k): v for k, v in sorted(self.counts.items())}))
+
+
+class SyncDebugBetweenLogs(L.Callback):
+    """On a GPU: CUDA's sync debug mode set to ``error`` from the start of every training step
+    that neither logs (``trainer.log_every_n_steps``) nor follows one to the start of the next,
+    so that a host-device synchronisation in the step path raises
+    (``torch.cuda.set_sync_debug_mode``); back to ``default`` for validation and the epoch's end."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        step, n = trainer.global_step, trainer.log_every_n_steps
+        quiet = min(step % n, -step % n) > 1 and batch_idx + 1 < trainer.num_training_batches
+        torch.cuda.set_sync_debug_mode("error" if quiet else "default")
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        torch.cuda.set_sync_debug_mode("default")
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 class BreakWeightsAt(L.Callback):
     """Sets the first parameter to inf after the optimizer step of global step ``step``: that
     step's loss was finite, and the weights a save would write next are not."""

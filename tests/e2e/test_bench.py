@@ -20,6 +20,7 @@ pytestmark = pytest.mark.slow  # long end-to-end runs: CI's `slow` job
 
 CELLS = (  # template ddp cells are train.py runs that e2e/test_strategies.py runs many of
     "mlp-plain-auto-1dev-32-true",
+    "mlp-lightning-auto-1dev-32-true",
     "mlp-template-auto-1dev-32-true",
     "mlp-plain-ddp-2dev-32-true",
 )
@@ -100,8 +101,10 @@ def test_template_cells_run_train_py_and_plain_cells_do_not(bench_run: Path, res
             assert len(runs) == 1  # a real run directory, with its config, checkpoints, logs
             assert (runs[0].parent / "checkpoints" / "last.ckpt").is_file()
             assert f"devices={c['devices']}" in command
-        else:
+        else:  # the plain loop, or the same spec in a bare Lightning Trainer
             assert not runs
+            module = {"plain": "trainkit.bench.plain", "lightning": "trainkit.bench.bare"}
+            assert command[1:3] == ["-m", module[c["runner"]]]
             spec = json.loads((cell_dir / "plain_spec.json").read_text())
             assert spec["world"] == c["devices"]
             assert spec["batch_size"] * c["devices"] == c["batch_size"]  # the same global batch
@@ -116,18 +119,32 @@ def test_ratios_reported_with_goals(results: dict) -> None:
         cells["mlp-template-auto-1dev-32-true"] / cells["mlp-plain-auto-1dev-32-true"]
     )
     assert single["goal"] == 0.97 and single["met"] == (single["value"] >= 0.97)
-    assert list(by_name) == ["template vs plain loop, mlp"]  # only ratios whose cells ran
+    peer = by_name["template vs bare Lightning, mlp"]  # what the template's features cost
+    assert peer["value"] == pytest.approx(
+        cells["mlp-template-auto-1dev-32-true"] / cells["mlp-lightning-auto-1dev-32-true"]
+    )
+    assert peer["goal"] == 0.98
+    assert list(by_name) == [  # only ratios whose cells ran
+        "template vs bare Lightning, mlp",
+        "bare Lightning vs plain loop, mlp",
+        "template vs plain loop, mlp",
+    ]
 
 
 @shares_bench_run
 def test_step_phases_timed_alike_by_both_runners(results: dict) -> None:
-    """Both runners mark forward, backward and optimizer inside each step, so a missed ratio
+    """Every runner marks forward, backward and optimizer inside each step, so a missed ratio
     comes with where the time went; the phases add up to about one step."""
     for c in results["cells"]:
         assert set(c["phase_s"]) == set(PHASES), c["cell"]
         assert 0.5 < sum(c["phase_s"].values()) / c["median_step_s"] < 2, c["cell"]
-    (gap,) = results["phases"]  # the one template/plain pair that ran
-    assert gap["ratio"] == "template vs plain loop, mlp" and gap["phases"] == list(PHASES)
+    gaps = {gap["ratio"]: gap for gap in results["phases"]}  # the pairs that ran
+    assert list(gaps) == [
+        "template vs bare Lightning, mlp",
+        "bare Lightning vs plain loop, mlp",
+        "template vs plain loop, mlp",
+    ]
+    assert all(gap["phases"] == list(PHASES) for gap in gaps.values())
 
 
 @shares_bench_run

@@ -123,3 +123,16 @@ def test_the_benchmark_times_gpu_cells(tmp_path: Path) -> None:
     for cell in results["cells"]:
         # peak allocated CUDA memory: a few MB for this MLP, where a CPU cell's RSS is hundreds
         assert 0 < cell["peak_mem_mb"][0] < 200, cell
+
+
+def test_the_default_recipe_does_not_wait_on_the_gpu_between_logging_steps(
+    overrides: tuple[str, ...], tmp_path: Path
+) -> None:
+    """CUDA's sync debug mode raises at a host-device synchronisation in any step that does not
+    log (the CPU version, counting tensor reads: e2e/test_step_syncs.py)."""
+    base = tuple(o for o in overrides if not o.startswith("accelerator="))
+    proc = run_python(
+        "train.py", *base, *GPU, "data.batch_size=16", "trainer.log_every_n_steps=10",
+        "+callbacks.sync._target_=helpers.SyncDebugBetweenLogs", log_dir=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]

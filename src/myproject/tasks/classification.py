@@ -68,7 +68,8 @@ class ImageClassifier(Task):
         self.train_loss.update(sample_mean(loss, n))
         self.train_acc.update(outputs["logits"], outputs["target"])
         if self.global_step % self.trainer.log_every_n_steps == 0:
-            self.log("train/loss_step", loss, on_step=True, on_epoch=False, prog_bar=True)
+            # not prog_bar: Lightning would read it back every step (callbacks.ProgressBar shows it)
+            self.log("train/loss_step", loss, on_step=True, on_epoch=False)
 
     def on_train_epoch_end(self) -> None:
         # the metric objects: Lightning computes them across ranks, then resets them

@@ -2,7 +2,9 @@
 
 A template cell is ``python train.py`` with the cell's overrides and the default recipe (logger,
 callbacks, progress bar, checkpoints), plus ``BenchProbe``; a plain cell is ``python -m
-trainkit.bench.plain`` on the same data, model and optimizer. Each launch trains ``repeats``
+trainkit.bench.plain`` on the same data, model and optimizer, and a lightning cell the same step
+in a bare Lightning Trainer (``python -m trainkit.bench.bare``): the peer that shows what is the
+template's cost and what is Lightning's. Each launch trains ``repeats``
 epochs of ``warmup + steps`` steps; the warm-up steps of every epoch are not timed. Cells launched
 more than once (``rounds``) take turns with the other cells: round 1 of every cell, then round 2.
 """
@@ -51,7 +53,7 @@ class Workload:
 @dataclass(frozen=True)
 class Cell:
     workload: str
-    runner: str  # "template" (train.py) or "plain" (hand-written loop)
+    runner: str  # "template" (train.py), "plain" (hand-written loop), "lightning" (bare Trainer)
     strategy: str = "auto"  # a conf/strategy option; plain: "auto" (one process) or "ddp"
     devices: int = 1
     precision: str = "32-true"
@@ -66,7 +68,7 @@ class Cell:
 
     def per_process_batch(self, batch_size: int) -> int:
         data_parallel = self.strategy in DATA_PARALLEL or (
-            self.runner == "plain" and self.devices > 1
+            self.runner != "template" and self.devices > 1
         )
         return batch_size // self.devices if data_parallel else batch_size
 
@@ -109,12 +111,14 @@ def pipeline(workload: str, microbatches: int, schedule: str = "gpipe", stages: 
 
 DEFAULT_MATRIX: tuple[Cell, ...] = (
     Cell("mlp", "plain"),
+    Cell("mlp", "lightning"),
     MLP_TEMPLATE,
     Cell("mlp", "template", extra=LOGGING_OFF, variant="no logging"),
     Cell("mlp", "template", precision="bf16-mixed"),
     MLP_COMPILED,
     Cell("mlp", "template", "dp", 2),
     Cell("mlp", "plain", "ddp", 2),
+    Cell("mlp", "lightning", "ddp", 2),
     Cell("mlp", "template", "ddp", 2),
     Cell("mlp", "template", "ddp_spawn", 2),
     Cell("mlp", "template", "fsdp", 2),
@@ -173,7 +177,8 @@ def template_command(cell: Cell, work: Workload, s: Settings, cell_dir: Path) ->
 
 
 def plain_command(cell: Cell, work: Workload, s: Settings, cell_dir: Path) -> list[str]:
-    """Writes the plain loop's spec from the same composed config the template would run."""
+    """Writes the plain loop's spec from the same composed config the template would run; the
+    bare Lightning cell runs the same spec."""
     cfg = compose_config(
         "train", cell_dir / "config", [*work.overrides, f"data.root='{s.data_roots[work.name]}'"]
     )
@@ -198,7 +203,8 @@ def plain_command(cell: Cell, work: Workload, s: Settings, cell_dir: Path) -> li
     }
     spec_path = cell_dir / "plain_spec.json"
     spec_path.write_text(json.dumps(spec, indent=2))
-    return [sys.executable, "-m", "trainkit.bench.plain", str(spec_path)]
+    module = "trainkit.bench.bare" if cell.runner == "lightning" else "trainkit.bench.plain"
+    return [sys.executable, "-m", module, str(spec_path)]
 
 
 def import_torch_seconds() -> float:

@@ -19,6 +19,22 @@ from trainkit.bench.clock import PHASES
 
 # (what, numerator, denominator, goal): the ratios a run reports when both of its cells ran
 RATIOS: tuple[tuple[str, Cell, Cell, float | None], ...] = (
+    # what the template's features cost: against the same step in a bare Lightning Trainer
+    ("template vs bare Lightning, mlp", MLP_TEMPLATE, Cell("mlp", "lightning"), 0.98),
+    (
+        "template ddp vs bare Lightning ddp, mlp",
+        Cell("mlp", "template", "ddp", 2),
+        Cell("mlp", "lightning", "ddp", 2),
+        0.98,
+    ),
+    # what Lightning's loop costs
+    ("bare Lightning vs plain loop, mlp", Cell("mlp", "lightning"), Cell("mlp", "plain"), None),
+    (
+        "bare Lightning ddp vs torch DDP, mlp",
+        Cell("mlp", "lightning", "ddp", 2),
+        Cell("mlp", "plain", "ddp", 2),
+        None,
+    ),
     ("template vs plain loop, mlp", MLP_TEMPLATE, Cell("mlp", "plain"), 0.97),
     (
         "template ddp vs torch DDP, mlp",
@@ -157,7 +173,7 @@ def phase_gaps(cells: list[dict]) -> list[dict]:
     by_name = {c["cell"]: c for c in cells if c.get("phase_s")}
     found = []
     for name, top, bottom, _ in RATIOS:
-        if bottom.runner == "plain" and top.name in by_name and bottom.name in by_name:
+        if bottom.runner != "template" and top.name in by_name and bottom.name in by_name:
             t, p = by_name[top.name]["phase_s"], by_name[bottom.name]["phase_s"]
             phases = [ph for ph in PHASES if ph in t and ph in p]
             found.append({"ratio": name, "template_s": t, "plain_s": p, "phases": phases})
@@ -167,6 +183,8 @@ def phase_gaps(cells: list[dict]) -> list[dict]:
 def _label(c: dict) -> str:
     if c["runner"] == "plain":
         name = "plain torch DDP" if c["strategy"] == "ddp" else "plain PyTorch"
+    elif c["runner"] == "lightning":
+        name = "bare Lightning" + (" DDP" if c["strategy"] == "ddp" else "")
     else:
         name = "template" + ("" if c["strategy"] == "auto" else f" {c['strategy']}")
     variant = f" {c['variant']}" if c["variant"] else ""

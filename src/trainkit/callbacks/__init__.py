@@ -7,6 +7,7 @@ from trainkit.callbacks.prediction_writer import PredictionWriter
 from trainkit.callbacks.preemption import Preemption
 from trainkit.callbacks.process_info import ProcessInfo
 from trainkit.callbacks.profile_steps import ProfileSteps
+from trainkit.callbacks.progress_bar import ProgressBar
 from trainkit.callbacks.resume_changes import ResumeChanges
 from trainkit.callbacks.run_config import RunConfig
 from trainkit.callbacks.startup_time import StartupTime
@@ -21,6 +22,7 @@ __all__ = [
     "Preemption",
     "ProcessInfo",
     "ProfileSteps",
+    "ProgressBar",
     "ResumeChanges",
     "RunConfig",
     "StartupTime",
