@@ -3,24 +3,27 @@
 The scenario, from two commits of a copy of this project:
 
 - upstream v1 is this project as it is;
-- the fork clones v1, renames itself (``make rename NAME=acme``) and edits its model, its data,
-  a config and its README;
+- the fork clones v1, renames itself (``make rename NAME=<the package>_fork``) and edits its
+  model, its data, a config and its README;
 - upstream v2 changes a library module, a library config and the example model file that the
   fork also edited (another part of it), and says so in its version and changelog;
 - the fork runs the README's commands: no conflict, every fork edit kept, every upstream change
   taken, the library identical to upstream's, and the updated fork trains.
 """
 
-import re
 import shlex
 import subprocess
 from pathlib import Path
 
 import pytest
 
+import myproject
+import trainkit
 from helpers import FAST, bash_block_after, copy_project, run_in
 
 pytestmark = pytest.mark.slow
+OLD = myproject.__name__  # the project's package (so that this file holds in a renamed fork too)
+FORK = f"{OLD}_fork"
 
 
 def git(repo: Path, *args: str) -> str:
@@ -54,18 +57,25 @@ def test_a_renamed_and_edited_fork_takes_a_later_upstream_version(
     upstream = copy_project(tmp_path / "upstream")
     git(upstream, "init", "-q", "-b", "main")
     commit(upstream, "v1")
+    v1 = git(upstream, "rev-parse", "HEAD").strip()
+    forked_from = upstream / ".trainkit-upstream"  # a fork of a fork keeps its first record
+    record = (
+        forked_from.read_text()
+        if forked_from.exists()
+        else f"trainkit {trainkit.__version__} {v1}\n"
+    )
 
     fork = tmp_path / "fork"
     git(tmp_path, "clone", "-q", str(upstream), str(fork))
     git(fork, "config", "user.name", "fork")  # (a merge commit needs an author)
     git(fork, "config", "user.email", "fork@example.com")
-    run_in(fork, "tools/rename.py", "acme")
-    edit(fork / "src/acme/models/mlp.py", "        head = nn.Linear(width, num_classes)",
+    run_in(fork, "tools/rename.py", FORK)
+    edit(fork / f"src/{FORK}/models/mlp.py", "        head = nn.Linear(width, num_classes)",
          "        head = nn.Linear(width, num_classes)  # the fork's head")  # fmt: skip
-    edit(fork / "src/acme/data/mnist.py", '"""', '"""Acme\'s digits. ')
+    edit(fork / f"src/{FORK}/data/mnist.py", '"""', '"""The fork\'s digits. ')
     edit(fork / "conf/model/mlp.yaml", "lr: 1.0e-3", "lr: 2.0e-3")
-    edit(fork / "README.md", "# trainkit", "# acme (a trainkit fork)")
-    commit(fork, "acme: renamed and made ours")
+    edit(fork / "README.md", "# trainkit", "# a trainkit fork")
+    commit(fork, "the fork: renamed and made ours")
 
     version = "99.0.0"
     edit(upstream / "src/trainkit/__init__.py", '__version__ = "', f'__version__ = "{version}"  # ')
@@ -74,7 +84,7 @@ def test_a_renamed_and_edited_fork_takes_a_later_upstream_version(
         (upstream / "src/trainkit/preflight.py").read_text() + "\n\nUPSTREAM_V2 = True\n"
     )
     edit(upstream / "src/trainkit/conf/trainer/default.yaml", "\n", "\n# upstream v2\n")
-    edit(upstream / "src/myproject/models/mlp.py", "class MLP(BlockSequence):",
+    edit(upstream / f"src/{OLD}/models/mlp.py", "class MLP(BlockSequence):",
          "class MLP(BlockSequence):  # upstream v2")  # fmt: skip
     commit(upstream, "v2")
 
@@ -90,19 +100,19 @@ def test_a_renamed_and_edited_fork_takes_a_later_upstream_version(
     assert library == tree(upstream / "src/trainkit")  # upstream's library, whole
     assert "UPSTREAM_V2" in library["preflight.py"].decode()
     assert b"# upstream v2" in library["conf/trainer/default.yaml"]
-    model = (fork / "src/acme/models/mlp.py").read_text()
+    model = (fork / f"src/{FORK}/models/mlp.py").read_text()
     assert "# the fork's head" in model and "class MLP(BlockSequence):  # upstream v2" in model
-    assert "Acme's digits." in (fork / "src/acme/data/mnist.py").read_text()
+    assert "The fork's digits." in (fork / f"src/{FORK}/data/mnist.py").read_text()
     assert "lr: 2.0e-3" in (fork / "conf/model/mlp.yaml").read_text()
-    assert "# acme (a trainkit fork)" in (fork / "README.md").read_text()
+    assert "# a trainkit fork" in (fork / "README.md").read_text()
     assert f"## {version}" in (fork / "CHANGELOG.md").read_text()
-    assert not (fork / "src/myproject").exists()  # the example is the fork's, renamed
-    assert re.match(r"trainkit \S+ [0-9a-f]{40}$", (fork / ".trainkit-upstream").read_text())
+    assert not (fork / f"src/{OLD}").exists()  # the example is the fork's, renamed
+    assert (fork / ".trainkit-upstream").read_text() == record
 
     logs = tmp_path / "logs"
     proc = run_in(fork, "train.py", f"data.root={mnist_root}", *FAST, f"paths.log_dir={logs}")
     assert "Total FLOPs" in proc.stdout + proc.stderr
     (config,) = logs.glob("train/runs/*/config.yaml")
-    assert "_target_: acme.models.MLP" in config.read_text()
+    assert f"_target_: {FORK}.models.MLP" in config.read_text()
     assert "lr: 0.002" in config.read_text()
     assert shlex.split(update_commands()[-1])[:2] == ["git", "merge"]
