@@ -21,6 +21,7 @@ from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from trainkit.errors import ConfigError, DiskFullError
 
@@ -135,7 +136,7 @@ def _disk_full(err: BaseException | None) -> bool:
 
 
 def _disk_full_message(obj: Any, path: Path) -> str:
-    needed = sum(t.nbytes for t in _tensors(obj))
+    needed = sum(t.nbytes for t in tree_leaves(obj) if isinstance(t, torch.Tensor))
     free = shutil.disk_usage(path.parent).free
     previous = f"the previous {path.name} is intact" if path.exists() else "nothing was lost"
     return (
@@ -143,16 +144,6 @@ def _disk_full_message(obj: Any, path: Path) -> str:
         f"{free / 2**20:.1f} MB are free; {previous}. Free space there (or give paths.log_dir "
         f"on a larger disk) and resume with ckpt_path=last"
     )
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors(v)]
-    return []
 
 
 def damage(path: str | os.PathLike) -> str | None:

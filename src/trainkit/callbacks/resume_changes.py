@@ -14,7 +14,7 @@ from typing import Any
 import lightning as L
 
 from trainkit.checkpoint_io import CONFIG_KEY
-from trainkit.data.in_memory import InMemoryLoader
+from trainkit.data.in_memory import InMemoryDataModule, InMemoryLoader
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,5 @@ class ResumeChanges(L.Callback):
         old, new = saved.get("model") or {}, self.config.get("model") or {}
         restate_optimizer(checkpoint, old.get("optimizer"), new.get("optimizer"))
         restate_scheduler(checkpoint, old.get("scheduler"), new.get("scheduler"))
-        datamodule = trainer.datamodule
-        loader = datamodule.train_dataloader() if datamodule is not None else None
-        if isinstance(loader, InMemoryLoader):
-            restate_position(checkpoint, loader)
+        if isinstance(trainer.datamodule, InMemoryDataModule):  # (a user's loader is not built)
+            restate_position(checkpoint, trainer.datamodule.train_dataloader())
