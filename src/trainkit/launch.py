@@ -20,8 +20,10 @@ import contextlib
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -93,12 +95,31 @@ def job_command(local_rank: int) -> list[str]:
     ]
 
 
+# A rank's exit after a signal stop (callbacks.Preemption): every rank stops at the same step, so
+# this process is stopping too and must not be killed while it saves and exits
+SIGNAL_STOPS = {128 + signal.SIGTERM, 128 + signal.SIGINT}
+STOP_GRACE_S = 60.0
+
+
 class _JobObserver(_ChildProcessObserver):
-    """Lightning's watcher, except that in a sweep it stops the job's children, not the sweep."""
+    """Lightning's watcher, except that in a sweep it stops the job's children, not the sweep,
+    and that children stopped by a signal leave this process time to stop as well (Lightning's
+    would SIGKILL it when a child exits 143 first)."""
 
     def __init__(self, child_processes: list[subprocess.Popen], in_sweep: bool) -> None:
         super().__init__(main_pid=os.getpid(), child_processes=child_processes)
         self._in_sweep = in_sweep
+        self._stopped_at: float | None = None
+
+    def _run(self) -> bool:
+        codes = [proc.poll() for proc in self._child_processes]
+        if any(code in SIGNAL_STOPS for code in codes) and all(
+            code in (0, *SIGNAL_STOPS) for code in codes
+        ):
+            self._stopped_at = self._stopped_at or time.monotonic()
+            if time.monotonic() - self._stopped_at < STOP_GRACE_S:
+                return False
+        return super()._run()
 
     def _terminate_all(self) -> None:
         if not self._in_sweep:
