@@ -2,6 +2,7 @@
 
 import lightning as L
 import pytest
+import torch
 
 from trainkit.preflight import preflight
 from trainkit.train import build
@@ -42,3 +43,49 @@ def test_gradients_are_freed_after_the_optimizer_step(compose, accumulate: int) 
     # batch 0 starts clean; then, with accumulation, every second batch holds the first's gradients
     expected = [i % accumulate != 0 for i in range(3 * accumulate)]
     assert seen.at_forward == expected
+
+
+class StepsSeen(L.Callback):
+    """Each training step's output, and how often the task's training metrics were updated by the
+    end of the epoch (read before the task's epoch-end hook computes and resets them)."""
+
+    def __init__(self) -> None:
+        self.outputs: list[dict] = []
+        self.updates: dict[str, int] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.outputs.append({k: v.clone() for k, v in outputs.items()})
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        self.updates = {
+            "loss": pl_module.train_loss.update_count,
+            "acc": pl_module.train_acc.update_count,
+        }
+
+
+@pytest.mark.usefixtures("restore_seed_state")
+def test_training_metrics_take_every_sample_in_one_update_per_logging_interval(compose) -> None:
+    """10 steps, logging every 4th: the metrics are updated at steps 4 and 8 and at the epoch's
+    last step, and their epoch values are those of all 10 steps' samples, each counted once."""
+    cfg = compose(
+        "trainer.max_epochs=1",
+        "trainer.limit_train_batches=10",
+        "trainer.log_every_n_steps=4",
+        "trainer.limit_val_batches=0",
+        "data.batch_size=48",
+        "logger=none",
+    )
+    seen = StepsSeen()
+    datamodule, model, trainer = build(cfg, preflight(cfg), extra_callbacks=[seen])
+    trainer.fit(model, datamodule=datamodule)
+
+    assert len(seen.outputs) == 10
+    assert seen.updates == {"loss": 3, "acc": 3}
+    targets = torch.cat([o["target"] for o in seen.outputs])
+    predictions = torch.cat([o["logits"].argmax(dim=1) for o in seen.outputs])
+    losses = torch.cat([o["loss"].reshape(1).expand(len(o["target"])) for o in seen.outputs])
+    logged = trainer.callback_metrics
+    assert float(logged["train/acc"]) == pytest.approx(
+        float((predictions == targets).float().mean())
+    )
+    assert float(logged["train/loss"]) == pytest.approx(float(losses.mean()), rel=1e-5)

@@ -2,6 +2,7 @@
 
 from collections.abc import Sequence
 
+import torch
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
@@ -20,9 +21,11 @@ class ImageClassifier(Task):
     """Any ``net`` trained with cross-entropy, scored with torchmetrics accuracy (the net,
     optimizer and the rest: ``Task``).
 
-    Training metrics accumulate in torchmetrics every step but reach ``self.log`` only every
-    ``trainer.log_every_n_steps`` steps and at epoch end: a ``self.log`` call costs a sizeable part
-    of a small model's step on CPU, and the logger writes only every n steps anyway.
+    Training metrics reach ``self.log`` only every ``trainer.log_every_n_steps`` steps and at
+    epoch end, and their torchmetrics objects are updated then too, with all the steps since the
+    last update at once: each ``self.log`` call and each metric update costs a sizeable part of a
+    small model's step on CPU (about 0.1 ms), whatever the batch, and the logger writes only every
+    n steps anyway. The epoch's values are the same: every sample counts once.
     """
 
     def __init__(
@@ -46,6 +49,7 @@ class ImageClassifier(Task):
         # sample-weighted means synced at compute: exact for any world size and uneven shards
         self.val_loss = MeanMetric(nan_strategy="disable")
         self.test_loss = MeanMetric(nan_strategy="disable")
+        self._unscored: list[dict[str, Tensor]] = []  # training steps' outputs not yet scored
 
     # The steps are PipelineTask's, composed from these members; under strategy=pipeline the
     # logits come from the stages instead of self(x). Steps compute; the *_batch_end hooks update
@@ -64,14 +68,30 @@ class ImageClassifier(Task):
         return logits.argmax(dim=1)
 
     def on_train_batch_end(self, outputs: dict[str, Tensor], batch, batch_idx: int) -> None:
-        loss, n = outputs["loss"].detach(), len(outputs["target"])
-        self.train_loss.update(sample_mean(loss, n))
-        self.train_acc.update(outputs["logits"], outputs["target"])
-        if self.global_step % self.trainer.log_every_n_steps == 0:
+        self._unscored.append(
+            outputs
+        )  # all detached: the logits by step_output, the loss by Lightning
+        logs = self.global_step % self.trainer.log_every_n_steps == 0
+        if logs or batch_idx + 1 >= self.trainer.num_training_batches:  # callbacks read them then
+            self._score_training_steps()
+        if logs:
             # not prog_bar: Lightning would read it back every step (callbacks.ProgressBar shows it)
-            self.log("train/loss_step", loss, on_step=True, on_epoch=False)
+            self.log("train/loss_step", outputs["loss"], on_step=True, on_epoch=False)
+
+    def _score_training_steps(self) -> None:
+        """The steps since the last call, in one update of each training metric."""
+        if not self._unscored:
+            return
+        steps, self._unscored = self._unscored, []
+        means = [sample_mean(step["loss"], len(step["target"])) for step in steps]
+        self.train_loss.update(torch.cat(means))
+        logits = torch.cat([step["logits"] for step in steps])
+        self.train_acc.update(
+            self.prediction(logits), torch.cat([step["target"] for step in steps])
+        )
 
     def on_train_epoch_end(self) -> None:
+        self._score_training_steps()  # an epoch cut short (max_steps, a stop) before its last batch
         # the metric objects: Lightning computes them across ranks, then resets them
         self.log("train/loss", self.train_loss)
         self.log("train/acc", self.train_acc)
