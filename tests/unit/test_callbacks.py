@@ -1,4 +1,5 @@
-"""Callbacks, in-process: MonitoredMetric on a real Trainer, the prediction writer's shards."""
+"""Callbacks, in-process: MonitoredMetric and the progress bar on a real Trainer, the prediction
+writer's shards."""
 
 from pathlib import Path
 
@@ -8,8 +9,10 @@ from torch.utils.data import DataLoader
 
 import lightning_docs
 from helpers import quiet_trainer
-from trainkit.callbacks import MonitoredMetric
+from trainkit import callbacks
+from trainkit.callbacks import MonitoredMetric, ProgressBar
 from trainkit.callbacks.prediction_writer import shard_indices
+from trainkit.callbacks.step_hooks import STEP_HOOKS, step_hooks
 from trainkit.data.sharding import ShardSampler
 from trainkit.errors import ConfigError
 
@@ -65,3 +68,84 @@ def test_a_predict_shard_is_read_from_its_sampler_or_from_the_recorded_batches()
     assert shard_indices(theirs, 1, [[]]) is None  # one rank: everything, in order
     with pytest.raises(TypeError, match="predictions on 2 ranks need the predict loader to say"):
         shard_indices(theirs, 2, [[]])
+
+
+class CountingBar(ProgressBar):
+    """The bar, counting the training steps that hand it their metrics, and the count it shows
+    when each training epoch ends."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.updates, self.shown_at_epoch_end = 0, []
+
+    def get_metrics(self, trainer, pl_module):
+        self.updates += trainer.training
+        return super().get_metrics(trainer, pl_module)
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        self.shown_at_epoch_end.append(self.progress.tasks[self.train_progress_bar_id].completed)
+        super().on_train_epoch_end(trainer, pl_module)
+
+
+def test_the_bar_takes_a_step_only_when_a_redraw_is_due_and_ends_each_epoch_full(
+    mnist_root: Path,
+) -> None:
+    """One redraw a second: a step hands over its count and metrics only when a redraw has come
+    due (Lightning: every step), and the last step of an epoch always does."""
+    bar = CountingBar(refresh_rate=1)
+    steps = 12
+    quiet_trainer(
+        callbacks=[bar], enable_progress_bar=True, max_epochs=2, limit_train_batches=steps
+    ).fit(
+        lightning_docs.LitClassifier(),
+        datamodule=lightning_docs.MNISTDataModule(str(mnist_root), download=False),
+    )
+    assert bar.shown_at_epoch_end == [steps, steps]
+    # per epoch at most its first step, its last and its end (and a redraw come due in a stall of
+    # the machine): Lightning's bar takes every step, and the epoch's end
+    assert 2 <= bar.updates <= 2 * 4 < 2 * (steps + 1)
+
+
+def test_lightning_calls_only_the_step_hooks_a_callback_declares(mnist_root: Path) -> None:
+    """A callback's undeclared step hooks are None, and Lightning calls none of them; the declared
+    ones run, in a real fit."""
+    calls = []
+
+    @step_hooks("on_train_batch_end")
+    class Counting(L.Callback):
+        def on_train_batch_end(self, *args) -> None:
+            calls.append("on_train_batch_end")
+
+    assert all(getattr(Counting, h) is None for h in STEP_HOOKS if h != "on_train_batch_end")
+    quiet_trainer(callbacks=[Counting()], max_epochs=1, limit_train_batches=2).fit(
+        lightning_docs.LitClassifier(),
+        datamodule=lightning_docs.MNISTDataModule(str(mnist_root), download=False),
+    )
+    assert calls == ["on_train_batch_end"] * 2
+
+
+def test_step_hooks_drop_nothing_that_works() -> None:
+    with pytest.raises(TypeError, match="Quiet names on_after_backward in step_hooks but does not"):
+
+        @step_hooks("on_after_backward")
+        class Quiet(L.Callback):
+            pass
+
+    with pytest.raises(TypeError, match="Busy defines on_before_zero_grad: name it in step_hooks"):
+
+        @step_hooks()
+        class Busy(L.Callback):
+            def on_before_zero_grad(self, *args) -> None:
+                pass
+
+    with pytest.raises(ValueError, match=r"not step hooks: \['on_fit_start'\]"):
+        step_hooks("on_fit_start")
+
+
+def test_every_callback_of_ours_declares_its_step_hooks() -> None:
+    """Each of the library's callbacks is called at a step only where it works (the prediction
+    writer runs outside training, as Lightning's own BasePredictionWriter)."""
+    for name in set(callbacks.__all__) - {"PredictionWriter"}:
+        cls = getattr(callbacks, name)
+        used = [h for h in STEP_HOOKS if callable(getattr(cls, h))]
+        assert all(getattr(cls, h) is not getattr(L.Callback, h) for h in used), name

@@ -3,10 +3,12 @@ from typing import Any
 import lightning as L
 import yaml
 
+from trainkit.callbacks.step_hooks import step_hooks
 from trainkit.checkpoint_io import CONFIG_KEY, TRACKERS_KEY
 from trainkit.loggers import tracker_run_ids
 
 
+@step_hooks()
 class RunConfig(L.Callback):
     """Stores the run's resolved config in every checkpoint, as plain containers, with the ids of
     its tracker runs (which a resumed run continues), and shows it in TensorBoard's Text tab

@@ -8,6 +8,7 @@ from typing import Any
 import lightning as L
 import torch
 
+from trainkit.callbacks.step_hooks import step_hooks
 from trainkit.parallel import data_shard
 
 log = logging.getLogger(__name__)
@@ -22,6 +23,7 @@ def rss_mb() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+@step_hooks("on_train_batch_start", "on_before_optimizer_step", "on_train_batch_end")
 class TrainingMonitor(L.Callback):
     """The scalars that say how fast and how big a run is, at almost no cost.
 
