@@ -92,3 +92,9 @@ class Task(PipelineTask):
         step's memory goes")."""
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
         optimizer.zero_grad(set_to_none=True)
+
+    def optimizer_zero_grad(
+        self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer
+    ) -> None:
+        """Nothing to zero: ``optimizer_step`` freed the gradients, and Lightning calls this only
+        at the start of a step's accumulation, before any backward (a call saved per step)."""
