@@ -116,6 +116,7 @@ def selected(args: argparse.Namespace) -> list[matrix.Cell]:
         changes["repeats"] = args.repeats
     if args.rounds:
         changes["rounds"] = args.rounds
+        chosen = [dataclasses.replace(c, rounds=None) for c in chosen]  # every cell: --rounds
     matrix.WORKLOADS = {n: dataclasses.replace(w, **changes) for n, w in matrix.WORKLOADS.items()}
     return chosen
 
@@ -132,12 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     for name in dict.fromkeys(c.workload for c in cells):
         settings.data_roots[name] = matrix.WORKLOADS[name].write_data(args.out / "data")
     runs: dict[str, list[dict]] = {c.name: [] for c in cells}
-    rounds = max(matrix.WORKLOADS[c.workload].rounds for c in cells)
+    rounds = max(c.launches() for c in cells)
     import_torch = []
     for r in range(rounds):
         import_torch.append(matrix.import_torch_seconds())
         for i, cell in enumerate(cells, 1):
-            if r >= matrix.WORKLOADS[cell.workload].rounds:
+            if r >= cell.launches():
                 continue
             result = matrix.run_cell(cell, settings, args.out / "cells" / cell.name / f"round{r}")
             rate = result.get("samples_per_s")
@@ -149,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "machine": machine(),
         "settings": {**dataclasses.asdict(settings), "workloads": {
-            n: dataclasses.asdict(matrix.WORKLOADS[n]) for n in settings.data_roots}},
+            n: dataclasses.asdict(matrix.WORKLOADS[n]) for n in settings.data_roots},
+            "peer_rounds": max((c.rounds for c in cells if c.rounds), default=None)},
         "cells": results,
         "ratios": ratios(results),
         "phases": phase_gaps(results),

@@ -224,6 +224,8 @@ def markdown(report: dict) -> str:
         f"{name}: {w['rounds']} launch(es) x {w['repeats']} epoch(s) of {w['steps']} steps"
         for name, w in s.get("workloads", {}).items()
     )
+    if s.get("peer_rounds"):
+        timing += f"; the cells of the ratios to bare Lightning: {s['peer_rounds']} launches"
     lines = [
         f"Machine: {m['cpu']}, {m['cores']} cores, GPUs: {gpus}; torch {m['torch']}, "
         f"Lightning {m['lightning']}, Python {m['python']}. {s['threads']} thread(s) per process. "
