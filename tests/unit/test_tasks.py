@@ -60,16 +60,22 @@ class StepsSeen(L.Callback):
         self.updates = {
             "loss": pl_module.train_loss.update_count,
             "acc": pl_module.train_acc.update_count,
+            "samples": int(pl_module.train_loss.weight),
         }
 
 
+@pytest.mark.parametrize(("max_steps", "steps", "updates"), [(-1, 10, 3), (7, 7, 2)])
 @pytest.mark.usefixtures("restore_seed_state")
-def test_training_metrics_take_every_sample_in_one_update_per_logging_interval(compose) -> None:
+def test_training_metrics_take_every_sample_in_one_update_per_logging_interval(
+    compose, max_steps: int, steps: int, updates: int
+) -> None:
     """10 steps, logging every 4th: the metrics are updated at steps 4 and 8 and at the epoch's
-    last step, and their epoch values are those of all 10 steps' samples, each counted once."""
+    last step (or at step 7, where max_steps ends the epoch), before the callbacks' epoch end,
+    and their epoch values are those of all the steps' samples, each counted once."""
     cfg = compose(
         "trainer.max_epochs=1",
         "trainer.limit_train_batches=10",
+        f"trainer.max_steps={max_steps}",
         "trainer.log_every_n_steps=4",
         "trainer.limit_val_batches=0",
         "data.batch_size=48",
@@ -79,8 +85,8 @@ def test_training_metrics_take_every_sample_in_one_update_per_logging_interval(c
     datamodule, model, trainer = build(cfg, preflight(cfg), extra_callbacks=[seen])
     trainer.fit(model, datamodule=datamodule)
 
-    assert len(seen.outputs) == 10
-    assert seen.updates == {"loss": 3, "acc": 3}
+    assert len(seen.outputs) == steps
+    assert seen.updates == {"loss": updates, "acc": updates, "samples": 48 * steps}
     targets = torch.cat([o["target"] for o in seen.outputs])
     predictions = torch.cat([o["logits"].argmax(dim=1) for o in seen.outputs])
     losses = torch.cat([o["loss"].reshape(1).expand(len(o["target"])) for o in seen.outputs])
@@ -89,3 +95,32 @@ def test_training_metrics_take_every_sample_in_one_update_per_logging_interval(c
         float((predictions == targets).float().mean())
     )
     assert float(logged["train/loss"]) == pytest.approx(float(losses.mean()), rel=1e-5)
+
+
+class GradientsAtBackward(L.Callback):
+    """Whether any parameter holds a gradient just before each backward (after zero_grad)."""
+
+    def __init__(self) -> None:
+        self.held: list[bool] = []
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        self.held.append(any(p.grad is not None for p in pl_module.parameters()))
+
+
+def step_only(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
+    """An ``optimizer_step`` as Lightning's docs write one (a warm-up): no call to the task's."""
+    optimizer.step(closure=optimizer_closure)
+
+
+@pytest.mark.parametrize("own_step", [False, True])
+@pytest.mark.usefixtures("restore_seed_state")
+def test_every_backward_starts_without_gradients(compose, own_step: bool) -> None:
+    """The task's optimizer_step frees the gradients, so Lightning's zero_grad is skipped; an
+    optimizer_step of the user's own that does not free them gets Lightning's zero_grad back."""
+    cfg = compose("trainer.max_steps=3", "trainer.limit_val_batches=0", "logger=none")
+    seen = GradientsAtBackward()
+    datamodule, model, trainer = build(cfg, preflight(cfg), extra_callbacks=[seen])
+    if own_step:
+        model.__class__ = type("WarmUp", (type(model),), {"optimizer_step": step_only})
+    trainer.fit(model, datamodule=datamodule)
+    assert seen.held == [False] * 3

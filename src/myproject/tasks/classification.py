@@ -49,7 +49,7 @@ class ImageClassifier(Task):
         # sample-weighted means synced at compute: exact for any world size and uneven shards
         self.val_loss = MeanMetric(nan_strategy="disable")
         self.test_loss = MeanMetric(nan_strategy="disable")
-        self._unscored: list[dict[str, Tensor]] = []  # training steps' outputs not yet scored
+        self._unscored: list[tuple[Tensor, Tensor, Tensor]] = []  # (loss, logits, target) of steps
 
     # The steps are PipelineTask's, composed from these members; under strategy=pipeline the
     # logits come from the stages instead of self(x). Steps compute; the *_batch_end hooks update
@@ -67,12 +67,17 @@ class ImageClassifier(Task):
     def prediction(self, logits: Tensor) -> Tensor:
         return logits.argmax(dim=1)
 
+    def on_train_epoch_start(self) -> None:
+        self._unscored.clear()  # steps of a fit that was interrupted
+
     def on_train_batch_end(self, outputs: dict[str, Tensor], batch, batch_idx: int) -> None:
-        self._unscored.append(
-            outputs
-        )  # all detached: the logits by step_output, the loss by Lightning
-        logs = self.global_step % self.trainer.log_every_n_steps == 0
-        if logs or batch_idx + 1 >= self.trainer.num_training_batches:  # callbacks read them then
+        # all detached: the logits by step_output, the loss by Lightning
+        self._unscored.append((outputs["loss"], outputs["logits"], outputs["target"]))
+        trainer = self.trainer
+        logs = self.global_step % trainer.log_every_n_steps == 0
+        # the epoch's last step, or the last one before a stop: callbacks read the metrics then
+        last = batch_idx + 1 >= trainer.num_training_batches or trainer.should_stop
+        if logs or last or self.global_step == trainer.max_steps:
             self._score_training_steps()
         if logs:
             # not prog_bar: Lightning would read it back every step (callbacks.ProgressBar shows it)
@@ -82,16 +87,14 @@ class ImageClassifier(Task):
         """The steps since the last call, in one update of each training metric."""
         if not self._unscored:
             return
-        steps, self._unscored = self._unscored, []
-        means = [sample_mean(step["loss"], len(step["target"])) for step in steps]
+        losses, logits, targets = zip(*self._unscored, strict=True)
+        self._unscored.clear()
+        means = [sample_mean(loss, len(t)) for loss, t in zip(losses, targets, strict=True)]
         self.train_loss.update(torch.cat(means))
-        logits = torch.cat([step["logits"] for step in steps])
-        self.train_acc.update(
-            self.prediction(logits), torch.cat([step["target"] for step in steps])
-        )
+        self.train_acc.update(torch.cat(logits), torch.cat(targets))
 
     def on_train_epoch_end(self) -> None:
-        self._score_training_steps()  # an epoch cut short (max_steps, a stop) before its last batch
+        self._score_training_steps()  # (an epoch that ends before its last batch some other way)
         # the metric objects: Lightning computes them across ranks, then resets them
         self.log("train/loss", self.train_loss)
         self.log("train/acc", self.train_acc)
