@@ -72,38 +72,53 @@ def test_a_predict_shard_is_read_from_its_sampler_or_from_the_recorded_batches()
 
 class CountingBar(ProgressBar):
     """The bar, counting the training steps that hand it their metrics, and the count it shows
-    when each training epoch ends."""
+    when each training epoch ends and when a validation starts."""
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.updates, self.shown_at_epoch_end = 0, []
+        self.updates, self.shown_at_epoch_end, self.shown_at_validation = 0, [], []
+
+    def shown(self) -> int:
+        return self.progress.tasks[self.train_progress_bar_id].completed
 
     def get_metrics(self, trainer, pl_module):
         self.updates += trainer.training
         return super().get_metrics(trainer, pl_module)
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
-        self.shown_at_epoch_end.append(self.progress.tasks[self.train_progress_bar_id].completed)
         super().on_train_epoch_end(trainer, pl_module)
+        self.shown_at_epoch_end.append(self.shown())
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        super().on_validation_start(trainer, pl_module)
+        if not trainer.sanity_checking:
+            self.shown_at_validation.append(self.shown())
 
 
-def test_the_bar_takes_a_step_only_when_a_redraw_is_due_and_ends_each_epoch_full(
+def test_the_bar_takes_a_step_only_when_a_redraw_is_due_and_stands_on_the_last_one(
     mnist_root: Path,
 ) -> None:
     """One redraw a second: a step hands over its count and metrics only when a redraw has come
-    due (Lightning: every step), and the last step of an epoch always does."""
+    due (Lightning: every step); the bar shows the last step when an epoch ends, a whole one or
+    one cut short by max_steps, and while a validation runs mid-epoch."""
     bar = CountingBar(refresh_rate=1)
-    steps = 12
     quiet_trainer(
-        callbacks=[bar], enable_progress_bar=True, max_epochs=2, limit_train_batches=steps
+        callbacks=[bar],
+        enable_progress_bar=True,
+        max_epochs=2,
+        limit_train_batches=12,
+        max_steps=20,
+        val_check_interval=6,
     ).fit(
         lightning_docs.LitClassifier(),
         datamodule=lightning_docs.MNISTDataModule(str(mnist_root), download=False),
     )
-    assert bar.shown_at_epoch_end == [steps, steps]
-    # per epoch at most its first step, its last and its end (and a redraw come due in a stall of
-    # the machine): Lightning's bar takes every step, and the epoch's end
-    assert 2 <= bar.updates <= 2 * 4 < 2 * (steps + 1)
+    assert bar.shown_at_epoch_end == [12, 8]
+    assert bar.shown_at_validation[:3] == [6, 12, 6]
+    # per epoch: its first step, the held-back step handed over at each validation and at its
+    # end, Lightning's own update at the end (and a redraw come due in a stall of the machine);
+    # Lightning's bar takes all 20 steps and the ends
+    assert 2 <= bar.updates <= 12 < 20
 
 
 def test_lightning_calls_only_the_step_hooks_a_callback_declares(mnist_root: Path) -> None:

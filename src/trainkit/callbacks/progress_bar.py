@@ -7,9 +7,9 @@ named in ``step_metrics`` from the callback metrics, converting each new value o
 that log it: every ``trainer.log_every_n_steps``).
 
 Rich redraws the bar ``refresh_rate`` times a second from its own thread, so a training step hands
-it the step count and the metrics only when a redraw has come due since the last hand-over, after
-a logging step and at the epoch's last step: the same bar, without Lightning's per-step update
-(about 0.06 ms a step).
+it the step count and the metrics only when a redraw has come due since the last hand-over, and
+after a logging step; the last step held back is handed over when the epoch ends and before a
+validation: the same bar, without Lightning's per-step update (about 0.06 ms a step).
 """
 
 import time
@@ -29,17 +29,35 @@ class ProgressBar(RichProgressBar):
         self.step_metrics = tuple(step_metrics)
         self._shown: dict[str, tuple[Any, float]] = {}  # name: (the value logged, as a number)
         self._next_update = 0.0  # time.monotonic() from which a step updates the bar again
+        self._held: tuple[Any, Any, int] | None = None  # the last step's, if not handed over
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if not self.is_enabled:  # (ranks other than 0, refresh_rate=0: Lightning draws nothing)
+            return
         now = time.monotonic()
-        due = now >= self._next_update or batch_idx + 1 >= self.total_train_batches
         # the step after a logging step (whose values the task logs after this hook): its new
         # step values are read there, never at a step between logging steps
-        if not due and (trainer.global_step - 1) % trainer.log_every_n_steps:
-            return  # no redraw since the last update: it would not be seen
-        if self.is_enabled:  # (disabled: refresh_rate=0)
-            self._next_update = now + 1 / self.refresh_rate
+        if now < self._next_update and (trainer.global_step - 1) % trainer.log_every_n_steps:
+            self._held = (outputs, batch, batch_idx)  # no redraw since the last update
+            return
+        self._next_update, self._held = now + 1 / self.refresh_rate, None
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def _hand_over_held(self, trainer, pl_module) -> None:
+        """The last step not handed over, before the bar stands still: at the end of training
+        (a whole epoch or one cut short) and while a validation runs."""
+        if self._held is not None:
+            super().on_train_batch_end(trainer, pl_module, *self._held)
+            self._held = None
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        self._hand_over_held(trainer, pl_module)
+        super().on_train_epoch_end(trainer, pl_module)
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking:
+            self._hand_over_held(trainer, pl_module)
+        super().on_validation_start(trainer, pl_module)
 
     @staticmethod
     def _same(value: Any, seen: Any) -> bool:
