@@ -49,6 +49,7 @@ class Task(PipelineTask):
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
         self.compile_blocks, self._compiled = compile, False
+        self._grads_freed = False  # by optimizer_step, since optimizer_zero_grad last ran
         self.input_shape = input_shape
 
     def forward(self, x: Tensor) -> Tensor:
@@ -92,9 +93,15 @@ class Task(PipelineTask):
         step's memory goes")."""
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
         optimizer.zero_grad(set_to_none=True)
+        self._grads_freed = True
 
     def optimizer_zero_grad(
         self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer
     ) -> None:
-        """Nothing to zero: ``optimizer_step`` freed the gradients, and Lightning calls this only
-        at the start of a step's accumulation, before any backward (a call saved per step)."""
+        """Lightning's zero_grad at the start of a step's accumulation, unless ``optimizer_step``
+        has freed the gradients since the last call (a call saved per step). A subclass's
+        ``optimizer_step`` that does not call this one's, or a step cut short by an error, leaves
+        them to it."""
+        if not self._grads_freed:
+            super().optimizer_zero_grad(epoch, batch_idx, optimizer)
+        self._grads_freed = False
