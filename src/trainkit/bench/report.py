@@ -225,7 +225,7 @@ def markdown(report: dict) -> str:
         for name, w in s.get("workloads", {}).items()
     )
     if s.get("peer_rounds"):
-        timing += f"; the cells of the ratios to bare Lightning: {s['peer_rounds']} launches"
+        timing += f"; the cells of the ratios with a goal: {s['peer_rounds']} launches"
     lines = [
         f"Machine: {m['cpu']}, {m['cores']} cores, GPUs: {gpus}; torch {m['torch']}, "
         f"Lightning {m['lightning']}, Python {m['python']}. {s['threads']} thread(s) per process. "

@@ -26,7 +26,9 @@ def step_hooks(*used: str) -> Callable[[type[L.Callback]], type[L.Callback]]:
     """Class decorator: the callback takes part in a training step only through ``used``; its
     other step hooks are set to None. Refuses a hook in ``used`` that the class does not define,
     and an unused one that it (or a parent other than ``Callback``) defines: nothing that works is
-    dropped. A subclass that defines one of the dropped hooks gets it called again."""
+    dropped. A subclass that defines one of the dropped hooks gets it called again; one that also
+    inherits from another callback class must define the step hooks it wants from that one, as
+    the None here comes first in the method order."""
     unknown = sorted(set(used) - set(STEP_HOOKS))
     if unknown:
         raise ValueError(f"not step hooks: {unknown}; they are {list(STEP_HOOKS)}")
