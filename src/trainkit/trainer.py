@@ -41,6 +41,13 @@ class _ShardingDataConnector(_DataConnector):
         return shard_dataloader(dataloader, mode, replica, replicas, overfit, declared)
 
 
+def logging_step(trainer: L.Trainer, step: int | None = None) -> bool:
+    """Whether ``step`` (by default ``trainer.global_step``) is one of the steps that log: every
+    ``trainer.log_every_n_steps``-th. The one rule for the task, the monitors and the progress
+    bar, so that what one writes at a step another reads at the same step."""
+    return (trainer.global_step if step is None else step) % trainer.log_every_n_steps == 0
+
+
 class NoProfiler(PassThroughProfiler):
     """Lightning's profiler when none is asked for, without the cost: Lightning times each hook of
     each callback, of the module and of the strategy in a profiler context (six a step for each

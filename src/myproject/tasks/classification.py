@@ -8,6 +8,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from trainkit.tasks.base import OptimizerFactory, SchedulerFactory, Task
+from trainkit.trainer import logging_step
 
 
 def sample_mean(batch_mean: Tensor, n: int) -> Tensor:
@@ -74,7 +75,7 @@ class ImageClassifier(Task):
         # all detached: the logits by step_output, the loss by Lightning
         self._unscored.append((outputs["loss"], outputs["logits"], outputs["target"]))
         trainer = self.trainer
-        logs = self.global_step % trainer.log_every_n_steps == 0
+        logs = logging_step(trainer)
         # the epoch's last step, or the last one before a stop: callbacks read the metrics then
         last = batch_idx + 1 >= trainer.num_training_batches or trainer.should_stop
         if logs or last or self.global_step == trainer.max_steps:

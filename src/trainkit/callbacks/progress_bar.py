@@ -20,6 +20,7 @@ import torch
 from lightning.pytorch.callbacks import RichProgressBar
 
 from trainkit.callbacks.step_hooks import step_hooks
+from trainkit.trainer import logging_step
 
 
 @step_hooks("on_train_batch_end")
@@ -37,7 +38,7 @@ class ProgressBar(RichProgressBar):
         now = time.monotonic()
         # the step after a logging step (whose values the task logs after this hook): its new
         # step values are read there, never at a step between logging steps
-        if now < self._next_update and (trainer.global_step - 1) % trainer.log_every_n_steps:
+        if now < self._next_update and not logging_step(trainer, trainer.global_step - 1):
             self._held = (outputs, batch, batch_idx)  # no redraw since the last update
             return
         self._next_update, self._held = now + 1 / self.refresh_rate, None

@@ -10,6 +10,7 @@ import torch
 
 from trainkit.callbacks.step_hooks import step_hooks
 from trainkit.parallel import data_shard
+from trainkit.trainer import logging_step
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ class TrainingMonitor(L.Callback):
             self._samples += len(batch[0]) if isinstance(batch, (list, tuple)) else 0
             self._steps += 1
         last_of_epoch = batch_idx + 1 >= trainer.num_training_batches
-        logs = trainer.global_step % trainer.log_every_n_steps == 0
+        logs = logging_step(trainer)
         ends_window = self._steps > 0 and (logs or (last_of_epoch and not self._epoch_logged))
         if ends_window and pl_module.device.type == "cuda":
             torch.cuda.synchronize(pl_module.device)
@@ -107,7 +108,7 @@ class TrainingMonitor(L.Callback):
             self._window_start = now
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if not self.grad_norm or trainer.global_step % trainer.log_every_n_steps:
+        if not self.grad_norm or not logging_step(trainer):
             return
         grads = [p.grad.detach().float() for p in pl_module.parameters() if p.grad is not None]
         if grads:
