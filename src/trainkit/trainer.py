@@ -1,14 +1,15 @@
-"""Lightning's Trainer with three changes: no collective at every training step under ddp
+"""Lightning's Trainer with four changes: no collective at every training step under ddp
 (docs/design.md, "SIGTERM and Lightning's stop path"), every DataLoader sharded exactly over
-the data-parallel replicas (docs/design.md, "Any DataLoader, sharded without padding"), and
-hooks called without a profiler's bookkeeping when no profiler is asked for."""
+the data-parallel replicas (docs/design.md, "Any DataLoader, sharded without padding"), and,
+for a step's cost ("What a step costs"), batch hooks looked up once per fit and hooks called
+without a profiler's bookkeeping when no profiler is asked for."""
 
 import contextlib
 
 import lightning as L
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.profilers import PassThroughProfiler
-from lightning.pytorch.trainer.connectors.data_connector import _DataConnector
+from lightning.pytorch.trainer.connectors.data_connector import _DataConnector, _DataHookSelector
 from lightning.pytorch.trainer.states import RunningStage
 
 from trainkit.data.sharding import shard_dataloader, shards_itself
@@ -24,11 +25,29 @@ class _EpochLoop(_TrainingEpochLoop):
         pass
 
 
+class _HookChoice(_DataHookSelector):
+    """Lightning's choice between the module and the datamodule for each batch hook, made once
+    per attach instead of at every batch: with a datamodule, Lightning's checks which of the two
+    overrides each of three hooks (``is_overridden``, twice each) before every batch, about 10 us
+    a step out of the loop and several times that in it (docs/design.md, "What a step costs")."""
+
+    def get_instance(self, hook_name: str):
+        chosen = self.__dict__.setdefault("_chosen", {})
+        if hook_name not in chosen:
+            chosen[hook_name] = super().get_instance(hook_name)
+        return chosen[hook_name]
+
+
 class _ShardingDataConnector(_DataConnector):
     """Where Lightning would give a distributed run's DataLoaders its own ``DistributedSampler``
     (padding evaluation with repeated samples), ``shard_dataloader`` gives each replica its part:
     Lightning's sampler to train, every sample exactly once to evaluate and predict.
-    With ``use_distributed_sampler=false`` the loaders are left as they are, as in Lightning."""
+    With ``use_distributed_sampler=false`` the loaders are left as they are, as in Lightning.
+    Its batch hooks are chosen once per attach (``_HookChoice``)."""
+
+    def attach_datamodule(self, model: L.LightningModule, datamodule=None) -> None:
+        super().attach_datamodule(model, datamodule)
+        self._datahook_selector = _HookChoice(model, datamodule)
 
     def _prepare_dataloader(self, dataloader: object, shuffle: bool, mode: RunningStage) -> object:
         trainer = self.trainer
