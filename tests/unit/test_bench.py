@@ -16,6 +16,7 @@ from trainkit.bench.cells import (
     MEMORY_SPLITS,
     Cell,
     merge_rounds,
+    turn,
 )
 from trainkit.bench.clock import PHASES, StepClock
 from trainkit.bench.report import (
@@ -30,6 +31,23 @@ from trainkit.bench.report import (
     ratios,
     write_docs,
 )
+
+
+def test_rounds_take_turns_forward_then_backward() -> None:
+    """A machine's drift over a round falls on both sides of a ratio alike; a cell launched less
+    often sits out the later rounds."""
+    a, b, c = (
+        Cell("mlp", "plain", rounds=3),
+        Cell("mlp", "template", rounds=3),
+        Cell("mlp", "template", "dp", 2, rounds=1),
+    )
+    names = [[(i, cell.name) for i, cell in turn([a, b, c], r)] for r in range(4)]
+    assert names == [
+        [(1, a.name), (2, b.name), (3, c.name)],
+        [(2, b.name), (1, a.name)],
+        [(1, a.name), (2, b.name)],
+        [],
+    ]
 
 
 def test_rounds_merge_every_epoch() -> None:

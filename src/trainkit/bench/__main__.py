@@ -137,9 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     import_torch = []
     for r in range(rounds):
         import_torch.append(matrix.import_torch_seconds())
-        for i, cell in enumerate(cells, 1):
-            if r >= cell.launches():
-                continue
+        for i, cell in matrix.turn(cells, r):
             result = matrix.run_cell(cell, settings, args.out / "cells" / cell.name / f"round{r}")
             rate = result.get("samples_per_s")
             summary = f"{statistics.median(rate):,.1f} samples/s" if rate else "FAILED"

@@ -6,7 +6,9 @@ trainkit.bench.plain`` on the same data, model and optimizer, and a lightning ce
 in a bare Lightning Trainer (``python -m trainkit.bench.bare``): the peer that shows what is the
 template's cost and what is Lightning's. Each launch trains ``repeats``
 epochs of ``warmup + steps`` steps; the warm-up steps of every epoch are not timed. Cells launched
-more than once (``rounds``) take turns with the other cells: round 1 of every cell, then round 2.
+more than once (``rounds``) take turns with the other cells: round 1 of every cell, then round 2
+in the reverse order, and so on, so that a shared machine's drift during a round falls on both
+sides of each ratio alike.
 """
 
 import json
@@ -77,6 +79,13 @@ class Cell:
         return batch_size // self.devices if data_parallel else batch_size
 
 
+def turn(cells: list[Cell], round_: int) -> list[tuple[int, Cell]]:
+    """Round ``round_``'s launches in order, each with its cell's place in ``cells``: the cells
+    launched that often, forward in even rounds and backward in odd ones."""
+    order = [(i, c) for i, c in enumerate(cells, 1) if round_ < c.launches()]
+    return order if round_ % 2 == 0 else order[::-1]
+
+
 # A ~10 ms MLP step needs tens of steps per timing, and launches in two rounds so that a slow spell
 # of a shared machine does not fall on one side of a ratio only; a ResNet-50 step takes seconds on
 # CPU, so a few steps are a long enough timing. The pipeline's ResNet-50 batch is larger: 4
@@ -102,9 +111,9 @@ LOGGING_OFF = ("logger=none", "~callbacks.training_monitor", "~callbacks.validat
 
 
 # The cells of the MLP's ratios with a goal (to bare Lightning, to the plain loops, logging off)
-# launch twice as often as the workload's other cells: a shared machine's slow spells move a 2%
-# ratio of 2 launches.
-PEER_ROUNDS = 4
+# launch three times as often as the workload's other cells: a shared machine's slow spells last
+# seconds and move one process's epochs by up to 30%, more than a 2% ratio of a few launches.
+PEER_ROUNDS = 6
 MLP_TEMPLATE = Cell("mlp", "template", rounds=PEER_ROUNDS)  # the default recipe, eager
 MLP_COMPILED = Cell("mlp", "template", extra=("compile=true",), variant="compile")
 
