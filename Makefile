@@ -58,7 +58,7 @@ tensorboard: $(STAMP)  ## serve the logs: make tensorboard LOGDIR=logs PORT=6006
 screenshots: $(STAMP)  ## TensorBoard pages as PNGs (headless Chromium): make screenshots LOGDIR=<run> [OUT=docs/img]
 	$(BIN)/python -m trainkit.screenshots --logdir $(LOGDIR) --out $(OUT)
 
-bench: $(STAMP)  ## strategy benchmark matrix (< 10 min on 2 cores), into docs/performance.md: make bench [ARGS="--workloads mlp"]
+bench: $(STAMP)  ## strategy benchmark matrix (about 11 min on 2 cores), into docs/performance.md: make bench [ARGS="--workloads mlp"]
 	$(BIN)/python -m trainkit.bench --docs docs/performance.md $(ARGS)
 
 rename:  ## rename the project's package src/myproject (never src/trainkit): make rename NAME=acme
