@@ -27,6 +27,7 @@ pytestmark = pytest.mark.slow  # long end-to-end runs: CI's `slow` job
 BATCH = (
     "data.batch_size=100"  # 800 training images: 8 full batches, so every strategy sees them all
 )
+EPOCHS = "trainer.max_epochs=2"  # every job still validates, saves and resumes between epochs
 DDP_SWEEP = readme_run("ddp_sweep", BATCH)  # the README's sweep: -m strategy=ddp devices=1,2 ...
 # The tests that read the module's ddp sweep (or its jobs run alone): one worker makes them.
 shares_ddp_sweep = pytest.mark.xdist_group(name="ddp_sweep")
@@ -74,7 +75,7 @@ def sweep_runner(overrides: tuple[str, ...], tmp_path_factory):
 
     def run(*extra: str, ok: bool = True):
         log_dir = tmp_path_factory.mktemp("sweep-logs")
-        proc = run_python("train.py", *extra, *overrides, log_dir=log_dir)
+        proc = run_python("train.py", *extra, *overrides, EPOCHS, log_dir=log_dir)
         if ok:
             assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
         return the_sweep(log_dir), proc
