@@ -26,10 +26,12 @@ class _EpochLoop(_TrainingEpochLoop):
 
 
 class _HookChoice(_DataHookSelector):
-    """Lightning's choice between the module and the datamodule for each batch hook, made once
-    per attach instead of at every batch: with a datamodule, Lightning's checks which of the two
-    overrides each of three hooks (``is_overridden``, twice each) before every batch, about 10 us
-    a step out of the loop and several times that in it (docs/design.md, "What a step costs")."""
+    """Lightning's choice between the module and the datamodule for each batch hook, made at the
+    first batch of each fit, validate, test or predict call instead of at every batch: with a
+    datamodule, Lightning checks which of the two overrides each of three hooks
+    (``is_overridden``, twice each) before every batch, about 10 us a step out of the loop and
+    several times that in it (docs/design.md, "What a step costs"). The same choice unless a
+    batch hook is replaced on either object while the call runs."""
 
     def get_instance(self, hook_name: str):
         chosen = self.__dict__.setdefault("_chosen", {})

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow  # long end-to-end runs: CI's `slow` job
 BATCH = (
     "data.batch_size=100"  # 800 training images: 8 full batches, so every strategy sees them all
 )
-EPOCHS = "trainer.max_epochs=2"  # every job still validates, saves and resumes between epochs
+EPOCHS = "trainer.max_epochs=2"  # every job still validates and saves between epochs
 DDP_SWEEP = readme_run("ddp_sweep", BATCH)  # the README's sweep: -m strategy=ddp devices=1,2 ...
 # The tests that read the module's ddp sweep (or its jobs run alone): one worker makes them.
 shares_ddp_sweep = pytest.mark.xdist_group(name="ddp_sweep")

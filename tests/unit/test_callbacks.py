@@ -5,13 +5,12 @@ from pathlib import Path
 
 import lightning as L
 import pytest
-from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
 from torch.utils.data import DataLoader
 
 import lightning_docs
 from helpers import quiet_trainer
 from trainkit import callbacks
-from trainkit.callbacks import ModelCheckpoint, MonitoredMetric, ProgressBar
+from trainkit.callbacks import MonitoredMetric, ProgressBar
 from trainkit.callbacks.prediction_writer import shard_indices
 from trainkit.callbacks.step_hooks import STEP_HOOKS, step_hooks
 from trainkit.data.sharding import ShardSampler
@@ -165,28 +164,3 @@ def test_every_callback_of_ours_declares_its_step_hooks() -> None:
         cls = getattr(callbacks, name)
         used = [h for h in STEP_HOOKS if callable(getattr(cls, h))]
         assert all(getattr(cls, h) is not getattr(L.Callback, h) for h in used), name
-
-
-@pytest.mark.parametrize(
-    "kwargs",
-    [{"monitor": "val/acc", "mode": "max"}, {"monitor": None}, {"every_n_train_steps": 2}],
-)
-def test_our_model_checkpoint_keeps_lightnings_state_key(kwargs: dict) -> None:
-    """Checkpoints written with Lightning's class restore this one's state, and back."""
-    assert ModelCheckpoint(**kwargs).state_key == LightningModelCheckpoint(**kwargs).state_key
-
-
-@pytest.mark.parametrize("cls", [ModelCheckpoint, LightningModelCheckpoint])
-def test_our_model_checkpoint_saves_by_steps_as_lightnings(
-    cls: type, mnist_root: Path, tmp_path: Path
-) -> None:
-    """The one step hook it keeps still saves every n steps when asked, as Lightning's does."""
-    checkpoint = cls(dirpath=tmp_path, filename="{step}", every_n_train_steps=2, save_top_k=-1)
-    quiet_trainer(
-        callbacks=[checkpoint], enable_checkpointing=True, max_epochs=1, limit_train_batches=5,
-        limit_val_batches=0,
-    ).fit(
-        lightning_docs.LitClassifier(),
-        datamodule=lightning_docs.MNISTDataModule(str(mnist_root), download=False),
-    )  # fmt: skip
-    assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == ["step=2.ckpt", "step=4.ckpt"]

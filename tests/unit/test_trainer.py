@@ -75,7 +75,12 @@ def test_batch_hooks_are_chosen_once_per_fit_as_lightning_chooses(
             **{**QUIET, "max_epochs": 1, "limit_train_batches": batches, "limit_val_batches": 0},
             default_root_dir=tmp_path,
         )
-        trainer.fit(AlsoPreparing(), datamodule=datamodule)
+        model = AlsoPreparing()
+        trainer.fit(model, datamodule=datamodule)
         assert datamodule.prepared == batches
         checks.append(len(asked))
     assert checks == [6, 6]  # three hooks, each of the datamodule and of the module
+    # the same trainer, now without the datamodule: the module's own hook, chosen anew
+    trainer.limit_val_batches = 1
+    with pytest.raises(AssertionError, match="the datamodule's hook wins"):
+        trainer.validate(model, dataloaders=datamodule.val_dataloader(), verbose=False)
