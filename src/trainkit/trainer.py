@@ -1,10 +1,11 @@
 """Lightning's Trainer with four changes: no collective at every training step under ddp
 (docs/design.md, "SIGTERM and Lightning's stop path"), every DataLoader sharded exactly over
 the data-parallel replicas (docs/design.md, "Any DataLoader, sharded without padding"), and,
-for a step's cost ("What a step costs"), batch hooks looked up once per fit and hooks called
+for a step's cost ("What a step costs"), batch hooks looked up once per call and hooks called
 without a profiler's bookkeeping when no profiler is asked for."""
 
 import contextlib
+from dataclasses import dataclass, field
 
 import lightning as L
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
@@ -25,6 +26,7 @@ class _EpochLoop(_TrainingEpochLoop):
         pass
 
 
+@dataclass
 class _HookChoice(_DataHookSelector):
     """Lightning's choice between the module and the datamodule for each batch hook, made at the
     first batch of each fit, validate, test or predict call instead of at every batch: with a
@@ -33,11 +35,12 @@ class _HookChoice(_DataHookSelector):
     several times that in it (docs/design.md, "What a step costs"). The same choice unless a
     batch hook is replaced on either object while the call runs."""
 
+    _chosen: dict[str, object] = field(default_factory=dict, init=False, compare=False)
+
     def get_instance(self, hook_name: str):
-        chosen = self.__dict__.setdefault("_chosen", {})
-        if hook_name not in chosen:
-            chosen[hook_name] = super().get_instance(hook_name)
-        return chosen[hook_name]
+        if hook_name not in self._chosen:
+            self._chosen[hook_name] = super().get_instance(hook_name)
+        return self._chosen[hook_name]
 
 
 class _ShardingDataConnector(_DataConnector):
