@@ -1,10 +1,12 @@
 """Callbacks, in-process: MonitoredMetric and the progress bar on a real Trainer, the prediction
 writer's shards."""
 
+import io
 from pathlib import Path
 
 import lightning as L
 import pytest
+import rich.progress
 from torch.utils.data import DataLoader
 
 import lightning_docs
@@ -119,6 +121,48 @@ def test_the_bar_takes_a_step_only_when_a_redraw_is_due_and_stands_on_the_last_o
     # end, Lightning's own update at the end (and a redraw come due in a stall of the machine);
     # Lightning's bar takes all 20 steps and the ends
     assert 2 <= bar.updates <= 12 < 20
+
+
+class RendersInTraining(L.Callback):
+    """How many times rich built the bar while the training steps ran."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count, self.counting, self.in_training = 0, False, None
+        build = rich.progress.Progress.make_tasks_table
+
+        def counted(progress, tasks):
+            self.count += self.counting
+            return build(progress, tasks)
+
+        monkeypatch.setattr(rich.progress.Progress, "make_tasks_table", counted)
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self.counting = True
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        self.counting, self.in_training = False, self.count
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_the_bar_is_built_for_redraws_only_where_they_are_shown(
+    mnist_root: Path, monkeypatch: pytest.MonkeyPatch, terminal: bool
+) -> None:
+    """In a terminal rich redraws the bar as training runs; on a console that is not one (a log
+    file) it prints the bar once, when it stops, so no redraw is built before: the printed bar
+    is the same."""
+    out = io.StringIO()
+    renders = RendersInTraining(monkeypatch)
+    bar = ProgressBar(refresh_rate=100, console_kwargs={"file": out, "force_terminal": terminal})
+    trainer = quiet_trainer(
+        callbacks=[bar, renders], enable_progress_bar=True, max_epochs=1, limit_val_batches=0
+    )
+    trainer.fit(
+        lightning_docs.LitClassifier(),
+        datamodule=lightning_docs.MNISTDataModule(str(mnist_root), download=False),
+    )
+    assert (renders.in_training > 0) == terminal
+    steps = trainer.num_training_batches
+    assert "Epoch 0/0 " in out.getvalue() and f" {steps}/{steps} " in out.getvalue()
 
 
 def test_lightning_calls_only_the_step_hooks_a_callback_declares(mnist_root: Path) -> None:
