@@ -14,6 +14,7 @@ from trainkit.bench.cells import (
     MEMORY_MATRIX,
     MEMORY_ONE_DEVICE,
     MEMORY_SPLITS,
+    WORKLOADS,
     Cell,
     merge_rounds,
     turn,
@@ -31,6 +32,7 @@ from trainkit.bench.report import (
     ratios,
     write_docs,
 )
+from trainkit.config import compose_config
 
 
 def test_rounds_take_turns_forward_then_backward() -> None:
@@ -82,6 +84,14 @@ def test_default_matrix_names_are_unique_and_override_safe() -> None:
     names = [c.name for c in DEFAULT_MATRIX]
     assert len(set(names)) == len(names)
     assert all(set(name) <= set("abcdefghijklmnopqrstuvwxyz0123456789-_") for name in names)
+
+
+def test_the_mlp_warm_up_runs_past_the_first_step_that_logs(tmp_path: Path) -> None:
+    """The first step that logs builds Lightning's store of logged values, once per run: a cost
+    of starting, like the other warm-up steps, not of every step."""
+    mlp = WORKLOADS["mlp"]
+    cfg = compose_config("train", tmp_path, mlp.overrides)
+    assert cfg.trainer.log_every_n_steps <= mlp.warmup < mlp.warmup + mlp.steps
 
 
 def _cell(name: str, workload: str, runner: str, devices: int, median: float, **kw) -> dict:
