@@ -1,17 +1,23 @@
-"""Lightning's Trainer with four changes: no collective at every training step under ddp
+"""Lightning's Trainer with five changes: no collective at every training step under ddp
 (docs/design.md, "SIGTERM and Lightning's stop path"), every DataLoader sharded exactly over
 the data-parallel replicas (docs/design.md, "Any DataLoader, sharded without padding"), and,
-for a step's cost ("What a step costs"), batch hooks looked up once per call and hooks called
-without a profiler's bookkeeping when no profiler is asked for."""
+for a step's cost ("What a step costs"), batch hooks looked up once per call, hooks called
+without a profiler's bookkeeping when no profiler is asked for, and the library's
+ModelCheckpoint replaced by a module's as Lightning's own would be."""
 
 import contextlib
 from dataclasses import dataclass, field
 
 import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.profilers import PassThroughProfiler
+from lightning.pytorch.trainer.connectors.callback_connector import (
+    _CallbackConnector as LightningCallbackConnector,
+)
 from lightning.pytorch.trainer.connectors.data_connector import _DataConnector, _DataHookSelector
 from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from trainkit.data.sharding import shard_dataloader, shards_itself
 from trainkit.parallel import data_shard
@@ -65,6 +71,30 @@ class _ShardingDataConnector(_DataConnector):
         return shard_dataloader(dataloader, mode, replica, replicas, overfit, declared)
 
 
+class _CallbackConnector(LightningCallbackConnector):
+    """Lightning's, except that a module's ``configure_callbacks`` returning a ModelCheckpoint
+    (Lightning's or a subclass) replaces the trainer's ``trainkit.callbacks.ModelCheckpoint``s as
+    it replaces Lightning's: Lightning replaces a trainer callback only by one of its class or a
+    subclass, and ours is a subclass of Lightning's, so a module written as Lightning's docs
+    show would save a third checkpoint beside the template's two."""
+
+    def _attach_model_callbacks(self) -> None:
+        from trainkit.callbacks import ModelCheckpoint  # (the callbacks import this module)
+
+        trainer = self.trainer
+        given = {id(c) for c in trainer.callbacks}
+        super()._attach_model_callbacks()
+        theirs = [c for c in trainer.callbacks if id(c) not in given]  # the module's
+        if not any(isinstance(c, LightningModelCheckpoint) for c in theirs):
+            return
+        ours = {id(c) for c in trainer.callbacks if type(c) is ModelCheckpoint} & given
+        if ours:
+            rank_zero_info(
+                "The module's ModelCheckpoint (configure_callbacks) replaces the trainer's"
+            )
+            trainer.callbacks = [c for c in trainer.callbacks if id(c) not in ours]
+
+
 def logging_step(trainer: L.Trainer, step: int | None = None) -> bool:
     """Whether ``step`` (by default ``trainer.global_step``) is one of the steps that log: every
     ``trainer.log_every_n_steps``-th. The one rule for the task, the monitors and the progress
@@ -87,8 +117,9 @@ class NoProfiler(PassThroughProfiler):
 
 class Trainer(L.Trainer):
     """``conf/trainer``'s target: Lightning's Trainer whose fit loop runs ``_EpochLoop``, whose
-    loaders are prepared by ``_ShardingDataConnector``, and whose profiler is ``NoProfiler`` unless
-    one is given (``trainer.profiler=simple``)."""
+    loaders are prepared by ``_ShardingDataConnector``, whose module callbacks are attached by
+    ``_CallbackConnector``, and whose profiler is ``NoProfiler`` unless one is given
+    (``trainer.profiler=simple``)."""
 
     def __init__(self, *args, profiler=None, **kwargs) -> None:
         super().__init__(*args, profiler=profiler or NoProfiler(), **kwargs)
@@ -99,3 +130,6 @@ class Trainer(L.Trainer):
         )
         # as Lightning's __init__ builds its own; its on_trainer_init set only the trainer's state
         self._data_connector = _ShardingDataConnector(self)
+        callbacks = _CallbackConnector(self)
+        vars(callbacks).update(vars(self._callback_connector))  # what its on_trainer_init noted
+        self._callback_connector = callbacks

@@ -7,12 +7,13 @@ from pathlib import Path
 import lightning as L
 import pytest
 import rich.progress
+from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
 from torch.utils.data import DataLoader
 
 import lightning_docs
 from helpers import quiet_trainer
 from trainkit import callbacks
-from trainkit.callbacks import MonitoredMetric, ProgressBar
+from trainkit.callbacks import ModelCheckpoint, MonitoredMetric, ProgressBar
 from trainkit.callbacks.prediction_writer import shard_indices
 from trainkit.callbacks.step_hooks import STEP_HOOKS, step_hooks
 from trainkit.data.sharding import ShardSampler
@@ -27,14 +28,20 @@ class FirstStep(L.Callback):
         self.steps += 1
 
 
-def fit(mnist_root: Path, monitor: str | None, **trainer) -> FirstStep:
-    steps = FirstStep()
-    quiet_trainer(
-        callbacks=[MonitoredMetric(monitor), steps], max_epochs=1, limit_train_batches=2, **trainer
-    ).fit(
+def fit_docs_module(mnist_root: Path, **trainer) -> L.Trainer:
+    """Lightning's docs' classifier and MNIST datamodule, fitted by ``quiet_trainer(**trainer)``."""
+    fitted = quiet_trainer(**trainer)
+    fitted.fit(
         lightning_docs.LitClassifier(),
         datamodule=lightning_docs.MNISTDataModule(str(mnist_root), download=False),
     )
+    return fitted
+
+
+def fit(mnist_root: Path, monitor: str | None, **trainer) -> FirstStep:
+    steps = FirstStep()
+    callbacks = [MonitoredMetric(monitor), steps]
+    fit_docs_module(mnist_root, callbacks=callbacks, max_epochs=1, limit_train_batches=2, **trainer)
     return steps
 
 
@@ -104,16 +111,14 @@ def test_the_bar_takes_a_step_only_when_a_redraw_is_due_and_stands_on_the_last_o
     due (Lightning: every step); the bar shows the last step when an epoch ends, a whole one or
     one cut short by max_steps, and while a validation runs mid-epoch."""
     bar = CountingBar(refresh_rate=1)
-    quiet_trainer(
+    fit_docs_module(
+        mnist_root,
         callbacks=[bar],
         enable_progress_bar=True,
         max_epochs=2,
         limit_train_batches=12,
         max_steps=20,
         val_check_interval=6,
-    ).fit(
-        lightning_docs.LitClassifier(),
-        datamodule=lightning_docs.MNISTDataModule(str(mnist_root), download=False),
     )
     assert bar.shown_at_epoch_end == [12, 8]
     assert bar.shown_at_validation[:3] == [6, 12, 6]
@@ -153,16 +158,42 @@ def test_the_bar_is_built_for_redraws_only_where_they_are_shown(
     out = io.StringIO()
     renders = RendersInTraining(monkeypatch)
     bar = ProgressBar(refresh_rate=100, console_kwargs={"file": out, "force_terminal": terminal})
-    trainer = quiet_trainer(
-        callbacks=[bar, renders], enable_progress_bar=True, max_epochs=1, limit_val_batches=0
-    )
-    trainer.fit(
-        lightning_docs.LitClassifier(),
-        datamodule=lightning_docs.MNISTDataModule(str(mnist_root), download=False),
+    trainer = fit_docs_module(
+        mnist_root,
+        callbacks=[bar, renders],
+        enable_progress_bar=True,
+        max_epochs=1,
+        limit_val_batches=0,
     )
     assert (renders.in_training > 0) == terminal
     steps = trainer.num_training_batches
     assert "Epoch 0/0 " in out.getvalue() and f" {steps}/{steps} " in out.getvalue()
+
+
+@pytest.mark.parametrize("every_n_train_steps", [None, 3])
+def test_the_checkpoint_saves_what_lightnings_saves_under_the_same_state_key(
+    mnist_root: Path, tmp_path: Path, every_n_train_steps: int | None
+) -> None:
+    """Ours is called at a step only at its end; it writes the same files as Lightning's, by
+    steps or at each validation, and its state resumes in Lightning's and back."""
+    saved = {}
+    for cls in (LightningModelCheckpoint, ModelCheckpoint):
+        out = tmp_path / cls.__module__
+        kwargs = {"dirpath": out, "every_n_train_steps": every_n_train_steps, "save_top_k": -1}
+        checkpoint = cls(**kwargs, filename="{epoch}-{step}")
+        fit_docs_module(
+            mnist_root,
+            callbacks=[checkpoint],
+            enable_checkpointing=True,
+            max_epochs=2,
+            limit_train_batches=7,
+            limit_val_batches=1,
+        )
+        saved[cls] = {p.name for p in out.iterdir()}
+        assert checkpoint.state_key == LightningModelCheckpoint(**kwargs).state_key
+    assert saved[ModelCheckpoint] == saved[LightningModelCheckpoint]
+    steps = {3, 6, 9, 12} if every_n_train_steps else {7, 14}  # by steps, or at each validation
+    assert saved[ModelCheckpoint] == {f"epoch={(s - 1) // 7}-step={s}.ckpt" for s in steps}
 
 
 def test_lightning_calls_only_the_step_hooks_a_callback_declares(mnist_root: Path) -> None:
@@ -176,10 +207,7 @@ def test_lightning_calls_only_the_step_hooks_a_callback_declares(mnist_root: Pat
             calls.append("on_train_batch_end")
 
     assert all(getattr(Counting, h) is None for h in STEP_HOOKS if h != "on_train_batch_end")
-    quiet_trainer(callbacks=[Counting()], max_epochs=1, limit_train_batches=2).fit(
-        lightning_docs.LitClassifier(),
-        datamodule=lightning_docs.MNISTDataModule(str(mnist_root), download=False),
-    )
+    fit_docs_module(mnist_root, callbacks=[Counting()], max_epochs=1, limit_train_batches=2)
     assert calls == ["on_train_batch_end"] * 2
 
 

@@ -15,11 +15,12 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from lightning.pytorch.accelerators import CPUAccelerator
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
+import lightning_docs
 from helpers import SLURM_TASK, TORCHRUN_WORKER, run_python
 from myproject.data import MNISTDataModule
 from myproject.models import MLP
@@ -212,6 +213,33 @@ def test_group_option_builds(built, output_dir: Path, override: str, check) -> N
 def test_callbacks_none_writes_no_checkpoints(built) -> None:
     _, _, _, trainer = built("callbacks=none")
     assert callbacks_of(trainer, ModelCheckpoint) == []
+
+
+class OwnCallbacks(lightning_docs.LitClassifier):
+    """``configure_callbacks`` as Lightning's docs write it: Lightning's classes."""
+
+    def __init__(self, callbacks: list[L.Callback]) -> None:
+        super().__init__()
+        self.own = callbacks
+
+    def configure_callbacks(self) -> list[L.Callback]:
+        return self.own
+
+
+@pytest.mark.parametrize("theirs", [ModelCheckpoint, EarlyStopping])
+def test_a_module_checkpoint_replaces_the_templates_as_it_replaces_lightnings(
+    built, mnist_root: Path, theirs: type
+) -> None:
+    """A module's ModelCheckpoint (Lightning's class) replaces the template's two, as it would
+    two of Lightning's (a module's other callbacks leave them in place)."""
+    _, _, _, trainer = built(
+        "monitor=val_acc", "trainer.max_epochs=1", "trainer.limit_val_batches=1"
+    )
+    ours = trainer.checkpoint_callbacks
+    module = OwnCallbacks([theirs(monitor="val_loss")])
+    trainer.fit(module, datamodule=lightning_docs.MNISTDataModule(str(mnist_root), download=False))
+    expected = module.own if theirs is ModelCheckpoint else ours
+    assert len(ours) == 2 and trainer.checkpoint_callbacks == expected
 
 
 def test_command_line_overrides_win_over_the_experiment(built) -> None:

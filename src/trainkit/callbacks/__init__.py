@@ -1,5 +1,6 @@
 """Lightning callbacks: what the run records beside the model's own metrics."""
 
+from trainkit.callbacks.model_checkpoint import ModelCheckpoint
 from trainkit.callbacks.model_summary import ModelSummary
 from trainkit.callbacks.monitored_metric import MonitoredMetric
 from trainkit.callbacks.non_finite_loss import NonFiniteLossStop
@@ -15,6 +16,7 @@ from trainkit.callbacks.training_monitor import TrainingMonitor
 from trainkit.callbacks.validation_images import ValidationImages
 
 __all__ = [
+    "ModelCheckpoint",
     "ModelSummary",
     "MonitoredMetric",
     "NonFiniteLossStop",
