@@ -25,6 +25,7 @@ from helpers import SLURM_TASK, TORCHRUN_WORKER, run_python
 from myproject.data import MNISTDataModule
 from myproject.models import MLP
 from myproject.tasks import ImageClassifier
+from trainkit import callbacks
 from trainkit.callbacks import ProfileSteps, RunConfig, StartupTime
 from trainkit.config import CONF_DIR, LIBRARY_CONF_DIR, compose_config, settle, unknown_keys
 from trainkit.parallel import ParallelDims
@@ -218,9 +219,9 @@ def test_callbacks_none_writes_no_checkpoints(built) -> None:
 class OwnCallbacks(lightning_docs.LitClassifier):
     """``configure_callbacks`` as Lightning's docs write it: Lightning's classes."""
 
-    def __init__(self, callbacks: list[L.Callback]) -> None:
+    def __init__(self, own: list[L.Callback]) -> None:
         super().__init__()
-        self.own = callbacks
+        self.own = own
 
     def configure_callbacks(self) -> list[L.Callback]:
         return self.own
@@ -236,10 +237,11 @@ def test_a_module_checkpoint_replaces_the_templates_as_it_replaces_lightnings(
         "monitor=val_acc", "trainer.max_epochs=1", "trainer.limit_val_batches=1"
     )
     ours = trainer.checkpoint_callbacks
+    assert [type(c) for c in ours] == [callbacks.ModelCheckpoint] * 2  # not Lightning's own
     module = OwnCallbacks([theirs(monitor="val_loss")])
     trainer.fit(module, datamodule=lightning_docs.MNISTDataModule(str(mnist_root), download=False))
     expected = module.own if theirs is ModelCheckpoint else ours
-    assert len(ours) == 2 and trainer.checkpoint_callbacks == expected
+    assert trainer.checkpoint_callbacks == expected
 
 
 def test_command_line_overrides_win_over_the_experiment(built) -> None:

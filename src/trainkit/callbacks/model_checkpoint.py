@@ -1,8 +1,8 @@
 """Lightning's ModelCheckpoint, taking part in a training step only where it can save there.
 
 Lightning calls all six step hooks of a ModelCheckpoint at every step, each after building the
-callback's state key (a dict's repr) for the profiler's label: ten empty calls a step for each
-checkpoint callback, and an eleventh that finds nothing to do unless ``every_n_train_steps`` or
+callback's state key (a dict's repr) for the profiler's label: five empty calls a step for each
+checkpoint callback, and a sixth that finds nothing to do unless ``every_n_train_steps`` or
 ``train_time_interval`` is set (docs/design.md, "What a step costs"). A module's
 ``configure_callbacks`` that returns Lightning's class replaces this one as it would Lightning's
 (``trainer._CallbackConnector``).
