@@ -57,10 +57,7 @@ def test_a_monitor_the_validation_does_not_log_is_refused_before_the_first_step(
         match=r"monitor=val/acc is not among the metrics that LitClassifier's validation logs "
         r"\(val_acc, val_loss\), .* set monitor=<one of them>",
     ):
-        quiet_trainer(callbacks=[MonitoredMetric("val/acc"), steps], max_epochs=1).fit(
-            lightning_docs.LitClassifier(),
-            datamodule=lightning_docs.MNISTDataModule(str(mnist_root), download=False),
-        )
+        fit_docs_module(mnist_root, callbacks=[MonitoredMetric("val/acc"), steps], max_epochs=1)
     assert steps.steps == 0
     assert fit(mnist_root, "val_acc").steps == 2
     assert fit(mnist_root, None).steps == 2
