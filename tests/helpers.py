@@ -11,6 +11,7 @@
 - ``gloo_collectives_report``: the fsdp strategy's CPU collectives beside torch's, in a rank of
   a real gloo group;
 - image-folder trees of real PNG and JPEG files;
+- a user's own config groups (``write_user_conf``);
 - copies of the project (rename, walkthroughs);
 - the user docs' bash blocks (README.md and its pages in docs/), running their ``python train.py``
   lines on test data, and ``README_RUN_BY_E2E``: the documented commands that e2e tests run as
@@ -614,6 +615,18 @@ def write_corrupt_file(path: Path) -> Path:
     """Random bytes under an image name."""
     path.write_bytes(np.random.default_rng(1).bytes(700))
     return path
+
+
+# --- a user's own config groups ------------------------------------------------------------------
+
+
+def write_user_conf(conf: Path, files: dict[str, str]) -> Path:
+    """``conf/<group>/<option>.yaml`` for each ``{"<group>/<option>.yaml": text}``: a config
+    directory of the user's, put beside the template's with ``hydra.searchpath=[file://<conf>]``."""
+    for name, text in files.items():
+        (conf / name).parent.mkdir(parents=True, exist_ok=True)
+        (conf / name).write_text(text.lstrip())
+    return conf
 
 
 # --- copies of the project -----------------------------------------------------------------------

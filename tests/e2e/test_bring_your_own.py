@@ -18,7 +18,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, DistributedSampler
 
-from helpers import processes, run_python, sample_digest
+from helpers import processes, run_python, sample_digest, write_user_conf
 from trainkit.data.synthetic import write_mnist
 from trainkit.errors import ConfigError
 
@@ -57,11 +57,7 @@ BATCH = 64
 @pytest.fixture(scope="module")
 def user_conf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The user's own config groups, beside the template's."""
-    conf = tmp_path_factory.mktemp("user_conf")
-    for name, text in USER_CONF.items():
-        (conf / name).parent.mkdir(exist_ok=True)
-        (conf / name).write_text(text.lstrip())
-    return conf
+    return write_user_conf(tmp_path_factory.mktemp("user_conf"), USER_CONF)
 
 
 @pytest.fixture(scope="module")
@@ -102,8 +98,9 @@ def training_set(data_root: Path, fraction: float):
         # 129 validation samples: parts of 65 and 64, one batch of 64 apart, where fsdp's ranks
         # must take the same number of batches (each forward all-gathers)
         ("fsdp", 2, False, 0.871),
-        ("ddp", 3, True, 0.8),  # 803 training, 200 validation and 251 test samples
-        ("fsdp", 3, True, 0.8),
+        # 803 training, 200 validation and 251 test samples (fsdp on 3 ranks of them: with
+        # Lightning's examples, in e2e/test_lightning_examples.py)
+        ("ddp", 3, True, 0.8),
     ],
 )
 def test_standard_lightning_code_trains_and_tests_right(
@@ -118,11 +115,10 @@ def test_standard_lightning_code_trains_and_tests_right(
     run_here: Callable[..., Path],
 ) -> None:
     data_root = odd_mnist if odd else mnist_root
-    fsdp = ("strategy.module=model",) if strategy == "fsdp" else ()  # LitClassifier's blocks
     timeout = () if strategy == "auto" else ("strategy.timeout.seconds=60",)  # a hang fails soon
     run_dir = run_script(
         "train.py",
-        *user_run(user_conf, data_root, f"strategy={strategy}", f"devices={devices}", *fsdp),
+        *user_run(user_conf, data_root, f"strategy={strategy}", f"devices={devices}"),
         f"data.train_fraction={fraction}",
         *timeout,
         "+callbacks.seen._target_=helpers.SeenSamples",
@@ -213,16 +209,6 @@ def test_what_cannot_run_is_refused_before_any_process_starts(
 @pytest.mark.parametrize(
     ("groups", "extra", "says"),
     [
-        (  # save_hyperparameters() keeping the backbone: a checkpoint weights_only cannot load
-            {"model": "backbone"},
-            (),
-            (
-                "LitBackbone's hyperparameter 'backbone' (a torch.nn.modules.container.Sequential)",
-                "so testing the best checkpoint would fail after training",
-                "save_hyperparameters(ignore=['backbone'])",
-                "weights_only=false",
-            ),
-        ),
         (  # the template's default monitor, which this module does not log: after the sanity
             # check's validation, before the first training step
             {},

@@ -9,6 +9,7 @@ import pytest
 import torch
 from hydra.utils import instantiate
 
+import lightning_examples
 from trainkit.build import build_strategy
 from trainkit.config import compose_config
 from trainkit.errors import ConfigError
@@ -94,42 +95,60 @@ def test_fsdp_config_builds_our_fsdp_strategy(tmp_path: Path) -> None:
     cfg = compose_config("train", tmp_path, ["strategy=fsdp", "strategy.timeout.seconds=30"])
     strategy = instantiate(cfg.strategy)
     assert isinstance(strategy, FSDPStrategy)
-    assert (strategy.module, strategy.reshard_after_forward, strategy.cpu_offload) == (
-        "net",
+    assert (strategy.wrap, strategy.reshard_after_forward, strategy.cpu_offload) == (
+        None,
         True,
         False,
     )
     assert strategy._timeout == timedelta(seconds=30)
 
 
-class _NoBlocks(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = torch.nn.Linear(4, 2)
+def unit_names(model: torch.nn.Module, wrap: list[str] | None = None) -> list[str]:
+    names = {module: name for name, module in model.named_modules()}
+    return [names[unit] for unit in FSDPStrategy(wrap=wrap).units(model)]
 
 
-class _ParameterOutsideTheBlocks(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(4, 2))
-        self.temperature = torch.nn.Parameter(torch.ones(()))
+def test_fsdp_shards_the_repeated_blocks_of_any_module(compose) -> None:
+    """The default policy: each member of a block sequence (the template's nets declare theirs; a
+    ModuleList or Sequential of one class), none where there is none (the module itself, the root
+    unit, then takes every parameter)."""
+    language = lightning_examples.LanguageModel(vocab_size=31)
+    assert unit_names(language) == [
+        *(f"model.transformer.encoder.layers.{i}" for i in range(2)),
+        *(f"model.transformer.decoder.layers.{i}" for i in range(2)),
+    ]
+    assert unit_names(lightning_examples.LitAutoEncoder()) == []  # Linear, ReLU, Linear
+    cfg = compose("strategy=fsdp", "devices=2")
+    _, model, _ = build(cfg, preflight(cfg))
+    assert unit_names(model) == [f"net.{i}" for i in range(3)]  # the MLP's 2 hidden layers, head
+    wrapped = unit_names(language, ["torch.nn.TransformerDecoderLayer", "torch.nn.Embedding"])
+    assert wrapped == [
+        *(f"model.transformer.decoder.layers.{i}" for i in (1, 0)),  # innermost first
+        "model.embedding",
+    ]
 
 
 @pytest.mark.parametrize(
-    ("model", "message"),
+    ("wrap", "message"),
     [
-        (_NoBlocks(), r"_NoBlocks.net is Linear: give strategy.module="),
-        (_ParameterOutsideTheBlocks(), r"also trains \['temperature'\]: move them into net"),
+        (["torch.nn.TransformerLayer"], r"'torch.nn.TransformerLayer' is not an importable class"),
+        (
+            ["torch.nn.TransformerEncoderLayer", "torch.nn.Conv2d"],
+            r"LitAutoEncoder has no torch.nn.TransformerEncoderLayer, torch.nn.Conv2d module; "
+            r"its modules with parameters are Linear, LitAutoEncoder, Sequential",
+        ),
     ],
 )
-def test_fsdp_refuses_a_task_it_cannot_shard(model: torch.nn.Module, message: str) -> None:
+def test_fsdp_refuses_a_wrap_that_names_no_module(wrap: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        FSDPStrategy().check_run(model, devices=2, batch_size=32, num_nodes=1)
+        FSDPStrategy(wrap=wrap).check_run(
+            lightning_examples.LitAutoEncoder(), devices=2, batch_size=32, num_nodes=1
+        )
 
 
 def test_fsdp_check_runs_before_any_process(compose) -> None:
-    """train.py's checks of the built run: the default MLP passes; a wrong ``strategy.module`` is
-    refused there."""
+    """train.py's checks of the built run: the default MLP passes; a ``strategy.wrap`` that names
+    none of its modules is refused there."""
 
     def check(cfg) -> None:
         dims = preflight(cfg)
@@ -137,8 +156,8 @@ def test_fsdp_check_runs_before_any_process(compose) -> None:
         check_built_run(cfg, dims, datamodule, model, trainer.strategy)
 
     check(compose("strategy=fsdp", "devices=2"))
-    with pytest.raises(ConfigError, match=r"ImageClassifier\.head is NoneType"):
-        check(compose("strategy=fsdp", "devices=2", "strategy.module=head"))
+    with pytest.raises(ConfigError, match=r"ImageClassifier has no torch.nn.Conv2d module"):
+        check(compose("strategy=fsdp", "devices=2", "strategy.wrap=[torch.nn.Conv2d]"))
 
 
 @pytest.mark.parametrize(

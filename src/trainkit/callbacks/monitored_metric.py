@@ -4,6 +4,7 @@ import lightning as L
 
 from trainkit.callbacks.step_hooks import step_hooks
 from trainkit.errors import ConfigError
+from trainkit.strategies.fsdp import written_class
 
 
 @step_hooks()
@@ -23,8 +24,9 @@ class MonitoredMetric(L.Callback):
         # every rank decides alike (a metric logged with rank_zero_only is on rank 0 only)
         if trainer.strategy.reduce_boolean_decision(self.monitor in logged, all=True):
             return
+        module = written_class(pl_module).__name__
         raise ConfigError(
-            f"monitor={self.monitor} is not among the metrics that {type(pl_module).__name__}'s "
+            f"monitor={self.monitor} is not among the metrics that {module}'s "
             f"validation logs ({', '.join(logged) or 'none'}), and the best checkpoint is chosen "
             f"by it: set monitor=<one of them> (monitor_mode=min for a loss), or monitor=null "
             f"(for a metric only training logs, also trainer.num_sanity_val_steps=0)"

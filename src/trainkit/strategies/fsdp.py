@@ -1,22 +1,29 @@
 """``strategy=fsdp``: fully sharded data parallel (torch's FSDP2, ``fully_shard``) over every
-rank, on CPU (gloo) and GPU (NCCL).
+rank, on CPU (gloo) and GPU (NCCL), for any LightningModule.
 
 Lightning's ``ModelParallelStrategy`` does the rest: the process group and device mesh, the
-full-state checkpoint, its loading. Lightning expects the task's ``configure_model`` to shard the
-model; here the strategy does it, so the task knows nothing of it: each block of the task's block
-sequence (``module``, ``model.net``) is one FSDP unit, the sequence itself the root unit.
-Lightning's own ``strategy="fsdp"`` (FSDP1) refuses a CPU accelerator (Lightning #21812).
+full-state checkpoint, its loading. Lightning expects the module's ``configure_model`` to shard
+it; here a module that does (any ``fully_shard`` in it) keeps its own units, and any other is
+sharded by a policy: ``wrap`` names the classes whose modules become units, and by default the
+repeated blocks do (``repeated_blocks``: each member of a block sequence, as torchtitan shards
+each transformer block). The module itself is then the root unit, which takes every parameter no
+unit took, so nothing trains outside FSDP. Lightning's own ``strategy="fsdp"`` (FSDP1) refuses a
+CPU accelerator (Lightning #21812).
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from dataclasses import replace
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from hydra.utils import get_class
+from lightning.fabric.strategies.model_parallel import _load_checkpoint
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -30,18 +37,54 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMi
 
 from trainkit.errors import ConfigError
 from trainkit.launch import JobScriptLauncher
+from trainkit.models.blocks import BlockSequence
 from trainkit.parallel import LIGHTNING
 from trainkit.strategies.ddp import ExactMeanReduce
 
 
+def holds_parameters(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def repeated_blocks(module: nn.Module) -> list[nn.Module]:
+    """The default units: the members of each block sequence, outermost first found. A block
+    sequence is a ``BlockSequence`` (the template's models declare theirs), or an
+    ``nn.ModuleList``/``nn.Sequential`` of two or more members of one class (a transformer's
+    layers); members without parameters (an activation) are left to their parent."""
+    children = list(module.children())
+    repeated = len(children) > 1 and len({type(c) for c in children}) == 1
+    if isinstance(module, BlockSequence) or (
+        repeated and isinstance(module, (nn.ModuleList, nn.Sequential))
+    ):
+        return [c for c in children if holds_parameters(c)]
+    return [unit for child in children for unit in repeated_blocks(child)]
+
+
+def written_class(module: nn.Module) -> type:
+    """The module's own class: FSDP2 makes a sharded module an instance of a subclass of it,
+    ``FSDP<name>``, which messages should not show."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = type(module)
+    return cls.__bases__[1] if FSDPModule in cls.__bases__ else cls
+
+
+def sharded_already(module: nn.Module) -> bool:
+    """Whether the module sharded itself (``fully_shard`` in its ``configure_model``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in module.modules())
+
+
 class FSDPStrategy(ExactMeanReduce, ModelParallelStrategy):
-    """Each rank holds 1/N of every block's parameters, gradients and optimizer state; a block's
+    """Each rank holds 1/N of every unit's parameters, gradients and optimizer state; a unit's
     whole parameters exist only during its own forward and backward (all-gathered, then freed
     again where ``reshard_after_forward``; on CPU with the collectives below, which hold nothing
-    longer). Checkpoints are one full file, written by rank 0, that every strategy and ``eval.py``
-    load. Mixed precision is Lightning's autocast, as under every other strategy (FSDP2's bf16
-    parameter policy would cast BatchNorm's weights but not its running statistics, and make bf16
-    gradients)."""
+    longer). The root unit's (the module's own) stay gathered from its forward to its backward,
+    as FSDP2 keeps any root's. Checkpoints are one full file, written by rank 0, that every
+    strategy and ``eval.py`` load. Mixed precision is Lightning's autocast, as under every other
+    strategy (FSDP2's bf16 parameter policy would cast BatchNorm's weights but not its running
+    statistics, and make bf16 gradients)."""
 
     # What Lightning's ModelParallelStrategy runs (no 64-true, no float16 gradient scaler), and it
     # applies no layer sync (sync_batchnorm): preflight refuses the rest before any process starts
@@ -51,7 +94,7 @@ class FSDPStrategy(ExactMeanReduce, ModelParallelStrategy):
 
     def __init__(
         self,
-        module: str = "net",
+        wrap: Sequence[str] | None = None,
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
         process_group_backend: str | None = None,
@@ -63,33 +106,41 @@ class FSDPStrategy(ExactMeanReduce, ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self.module = module
+        self.wrap = None if wrap is None else list(wrap)
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
 
     def check_run(self, model: nn.Module, devices: int, batch_size: int, num_nodes: int) -> None:
-        """Before any process starts: the task has a block sequence to shard, and no trainable
-        parameter outside it (no unit would reduce its gradients across the ranks)."""
-        self.blocks(model)
-        prefix = f"{self.module}."
-        outside = [
-            n for n, p in model.named_parameters() if p.requires_grad and not n.startswith(prefix)
-        ]
-        if outside:
-            raise ConfigError(
-                f"strategy=fsdp shards {type(model).__name__}.{self.module} only, but the task "
-                f"also trains {outside[:3]}: move them into {self.module}, or use strategy=ddp"
-            )
+        """Before any process starts: a ``wrap`` class that cannot be imported, or that no
+        module of the task is, is refused."""
+        self.units(model)
 
-    def blocks(self, model: nn.Module) -> list[nn.Module]:
-        net = getattr(model, self.module, None)
-        if not isinstance(net, nn.Sequential) or len(net) == 0:
+    def units(self, model: nn.Module) -> list[nn.Module]:
+        """The modules sharded as units of their own, by ``wrap`` or by default
+        (``repeated_blocks``); the root, ``model`` itself, takes the rest."""
+        if self.wrap is None:
+            return repeated_blocks(model)
+        classes = []
+        for name in self.wrap:
+            try:
+                classes.append(get_class(name))
+            except Exception as err:
+                raise ConfigError(
+                    f"strategy.wrap: {name!r} is not an importable class ({err}); give the full "
+                    f"name of a module class, e.g. strategy.wrap=[torch.nn.TransformerEncoderLayer]"
+                ) from None
+        found = [m for m in model.modules() if isinstance(m, tuple(classes)) and m is not model]
+        missing = [n for n, c in zip(self.wrap, classes, strict=True)
+                   if not any(isinstance(m, c) for m in found)]  # fmt: skip
+        if missing:
+            have = sorted({type(m).__name__ for m in model.modules() if holds_parameters(m)})
             raise ConfigError(
-                f"strategy=fsdp shards each block of the task's {self.module!r} (an nn.Sequential "
-                f"of blocks), but {type(model).__name__}.{self.module} is "
-                f"{type(net).__name__}: give strategy.module=<the attribute that holds the blocks>"
+                f"strategy.wrap={self.wrap}: {type(model).__name__} has no {', '.join(missing)} "
+                f"module; its modules with parameters are {', '.join(have)} (strategy.wrap=null "
+                f"shards its repeated blocks)"
             )
-        return list(net)
+        # innermost first: a unit nested in another is sharded before its parent takes the rest
+        return [m for m in reversed(found) if holds_parameters(m)]
 
     def _configure_launcher(self) -> None:
         if not self.cluster_environment.creates_processes_externally:
@@ -103,9 +154,9 @@ class FSDPStrategy(ExactMeanReduce, ModelParallelStrategy):
         super().setup_environment()
 
     def setup(self, trainer: Any) -> None:
-        """``ModelParallelStrategy.setup`` with the blocks sharded here first, and without its
-        demand that the task's ``configure_model`` shard them (this strategy does it, so a task
-        written for any strategy runs as it is)."""
+        """``ModelParallelStrategy.setup`` with the module sharded here first, and without its
+        demand that the module's ``configure_model`` shard it (a module written for any strategy
+        runs as it is)."""
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         self._shard(self.lightning_module)
@@ -124,11 +175,10 @@ class FSDPStrategy(ExactMeanReduce, ModelParallelStrategy):
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _shard(self, model: nn.Module) -> None:
+    def _shard(self, module: nn.Module) -> None:
         from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 
-        net = getattr(model, self.module)
-        if isinstance(net, FSDPModule):
+        if isinstance(module, FSDPModule):
             return  # sharded for fit; test after fit runs on the same units
         options: dict[str, Any] = {
             "mesh": self.device_mesh["data_parallel"],
@@ -136,32 +186,66 @@ class FSDPStrategy(ExactMeanReduce, ModelParallelStrategy):
         }
         if self.cpu_offload:
             options["offload_policy"] = CPUOffloadPolicy()
-        units = [
-            fully_shard(block, **options)
-            for block in self.blocks(model)
-            if any(p.requires_grad for p in block.parameters())
-        ]
-        units.append(fully_shard(net, **options))  # the root: the sequence's own
+        if not sharded_already(module):  # else the units its configure_model made
+            for unit in self.units(module):
+                fully_shard(unit, **options)
+        fully_shard(module, **options)  # the root: every parameter no unit took
         if self.root_device.type == "cpu":
             all_gather, reduce_scatter = GlooAllGather(), GlooReduceScatter()
-            for unit in units:
+            for unit in (m for m in module.modules() if isinstance(m, FSDPModule)):
                 unit.set_custom_all_gather(all_gather)
                 unit.set_custom_reduce_scatter(reduce_scatter)
-                # on CPU nothing runs beside the backward: gathering the next block early
-                # overlaps nothing and holds a second block's weights (a unit's explicit
+                # on CPU nothing runs beside the backward: gathering the next unit early
+                # overlaps nothing and holds a second unit's weights (a unit's explicit
                 # prefetch list replaces the implicit prefetch; itself is already gathered)
                 unit.set_modules_to_backward_prefetch([unit])
 
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
+        """Lightning's load of a full checkpoint, less the optimizer state where nothing trains:
+        a test after fit found the fit's optimizers still there and loaded their state too (and
+        failed on a stateless one's, SGD without momentum: Lightning reads its first entry)."""
+        if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        return _load_checkpoint(
+            path=Path(self.broadcast(checkpoint_path)),
+            state={"state_dict": self.model},
+            strict=self.lightning_module.strict_loading,
+            optimizer_states_from_list=True,
+            weights_only=weights_only,
+        )
+
     def model_to_device(self) -> None:
         """Everything to the device but, with ``cpu_offload``, the shards that FSDP keeps on the
-        CPU (moved to the GPU, its first forward would refuse them)."""
+        CPU (moved to the GPU, its first forward would refuse them): what FSDP does not manage,
+        the modules without parameters (a torchmetrics metric's state), moves."""
         if not self.cpu_offload:
             return super().model_to_device()
-        net = getattr(self.lightning_module, self.module)
-        for child in self.lightning_module.children():
-            if child is not net:
-                child.to(self.root_device)
+        _move_parameterless(self.lightning_module, self.root_device)
         return None
+
+    # The steps reach the module through its forward, as DDP's do: FSDP gathers the root's
+    # parameters in its forward hook, and a step may never call the module's own forward
+    # (``self.model(x)`` on a submodule). Lightning redirects only where a wrapper is the model.
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.train_step_context():
+            return self._through_root("training_step", *args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._through_root("validation_step", *args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._through_root("test_step", *args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._through_root("predict_step", *args, **kwargs)
+
+    def _through_root(self, step: str, *args: Any, **kwargs: Any) -> Any:
+        module = self.lightning_module
+        return self._forward_redirection(module, module, step, *args, **kwargs)
 
     # FSDP shards parameters only: each rank keeps its own buffers (BatchNorm's running
     # statistics, updated from its own batches). DDP evaluates with rank 0's, which it broadcasts
@@ -180,6 +264,14 @@ class FSDPStrategy(ExactMeanReduce, ModelParallelStrategy):
     def _broadcast_buffers(self) -> None:
         for buffer in self.lightning_module.buffers():
             dist.broadcast(buffer, src=0)
+
+
+def _move_parameterless(module: nn.Module, device: torch.device) -> None:
+    for child in module.children():
+        if next(child.parameters(), None) is None:
+            child.to(device)
+        else:
+            _move_parameterless(child, device)
 
 
 # FSDP's collectives on gloo (CPU). Gloo's all_gather_into_tensor and reduce_scatter_tensor each

@@ -1,0 +1,306 @@
+"""Modules written as Lightning's own examples and the most-forked template write them, nothing of
+trainkit in them: the code a new user brings. Tests plug them in through config only, as
+``tests/lightning_docs.py``'s.
+
+- ``LitAutoEncoder``: Lightning's basic autoencoder example (an encoder and a decoder
+  ``nn.Sequential``, a reconstruction MSE logged with ``on_step=True`` in every stage, no
+  ``sync_dist``), trained on ``lightning_docs.MNISTDataModule``.
+- ``LanguageModel``: Lightning's basic transformer example, ``lightning.pytorch.demos.Transformer``
+  (an ``nn.Transformer``: its layers in ``nn.ModuleList``s) on next-token NLL, logging with plain
+  ``self.log``; ``WikiText2DataModule`` splits ``lightning.pytorch.demos.WikiText2`` as the
+  example's ``main()`` splits it.
+- ``PipelinedLanguageModel``: the same language model changed as little as ``strategy=pipeline``
+  needs (``docs/add_a_task.md``): its layers one ``nn.Sequential`` that the pipeline cuts.
+- ``MNISTLitModule``: lightning-hydra-template's module: ``net`` and the optimizer and scheduler
+  factories kept by ``save_hyperparameters``, read back in ``configure_optimizers``.
+"""
+
+import math
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.demos import Transformer, WikiText2
+from torch import nn
+from torch.utils.data import DataLoader, random_split
+from torchmetrics import MaxMetric, MeanMetric
+from torchmetrics.classification import Accuracy
+
+from trainkit.strategies.pipeline_task import PipelineTask
+
+# --- Lightning's examples/pytorch/basics/autoencoder.py ----------------------------------------
+
+
+class LitAutoEncoder(L.LightningModule):
+    def __init__(self, hidden_dim: int = 64, learning_rate: float = 10e-3):
+        super().__init__()
+        self.save_hyperparameters()
+        self.encoder = nn.Sequential(
+            nn.Linear(28 * 28, hidden_dim), nn.ReLU(), nn.Linear(hidden_dim, 3)
+        )
+        self.decoder = nn.Sequential(
+            nn.Linear(3, hidden_dim), nn.ReLU(), nn.Linear(hidden_dim, 28 * 28)
+        )
+
+    def forward(self, x):
+        return self.decoder(self.encoder(x))
+
+    def training_step(self, batch, batch_idx):
+        return self._shared_step(batch, "train")
+
+    def validation_step(self, batch, batch_idx):
+        self._shared_step(batch, "val")
+
+    def test_step(self, batch, batch_idx):
+        self._shared_step(batch, "test")
+
+    def predict_step(self, batch, batch_idx, dataloader_idx=None):
+        return self(self._flat_images(batch))
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=self.hparams.learning_rate)
+
+    def _flat_images(self, batch):
+        x, _ = batch
+        return x.view(x.size(0), -1)
+
+    def _shared_step(self, batch, stage: str):
+        x = self._flat_images(batch)
+        loss = F.mse_loss(x, self(x))
+        self.log(f"{stage}_loss", loss, on_step=True)
+        return loss
+
+
+# --- Lightning's examples/pytorch/basics/transformer.py ----------------------------------------
+
+
+class LanguageModel(L.LightningModule):
+    def __init__(self, vocab_size):
+        super().__init__()
+        self.model = Transformer(vocab_size=vocab_size)
+
+    def training_step(self, batch, batch_idx):
+        inputs, target = batch
+        output = self.model(inputs, target)
+        loss = F.nll_loss(output, target.view(-1))
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        inputs, target = batch
+        output = self.model(inputs, target)
+        loss = F.nll_loss(output, target.view(-1))
+        self.log("val_loss", loss, prog_bar=True)
+        return loss
+
+    def test_step(self, batch, batch_idx):
+        inputs, target = batch
+        output = self.model(inputs, target)
+        loss = F.nll_loss(output, target.view(-1))
+        self.log("test_loss", loss, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class WikiText2DataModule(L.LightningDataModule):
+    """The example's data: ``WikiText2`` cut into blocks, ``random_split`` into train, validation
+    and test, the training loader shuffled. ``data_dir`` holds ``wikitext-2.txt``."""
+
+    def __init__(self, data_dir: str = "./data", batch_size: int = 20, held_out: int = 40):
+        super().__init__()
+        self.save_hyperparameters()
+
+    def prepare_data(self):
+        WikiText2(Path(self.hparams.data_dir), download=False)
+
+    def setup(self, stage: str):
+        dataset = WikiText2(Path(self.hparams.data_dir), download=False)
+        self.vocab_size = dataset.vocab_size
+        n, k = len(dataset), self.hparams.held_out
+        self.train, self.val, self.test = random_split(
+            dataset, [n - 2 * k, k, k], generator=torch.Generator().manual_seed(42)
+        )
+
+    def train_dataloader(self):
+        return DataLoader(self.train, batch_size=self.hparams.batch_size, shuffle=True)
+
+    def val_dataloader(self):
+        return DataLoader(self.val, batch_size=self.hparams.batch_size)
+
+    def test_dataloader(self):
+        return DataLoader(self.test, batch_size=self.hparams.batch_size)
+
+
+# --- the language model, changed as strategy=pipeline needs (docs/add_a_task.md) ---------------
+
+
+class PipelinedLanguageModel(PipelineTask):
+    """``LanguageModel`` with its layers in one ``nn.Sequential`` (``net``) that the pipeline
+    cuts: the embedding, causal transformer layers, the output layer. The steps are
+    ``PipelineTask``'s, from the members below; logging moves to ``on_*_batch_end``."""
+
+    def __init__(self, vocab_size: int, ninp: int = 200, nhead: int = 2, nlayers: int = 2):
+        super().__init__()
+        self.save_hyperparameters()
+        self.input_shape = None  # only strategy.balance=flops measures the blocks on an input
+        self.net = nn.Sequential(
+            Embedding(vocab_size, ninp),
+            *(
+                CausalLayer(ninp, nhead, ninp, dropout=0.0, batch_first=True)
+                for _ in range(nlayers)
+            ),
+            nn.Linear(ninp, vocab_size),
+        )
+
+    def forward(self, inputs):
+        return self.net(inputs)
+
+    def split_batch(self, batch):
+        return batch  # (inputs, target): the tokens and the next ones
+
+    def loss_fn(self, output, target):
+        return F.cross_entropy(output.flatten(0, 1), target.flatten())
+
+    def step_output(self, output, loss, target):
+        return loss
+
+    def prediction(self, output):
+        return output.argmax(-1)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.log("train_loss", outputs["loss"], prog_bar=True)
+
+    def on_validation_batch_end(self, outputs, batch, batch_idx, dataloader_idx=0):
+        self.log("val_loss", outputs, prog_bar=True)
+
+    def on_test_batch_end(self, outputs, batch, batch_idx, dataloader_idx=0):
+        self.log("test_loss", outputs, prog_bar=True)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class Embedding(nn.Module):
+    """Tokens to vectors, scaled and given their positions, as the demo Transformer's first
+    part does."""
+
+    def __init__(self, vocab_size: int, ninp: int):
+        super().__init__()
+        self.embedding = nn.Embedding(vocab_size, ninp)
+        self.ninp = ninp
+
+    def forward(self, inputs):
+        position = torch.arange(inputs.size(1), device=inputs.device)[:, None]
+        frequency = 10000 ** (-torch.arange(self.ninp, device=inputs.device) / self.ninp)
+        return self.embedding(inputs) * math.sqrt(self.ninp) + torch.sin(position * frequency)
+
+
+class CausalLayer(nn.TransformerEncoderLayer):
+    """A layer in which each position attends to itself and those before it: its mask made
+    here, as a layer in an ``nn.Sequential`` takes one input."""
+
+    def forward(self, x):
+        mask = nn.Transformer.generate_square_subsequent_mask(x.size(1), device=x.device)
+        return super().forward(x, src_mask=mask, is_causal=True)
+
+
+# --- lightning-hydra-template's src/models/mnist_module.py -------------------------------------
+
+
+class SimpleDenseNet(nn.Module):
+    def __init__(self, input_size=784, lin1_size=256, lin2_size=256, lin3_size=256, output_size=10):
+        super().__init__()
+        self.model = nn.Sequential(
+            nn.Linear(input_size, lin1_size),
+            nn.BatchNorm1d(lin1_size),
+            nn.ReLU(),
+            nn.Linear(lin1_size, lin2_size),
+            nn.BatchNorm1d(lin2_size),
+            nn.ReLU(),
+            nn.Linear(lin2_size, lin3_size),
+            nn.BatchNorm1d(lin3_size),
+            nn.ReLU(),
+            nn.Linear(lin3_size, output_size),
+        )
+
+    def forward(self, x):
+        batch_size = x.size(0)
+        return self.model(x.view(batch_size, -1))
+
+
+class MNISTLitModule(L.LightningModule):
+    def __init__(self, net: nn.Module, optimizer, scheduler, compile: bool):
+        super().__init__()
+        # the init params in self.hparams, and in every checkpoint
+        self.save_hyperparameters(logger=False)
+        self.net = net
+        self.criterion = nn.CrossEntropyLoss()
+        self.train_acc = Accuracy(task="multiclass", num_classes=10)
+        self.val_acc = Accuracy(task="multiclass", num_classes=10)
+        self.test_acc = Accuracy(task="multiclass", num_classes=10)
+        self.train_loss = MeanMetric()
+        self.val_loss = MeanMetric()
+        self.test_loss = MeanMetric()
+        self.val_acc_best = MaxMetric()
+
+    def forward(self, x):
+        return self.net(x)
+
+    def on_train_start(self):
+        self.val_loss.reset()
+        self.val_acc.reset()
+        self.val_acc_best.reset()
+
+    def model_step(self, batch):
+        x, y = batch
+        logits = self.forward(x)
+        loss = self.criterion(logits, y)
+        return loss, torch.argmax(logits, dim=1), y
+
+    def training_step(self, batch, batch_idx):
+        loss, preds, targets = self.model_step(batch)
+        self.train_loss(loss)
+        self.train_acc(preds, targets)
+        self.log("train/loss", self.train_loss, on_step=False, on_epoch=True, prog_bar=True)
+        self.log("train/acc", self.train_acc, on_step=False, on_epoch=True, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        loss, preds, targets = self.model_step(batch)
+        self.val_loss(loss)
+        self.val_acc(preds, targets)
+        self.log("val/loss", self.val_loss, on_step=False, on_epoch=True, prog_bar=True)
+        self.log("val/acc", self.val_acc, on_step=False, on_epoch=True, prog_bar=True)
+
+    def on_validation_epoch_end(self):
+        self.val_acc_best(self.val_acc.compute())
+        self.log("val/acc_best", self.val_acc_best.compute(), sync_dist=True, prog_bar=True)
+
+    def test_step(self, batch, batch_idx):
+        loss, preds, targets = self.model_step(batch)
+        self.test_loss(loss)
+        self.test_acc(preds, targets)
+        self.log("test/loss", self.test_loss, on_step=False, on_epoch=True, prog_bar=True)
+        self.log("test/acc", self.test_acc, on_step=False, on_epoch=True, prog_bar=True)
+
+    def setup(self, stage):
+        if self.hparams.compile and stage == "fit":
+            self.net = torch.compile(self.net)
+
+    def configure_optimizers(self):
+        optimizer = self.hparams.optimizer(params=self.trainer.model.parameters())
+        if self.hparams.scheduler is not None:
+            scheduler = self.hparams.scheduler(optimizer=optimizer)
+            return {
+                "optimizer": optimizer,
+                "lr_scheduler": {
+                    "scheduler": scheduler,
+                    "monitor": "val/loss",
+                    "interval": "epoch",
+                    "frequency": 1,
+                },
+            }
+        return {"optimizer": optimizer}
