@@ -1,6 +1,8 @@
-"""Lightning's Trainer with five changes: no collective at every training step under ddp
+"""Lightning's Trainer with six changes: no collective at every training step under ddp
 (docs/design.md, "SIGTERM and Lightning's stop path"), every DataLoader sharded exactly over
-the data-parallel replicas (docs/design.md, "Any DataLoader, sharded without padding"), and,
+the data-parallel replicas (docs/design.md, "Any DataLoader, sharded without padding"), every
+epoch value a module logs computed over all ranks ("An epoch's logged values over every rank"),
+and,
 for a step's cost ("What a step costs"), batch hooks looked up once per call, hooks called
 without a profiler's bookkeeping when no profiler is asked for, and the library's
 ModelCheckpoint replaced by a module's as Lightning's own would be."""
@@ -9,6 +11,7 @@ import contextlib
 from dataclasses import dataclass, field
 
 import lightning as L
+import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.profilers import PassThroughProfiler
@@ -16,8 +19,9 @@ from lightning.pytorch.trainer.connectors.callback_connector import (
     _CallbackConnector as LightningCallbackConnector,
 )
 from lightning.pytorch.trainer.connectors.data_connector import _DataConnector, _DataHookSelector
+from lightning.pytorch.trainer.connectors.logger_connector import _LoggerConnector
 from lightning.pytorch.trainer.states import RunningStage
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from trainkit.data.sharding import shard_dataloader, shards_itself
 from trainkit.parallel import data_shard
@@ -95,6 +99,59 @@ class _CallbackConnector(LightningCallbackConnector):
             trainer.callbacks = [c for c in trainer.callbacks if id(c) not in ours]
 
 
+class _EpochValuesOverAllRanks(_LoggerConnector):
+    """Lightning's, except that what ``self.log`` aggregated over an epoch is computed over every
+    rank as the epoch's batches end, with or without ``sync_dist``: Lightning reduces across ranks
+    only with ``sync_dist=True`` (as Lightning's examples and docs seldom write it), so each
+    process logged, monitored and checkpointed its own part of the epoch, and the loggers got
+    rank 0's. Here a value's sums and batch counts are reduced as ``sync_dist`` reduces them
+    (with the strategies' ``ExactMeanReduce``: the batch-size weighted mean one device computes),
+    a torchmetrics metric syncs itself, and every rank computes them at this one point in one
+    order, so that no reader on one rank alone (rank 0's progress bar) starts a collective. A value
+    logged on some ranks only, or with ``rank_zero_only``, stays each rank's own."""
+
+    def epoch_end_reached(self) -> None:
+        super().epoch_end_reached()
+        results = self.trainer._results
+        if results is None or self.trainer.world_size == 1 or not dist.is_initialized():
+            return
+        pending = {
+            key: value
+            for key, value in results.items()
+            if value.meta.on_epoch
+            and not value.has_reset
+            and value._computed is None
+            and not value.meta.sync.rank_zero_only
+        }
+        everywhere = _on_every_rank(sorted(pending))
+        for key in everywhere:
+            value = pending[key]
+            sync = value.meta.sync
+            forced = value.is_tensor and not sync.should
+            if forced:
+                sync.should = True
+            try:
+                value.compute()  # cached for every later read of this epoch
+            finally:
+                if forced:  # as logged: a later self.log of the key compares its arguments
+                    sync.should = False
+
+
+def _on_every_rank(keys: list[str]) -> list[str]:
+    """The keys every rank has, in one order; one warning for those some ranks lack."""
+    gathered: list[list[str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, keys)
+    common = set.intersection(*(set(k or ()) for k in gathered))
+    some = sorted(set().union(*(set(k or ()) for k in gathered)) - common)
+    if some:
+        names = ", ".join(key.split(".", 1)[1] for key in some)
+        rank_zero_warn(
+            f"self.log({names}) on some processes only: each reports its own value. Log it on "
+            f"every process to get the value over all of them, or with rank_zero_only=True"
+        )
+    return [key for key in keys if key in common]
+
+
 def logging_step(trainer: L.Trainer, step: int | None = None) -> bool:
     """Whether ``step`` (by default ``trainer.global_step``) is one of the steps that log: every
     ``trainer.log_every_n_steps``-th. The one rule for the task, the monitors and the progress
@@ -118,8 +175,8 @@ class NoProfiler(PassThroughProfiler):
 class Trainer(L.Trainer):
     """``conf/trainer``'s target: Lightning's Trainer whose fit loop runs ``_EpochLoop``, whose
     loaders are prepared by ``_ShardingDataConnector``, whose module callbacks are attached by
-    ``_CallbackConnector``, and whose profiler is ``NoProfiler`` unless one is given
-    (``trainer.profiler=simple``)."""
+    ``_CallbackConnector``, whose epoch values are computed by ``_EpochValuesOverAllRanks``, and
+    whose profiler is ``NoProfiler`` unless one is given (``trainer.profiler=simple``)."""
 
     def __init__(self, *args, profiler=None, **kwargs) -> None:
         super().__init__(*args, profiler=profiler or NoProfiler(), **kwargs)
@@ -133,3 +190,6 @@ class Trainer(L.Trainer):
         callbacks = _CallbackConnector(self)
         vars(callbacks).update(vars(self._callback_connector))  # what its on_trainer_init noted
         self._callback_connector = callbacks
+        logging = _EpochValuesOverAllRanks(self)
+        vars(logging).update(vars(self._logger_connector))  # the loggers on_trainer_init set
+        self._logger_connector = logging
