@@ -13,6 +13,7 @@ import re
 import shutil
 import socket
 import zipfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,19 @@ def unreadable_hparams(obj: Any) -> dict[str, str]:
     hparams = getattr(obj, "hparams", None) or {}
     found = {str(k): unreadable_global(v) for k, v in hparams.items()}
     return {k: v for k, v in found.items() if v is not None}
+
+
+def readable_hparams(obj: Any, config: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The hyperparameters ``obj`` saves into checkpoints, each value a ``weights_only`` load
+    would refuse (a module, an optimizer factory kept by ``save_hyperparameters()``) replaced by
+    what made it: ``config[key]``, its config in the run's, else its class's name. None where all
+    read back as they are. The template rebuilds the module from the run's config, never from
+    these; Lightning's ``load_from_checkpoint`` takes the objects as arguments instead."""
+    refused = unreadable_hparams(obj)
+    if not refused:
+        return None
+    made = {key: config.get(key) or f"<{refused[key]}>" for key in refused}
+    return {**obj.hparams, **made}
 
 
 def atomic_write_text(path: Path, text: str) -> None:

@@ -15,7 +15,6 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from trainkit.build import launches_others
-from trainkit.checkpoint_io import unreadable_hparams
 from trainkit.config import settle
 from trainkit.data.sharding import check_train_data
 from trainkit.errors import ConfigError
@@ -328,26 +327,6 @@ def check_threaded_steps(module: nn.Module, dims: ParallelDims, caps: Capabiliti
         )
 
 
-def check_reloadable(cfg: DictConfig, *objects: Any) -> None:
-    """Every checkpoint of the run must load with ``torch.load(weights_only=True)`` (testing the
-    best one after training does), unless ``weights_only=false`` says checkpoints are trusted."""
-    if not cfg.get("weights_only", True):
-        return
-    for obj in objects:
-        refused = unreadable_hparams(obj)
-        if refused:
-            key, what = next(iter(refused.items()))
-            name = type(obj).__name__
-            raise ConfigError(
-                f"{name}'s hyperparameter {key!r} (a {what}) would be pickled into every "
-                f"checkpoint, which torch.load(weights_only=True) refuses, so testing the best "
-                f"checkpoint would fail after training: save_hyperparameters(ignore="
-                f"{list(refused)}) in {name}.__init__ (a module's weights are in the checkpoint "
-                f"anyway), or weights_only=false to load checkpoints with pickled objects (only "
-                f"files you trust)"
-            )
-
-
 def check_built_run(
     cfg: DictConfig,
     dims: ParallelDims,
@@ -357,16 +336,14 @@ def check_built_run(
     training: bool = True,
 ) -> None:
     """What the built task, data and strategy say about the run, before a process is started or
-    a step is taken: the task's steps under the strategy, its checkpoints' readability, the
-    training data's sharding (in the process that starts the others) and the strategy's own
-    ``check_run``."""
+    a step is taken: the task's steps under the strategy, the training data's sharding (in the
+    process that starts the others) and the strategy's own ``check_run``."""
     caps = capabilities(strategy)
     if not caps.runs_task_steps:  # it composes the steps from the task's members instead
-        check_pipeline_task(model)
+        check_pipeline_task(model, getattr(strategy, "module_name", "net"))
     check_threaded_steps(model, dims, caps)
     if not training:
         return
-    check_reloadable(cfg, model, datamodule)
     batch_size = cfg.data.get("batch_size")
     if launches_others(dims):
         batch_size = check_train_data(datamodule, dims.replicas, caps.full_batches) or batch_size

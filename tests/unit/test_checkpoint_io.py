@@ -4,13 +4,15 @@ damaged last.ckpt are in e2e/test_reliability.py."""
 
 import logging
 import os
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
+import lightning_examples
 from helpers import zero_block
-from trainkit.checkpoint_io import atomic_torch_save, damage, newest_intact
+from trainkit.checkpoint_io import atomic_torch_save, damage, newest_intact, readable_hparams
 from trainkit.errors import ConfigError
 
 
@@ -46,3 +48,25 @@ def test_a_damaged_checkpoint_is_found_and_the_newest_whole_one_taken(tmp_path: 
         newest_intact(last)
     last.write_bytes(last.read_bytes()[:1000])  # truncated
     assert "not a whole checkpoint file" in damage(last)
+
+
+def test_hyperparameters_a_weights_only_load_refuses_are_stored_as_their_config(
+    tmp_path: Path,
+) -> None:
+    """lightning-hydra-template's module keeps its net (a module) and its optimizer factory (a
+    ``functools.partial``) with ``save_hyperparameters()``: a checkpoint holds their config
+    instead, or the class where the config has none, and loads with ``weights_only=True``."""
+    net = lightning_examples.SimpleDenseNet(lin1_size=8, lin2_size=8, lin3_size=8)
+    module = lightning_examples.MNISTLitModule(net, partial(torch.optim.Adam, lr=0.1), None, False)
+    config = {"optimizer": {"_target_": "torch.optim.Adam", "_partial_": True, "lr": 0.1}}
+    readable = readable_hparams(module, config)
+    assert readable == {
+        "net": "<lightning_examples.SimpleDenseNet>",
+        "optimizer": config["optimizer"],
+        "scheduler": None,
+        "compile": False,
+    }
+    atomic_torch_save({"hyper_parameters": readable}, tmp_path / "a.ckpt")
+    assert torch.load(tmp_path / "a.ckpt", weights_only=True)["hyper_parameters"] == readable
+    assert module.hparams.optimizer.func is torch.optim.Adam  # the module keeps its own
+    assert readable_hparams(lightning_examples.LitAutoEncoder(), {}) is None  # plain values

@@ -29,7 +29,6 @@ from trainkit.evaluate import check_stages
 from trainkit.parallel import LIGHTNING, ParallelDims, capabilities
 from trainkit.preflight import (
     check_compile,
-    check_reloadable,
     check_threaded_steps,
     preflight,
     set_threads,
@@ -316,21 +315,6 @@ def test_dp_on_several_gpus_refuses_logging_inside_steps() -> None:
     check_threaded_steps(lightning_docs.LitClassifier(), gpus, LIGHTNING)  # not threaded
     ours = ImageClassifier(MLP(784, (8,), 10), partial(torch.optim.Adam), 10)
     check_threaded_steps(ours, gpus, dp)  # logs in its hooks
-
-
-def test_a_module_whose_checkpoints_would_not_reload_is_refused(compose) -> None:
-    """save_hyperparameters() keeping an nn.Module: found before training, one line with the
-    key and both fixes; weights_only=false is the opt-in that lets it run."""
-    module = lightning_docs.LitBackbone(nn.Linear(2, 2))
-    with pytest.raises(
-        ConfigError,
-        match=r"^LitBackbone's hyperparameter 'backbone' \(a torch.nn.modules.linear.Linear\) "
-        r".* save_hyperparameters\(ignore=\['backbone'\]\) in LitBackbone.__init__ .* "
-        r"weights_only=false",
-    ):
-        check_reloadable(compose(), module, lightning_docs.MNISTDataModule())
-    check_reloadable(compose("weights_only=false"), module)
-    check_reloadable(compose(), lightning_docs.LitClassifier(), lightning_docs.MNISTDataModule())
 
 
 def test_hydra_containers_never_reach_a_modules_hyperparameters(compose) -> None:

@@ -4,7 +4,7 @@ import lightning as L
 import yaml
 
 from trainkit.callbacks.step_hooks import step_hooks
-from trainkit.checkpoint_io import CONFIG_KEY, TRACKERS_KEY
+from trainkit.checkpoint_io import CONFIG_KEY, TRACKERS_KEY, readable_hparams
 from trainkit.loggers import tracker_run_ids
 
 
@@ -16,7 +16,10 @@ class RunConfig(L.Callback):
 
     ``eval.py ckpt_path=...`` rebuilds model and data from it with no other input, and
     ``torch.load(weights_only=True)`` reads it (docs/design.md, "Checkpoints carry their config and
-    load with weights_only=True").
+    load with weights_only=True"). So that it reads the whole checkpoint, the module's and the
+    datamodule's hyperparameters hold no object it refuses: such a value (a module that
+    ``save_hyperparameters()`` kept) is stored as the config it was built from
+    (``checkpoint_io.readable_hparams``), unless ``weights_only=false`` trusts pickled files.
     """
 
     def __init__(self, config: dict[str, Any]) -> None:
@@ -35,3 +38,10 @@ class RunConfig(L.Callback):
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
         checkpoint[CONFIG_KEY] = self.config
         checkpoint[TRACKERS_KEY] = tracker_run_ids(trainer.loggers)
+        if not self.config.get("weights_only", True):
+            return
+        for obj, group in ((pl_module, "model"), (trainer.datamodule, "data")):
+            key = getattr(obj, "CHECKPOINT_HYPER_PARAMS_KEY", None)
+            readable = readable_hparams(obj, self.config.get(group) or {}) if key else None
+            if key in checkpoint and readable is not None:
+                checkpoint[key] = readable
