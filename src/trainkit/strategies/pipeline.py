@@ -305,7 +305,7 @@ class PipelineStrategy(DDPStrategy):
         self, lightning_module: nn.Module, devices: int, batch_size: int | None, num_nodes: int = 1
     ) -> None:
         """Everything that would fail after the processes start, said before they do."""
-        check_pipeline_task(lightning_module)
+        check_pipeline_task(lightning_module, self.module_name)
         self.stage_starts(lightning_module)
         balance_by_flops = self.split_points is None and self.balance == "flops"
         if balance_by_flops and lightning_module.input_shape is None:

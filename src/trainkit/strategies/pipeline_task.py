@@ -80,11 +80,23 @@ def overridden_steps(module: nn.Module) -> list[str]:
     return own
 
 
-def check_pipeline_task(module: nn.Module) -> None:
-    """Refuses, with the list, a task that lacks a member the pipeline needs or writes a step
-    the pipeline would not call."""
+def check_pipeline_task(module: nn.Module, attribute: str = "net") -> None:
+    """Refuses, with the list, a task without the block sequence the pipeline cuts (``attribute``,
+    an ``nn.Sequential``), or that lacks a member the pipeline needs, or that writes a step the
+    pipeline would not call."""
     name = type(module).__name__
     missing = [m for m in MEMBERS if not implements(module, m)]
+    blocks = getattr(module, attribute, None)
+    if not isinstance(blocks, nn.Sequential):
+        lacks = f" and lacks {', '.join(missing)}" if missing else ""
+        raise ConfigError(
+            f"strategy=pipeline cuts {name}.{attribute} (an nn.Sequential of blocks) across its "
+            f"stages, but {name}.{attribute} is {type(blocks).__name__}{lacks}: put the layers "
+            f"in an nn.Sequential {attribute} (a transformer: embedding, layers, output layer) "
+            f"of a subclass of trainkit.strategies.pipeline_task.PipelineTask, as "
+            f"docs/add_a_task.md's transformer does, or use strategy=fsdp, which runs the "
+            f"module as it is"
+        )
     if missing:
         raise ConfigError(
             f"strategy=pipeline runs {name} through its stages but it lacks "
