@@ -31,16 +31,20 @@ from trainkit.strategies.ddp import DDPStrategy
 DATA_FACTS = ("num_classes", "input_shape")  # what a datamodule may tell a model about its data
 
 
+def arguments(config: DictConfig) -> dict[str, inspect.Parameter]:
+    """The arguments that ``config``'s ``_target_`` takes; none where it has no signature to read
+    (a builtin or C type)."""
+    target = get_object(config._target_) if "_target_" in config else None
+    try:
+        return dict(inspect.signature(target).parameters) if callable(target) else {}
+    except (TypeError, ValueError):
+        return {}
+
+
 def asks_for(model: DictConfig, key: str) -> bool:
     """Whether the model config has ``key`` (``???`` included) or its ``_target_`` takes it."""
-    if key in model.keys():  # noqa: SIM118  (`in` alone is False for a missing ???)
-        return True
-    target = get_object(model._target_) if "_target_" in model else None
-    try:
-        parameters = inspect.signature(target).parameters if callable(target) else {}
-    except (TypeError, ValueError):  # a builtin or C type: no signature to read
-        return False
-    return key in parameters
+    given = key in model.keys()  # noqa: SIM118  (`in` alone is False for a missing ???)
+    return given or key in arguments(model)
 
 
 def model_config(cfg: DictConfig, datamodule: L.LightningDataModule) -> DictConfig:

@@ -1,4 +1,5 @@
-"""Composing the project's Hydra configs outside ``@hydra.main`` (benchmark, tests, notebooks)."""
+"""Composing the project's Hydra configs outside ``@hydra.main`` (benchmark, tests, notebooks), and
+the one config node YAML cannot write (``open/mapping``)."""
 
 import contextlib
 import difflib
@@ -9,11 +10,20 @@ from pathlib import Path
 from typing import Any
 
 from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 import trainkit.resolvers  # noqa: F401  registers the resolvers that conf/ uses
 
 log = logging.getLogger(__name__)
+
+# A mapping that takes any key from the command line without a `+`: eval.yaml's `data`, whose keys
+# are the checkpoint's datamodule's arguments, known only once the checkpoint is read (evaluate.py
+# checks them against the datamodule). Hydra's struct flag refuses a new key in any node a YAML
+# file makes.
+ConfigStore.instance().store(
+    group="open", name="mapping", node=OmegaConf.create({}, flags={"struct": False})
+)
 
 ROOT_DIR = Path(__file__).resolve().parents[2]
 CONF_DIR = ROOT_DIR / "conf"  # the project's: its groups, train.yaml and eval.yaml
@@ -65,12 +75,18 @@ def unknown_keys(config_name: str, overrides: Sequence[str]) -> list[str]:
     known = set(_keys(cfg))
     lines = []
     for key, _ in keyed:
-        if key in groups or key.startswith("hydra.") or key in known:
+        if key in groups or key.startswith("hydra.") or key in known or _in_open(cfg, key):
             continue
         close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
         hint = f"did you mean {close[0]}?" if close else f"add it with +{key}=... if it is new"
         lines.append(f"{key}: not a key of the config; {hint}")
     return lines
+
+
+def _in_open(cfg: DictConfig, key: str) -> bool:
+    """Whether ``key`` is under a mapping that takes any key (``open/mapping``)."""
+    parent = OmegaConf.select(cfg, key.rsplit(".", 1)[0]) if "." in key else None
+    return isinstance(parent, DictConfig) and not OmegaConf.is_struct(parent)
 
 
 def _keys(cfg: DictConfig, prefix: str = "") -> Iterator[str]:

@@ -1,13 +1,20 @@
 """The evaluation recipe: rebuild model and data from a checkpoint's own config, then validate,
 test and/or predict with a Trainer built as train.py builds it."""
 
+import difflib
 import logging
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
 import trainkit.resolvers  # noqa: F401  registers the resolvers that conf/ uses
-from trainkit.build import build_datamodule, build_model, build_trainer, prepare_data_once
+from trainkit.build import (
+    arguments,
+    build_datamodule,
+    build_model,
+    build_trainer,
+    prepare_data_once,
+)
 from trainkit.callbacks import PredictionWriter
 from trainkit.checkpoint_io import damage, read_checkpoint_config
 from trainkit.config import settle
@@ -17,7 +24,7 @@ from trainkit.launch import isolated_job
 from trainkit.loggers import ending_tracker_runs
 from trainkit.preflight import check_built_run, preflight, why_cannot
 from trainkit.run_dir import owning_run_dir
-from trainkit.train import as_floats, write_json
+from trainkit.train import as_floats, write_config, write_json
 
 log = logging.getLogger(__name__)
 
@@ -35,21 +42,63 @@ def check_stages(stages: list[str]) -> None:
 
 
 def with_checkpoint_config(cfg: DictConfig) -> DictConfig:
-    """The eval config completed by the checkpoint's: its model, its data (``cfg.data``'s non-null
-    keys override), and its precision unless ``precision`` is given."""
+    """The eval config completed by the checkpoint's: its model, its data (moved where
+    ``paths.data_dir`` is given, then ``cfg.data``'s non-null keys override), and its precision
+    unless ``precision`` is given."""
     why = damage(cfg.ckpt_path) if Path(cfg.ckpt_path).is_file() else None
     if why:
         raise ConfigError(f"ckpt_path={cfg.ckpt_path} is damaged ({why}): evaluate another one")
     trained = OmegaConf.create(read_checkpoint_config(cfg.ckpt_path, cfg.weights_only))
     data = trained.data
-    for key, value in (cfg.get("data") or {}).items():
-        if value is not None:
-            data[key] = value
+    if cfg.paths.get("data_dir") is not None:
+        move_data_dir(data, str(trained.paths.data_dir), str(cfg.paths.data_dir))
+    given = {key: value for key, value in (cfg.get("data") or {}).items() if value is not None}
+    check_data_keys(data, given)
+    for key, value in given.items():
+        data[key] = value
     settle(cfg, "model", trained.model, "the checkpoint's")
     settle(cfg, "data", data, "the checkpoint's, with the data keys given")
     if cfg.precision is None:
         settle(cfg, "precision", trained.precision, "the checkpoint's")
     return cfg
+
+
+def move_data_dir(data: DictConfig, trained: str, moved: str) -> None:
+    """``paths.data_dir=<moved>``: each value of the checkpoint's data config that the training
+    run took from its ``paths.data_dir`` (``trained``, or a path under it) now under ``moved``.
+    Refused, naming the keys that would move it, where none did."""
+    reached = [
+        key
+        for key, value in data.items()
+        if isinstance(value, str) and (value == trained or value.startswith(trained + "/"))
+    ]
+    if not reached:
+        paths = [f"data.{k}={v}" for k, v in data.items() if isinstance(v, str) and "/" in v]
+        raise ConfigError(
+            f"paths.data_dir={moved}: the checkpoint's data config takes nothing from its "
+            f"run's paths.data_dir ({trained}), so it would not move; give the data's own key "
+            f"instead: {', '.join(paths) or 'data.<key>=<dir>'}"
+        )
+    for key in reached:
+        data[key] = moved + data[key][len(trained) :]
+
+
+def check_data_keys(data: DictConfig, given: dict) -> None:
+    """A ``data.<key>=...`` that the checkpoint's datamodule does not take: one line with the
+    arguments it does take."""
+    takes = arguments(data)
+    if any(p.kind is p.VAR_KEYWORD for p in takes.values()):
+        return
+    unknown = [key for key in given if key not in takes and not key.startswith("_")]
+    if unknown:
+        name = data._target_.rsplit(".", 1)[-1]
+        own = [k for k, p in takes.items() if p.kind is not p.VAR_POSITIONAL]
+        close = difflib.get_close_matches(unknown[0], own, n=1)
+        hint = f" (did you mean data.{close[0]}?)" if close else ""
+        raise ConfigError(
+            f"data.{unknown[0]}: {name} takes no argument {unknown[0]!r}{hint}; it takes "
+            f"{', '.join(own)}"
+        )
 
 
 def run(cfg: DictConfig) -> dict[str, dict[str, float]]:
@@ -67,6 +116,7 @@ def _evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
     datamodule = build_datamodule(cfg)
     model = build_model(cfg, datamodule)  # compiled as eval's compile says
     output_dir = Path(cfg.paths.output_dir)
+    write_config(output_dir / "config.yaml", cfg)  # the model and data it evaluated, resolved
     writer = PredictionWriter(str(output_dir / PREDICTIONS_FILE))
     callbacks = [writer] if "predict" in stages else []
     trainer = build_trainer(cfg, dims, callbacks=callbacks)
