@@ -78,6 +78,8 @@ class Capabilities:
     materialises_blocks: bool  # each process builds only its own blocks: the net starts on meta
     syncs_layers: bool  # applies the sync_batchnorm plugin
     precisions: tuple[str, ...] | None  # the precisions it runs; None: every one Lightning has
+    lean_host_memory: bool  # chosen to hold less per device (fsdp): tune_malloc=null gives freed
+    # buffers back to the OS rather than keeping them for speed
 
 
 # Lightning's own strategies, by name (strategy=auto) or class: one process per device, the task's
@@ -90,6 +92,7 @@ LIGHTNING = Capabilities(
     materialises_blocks=False,
     syncs_layers=True,
     precisions=None,
+    lean_host_memory=False,
 )
 
 

@@ -202,6 +202,14 @@ def resolve_drop_last(cfg: DictConfig) -> None:
         )
 
 
+def resolve_tune_malloc(cfg: DictConfig) -> None:
+    """``tune_malloc=null``: freed buffers kept for speed, except under a strategy chosen to hold
+    less (``lean_host_memory``: fsdp), where they go back to the OS."""
+    if "tune_malloc" in cfg and cfg.tune_malloc is None:
+        lean = capabilities(cfg.strategy).lean_host_memory
+        settle(cfg, "tune_malloc", not lean, "what the strategy is chosen for")
+
+
 def check_compile(cfg: DictConfig, dims: ParallelDims) -> None:
     """DataParallel's replicas copy a compiled block's call, which keeps running the original
     block's weights (on the first GPU): compile=true cannot run under dp on several GPUs."""
@@ -238,6 +246,7 @@ def preflight(cfg: DictConfig, training: bool = True) -> ParallelDims:
     check_compile(cfg, dims)
     if training:
         resolve_drop_last(cfg)
+    resolve_tune_malloc(cfg)
     set_threads(cfg, dims.processes_per_node)
     return dims
 

@@ -113,8 +113,7 @@ def _train_and_test(cfg: DictConfig) -> float | None:
     if ckpt_path and (restart or not in_multirun()):
         runs = read_checkpoint_tracker_runs(ckpt_path, cfg.weights_only)
         continue_tracker_runs(cfg.get("logger"), runs)
-    if cfg.tune_malloc:
-        tune_malloc()
+    tune_malloc(keep_freed=cfg.tune_malloc)  # (null resolved by preflight)
     if cfg.seed is not None:
         L.seed_everything(cfg.seed, workers=True)
     datamodule, model, trainer = build(cfg, dims)

@@ -23,6 +23,7 @@ from trainkit.bench.clock import PHASES, StepClock
 from trainkit.bench.report import (
     DOCS_END,
     DOCS_START,
+    MEMORY_DOCS,
     add_scaling,
     compile_warmup_s,
     launches,
@@ -227,10 +228,14 @@ def test_existing_out_and_unknown_cells_refused_before_any_run(
     assert not (tmp_path / "new").exists()
 
 
-def test_memory_per_rank_above_the_baseline_against_one_device() -> None:
+def test_memory_per_rank_above_the_baseline_against_its_models_one_device(tmp_path: Path) -> None:
+    """Each split model's ranks against that model's own one-device cell: the wide MLP's stages
+    against the wide MLP, the transformer's fsdp ranks against the transformer."""
+    mlp, transformer = MEMORY_ONE_DEVICE["mlp_wide"], MEMORY_ONE_DEVICE["transformer_wide"]
+    sharded = next(c for c in MEMORY_SPLITS if c.workload == "transformer_wide")
     cells = [
         _cell(MEMORY_BASELINE.name, "mlp_b64", "template", 1, 1.0, peak_mem_mb=[700.0]),
-        _cell(MEMORY_ONE_DEVICE.name, "mlp_wide", "template", 1, 1.0, peak_mem_mb=[2700.0]),
+        _cell(mlp.name, "mlp_wide", "template", 1, 1.0, peak_mem_mb=[2700.0]),
         _cell(
             MEMORY_SPLITS[0].name,
             "mlp_wide",
@@ -239,32 +244,72 @@ def test_memory_per_rank_above_the_baseline_against_one_device() -> None:
             1.0,
             **{"strategy": "pipeline", "variant": "gpipe mb=4", "peak_mem_mb": [1900.0, 1700.0]},
         ),
+        _cell(transformer.name, "transformer_wide", "template", 1, 1.0, peak_mem_mb=[4700.0]),
+        _cell(
+            sharded.name,
+            "transformer_wide",
+            "template",
+            2,
+            1.0,
+            **{"strategy": "fsdp", "peak_mem_mb": [3100.0, 3300.0]},
+        ),
     ]
     found = memory(cells)
     assert found["baseline_mb"] == 700.0
-    one, stages = found["rows"]
+    one, stages, one_transformer, shards = found["rows"]
     assert (one["above_mb"], one["vs_one_device"], one["met"]) == ([2000.0], [1.0], None)
     assert stages["above_mb"] == [1200.0, 1000.0] and stages["vs_one_device"] == [0.6, 0.5]
     assert stages["largest"] == 0.6 and stages["met"] is True
-    table = markdown(
-        {
-            "machine": {"cpu": "x", "cores": 2, "gpus": [], "torch": "t", "lightning": "l"}
-            | {"python": "p"},
-            "settings": {"threads": 1, "seed": 0},
-            "cells": cells,
-            "ratios": [],
-            "import_torch_s": 2.5,
-            "launches": [],
-            "memory": found,
-        }
-    )
-    assert (
-        "| template pipeline x2 32-true gpipe mb=4 | 1,200 MB (0.60x) | 1,000 MB (0.50x) |" in table
-    )
+    assert one_transformer["above_mb"] == [4000.0] and one_transformer["met"] is None
+    assert shards["vs_one_device"] == [0.6, 0.65] and shards["met"] is False
+    report = {
+        "machine": {"cpu": "x", "cores": 2, "gpus": [], "torch": "t", "lightning": "l"}
+        | {"python": "p"},
+        "settings": {"threads": 1, "seed": 0},
+        "cells": cells,
+        "ratios": [],
+        "import_torch_s": 2.5,
+        "launches": [],
+        "memory": found,
+    }
+    table = markdown(report)
+    split = "| mlp_wide: template pipeline x2 32-true gpipe mb=4 |"
+    assert f"{split} 1,200 MB (0.60x) | 1,000 MB (0.50x) |" in table
     assert "**0.60x** | <= 0.6x (met) |" in table
+    assert (
+        "| transformer_wide: template fsdp x2 32-true | 2,400 MB (0.60x) | 2,600 MB (0.65x) |"
+        in table
+    )
+    assert "**0.65x** | <= 0.6x (missed) |" in table
     assert memory(cells[1:]) is None  # no baseline, no table
+
+    # `--memory` writes its own section of the page: the full matrix's tables stay
+    page = tmp_path / "performance.md"
+    start, end = MEMORY_DOCS
+    page.write_text(f"{DOCS_START}\nfull run\n{DOCS_END}\n\ntext\n{start}\nold\n{end}\n")
+    write_docs(page, report, "A memory run.", MEMORY_DOCS)
+    assert page.read_text() == (
+        f"{DOCS_START}\nfull run\n{DOCS_END}\n\ntext\n{start}\nA memory run.\n\n{table}\n{end}\n"
+    )
 
 
 def test_memory_cells_are_their_own_matrix() -> None:
     assert not set(MEMORY_MATRIX) & set(DEFAULT_MATRIX)
     assert MEMORY_SPLITS[1].devices == 3 and "strategy.stages=3" in MEMORY_SPLITS[1].extra
+
+
+def test_the_transformer_memory_cell_composes_on_the_text_it_writes(tmp_path: Path) -> None:
+    """The bench's own model and data options (bench/conf) compose into a run of the demo
+    transformer, whose vocabulary is the one the cell's text has (WikiText2 counts it)."""
+    from lightning.pytorch.demos import WikiText2
+
+    from trainkit.bench.cells import WORKLOADS
+
+    work = WORKLOADS["transformer_wide"]
+    root = work.write_data(tmp_path / "data")
+    cfg = compose_config("train", tmp_path, [*work.overrides, f"data.root={root}"])
+    assert cfg.model._target_ == "trainkit.bench.language.LanguageModel"
+    blocks = WikiText2(Path(root), download=False)
+    assert blocks.vocab_size == cfg.model.vocab_size
+    steps = work.warmup + work.steps
+    assert len(blocks) - 16 >= steps * work.batch_size  # every step's blocks, none wrapped

@@ -60,6 +60,7 @@ def test_every_strategy_option_declares_its_capabilities(compose) -> None:
             LIGHTNING,
             syncs_layers=False,
             precisions=("32-true", "bf16-mixed", "bf16-true", "16-true"),
+            lean_host_memory=True,
         ),
         "pipeline": replace(
             LIGHTNING, runs_task_steps=False, full_batches=True, materialises_blocks=True

@@ -375,3 +375,17 @@ def test_an_mlp_without_hidden_layers_says_it_is_linear(compose, caplog) -> None
         model = build_model(cfg, build_datamodule(cfg))
     assert "MLP without a hidden layer (hidden=[]): a linear model" in caplog.text
     assert len(model.net) == 1
+
+
+@pytest.mark.parametrize(
+    ("extra", "keeps"),
+    [((), True), (("strategy=fsdp",), False), (("strategy=fsdp", "tune_malloc=true"), True)],
+)
+def test_freed_buffers_are_kept_for_speed_except_where_the_strategy_saves_memory(
+    compose, extra: tuple[str, ...], keeps: bool
+) -> None:
+    """tune_malloc=null: kept (faster steps) unless the strategy is chosen to hold less per rank
+    (fsdp), where they go back to the OS; what preflight settles is what config.yaml records."""
+    cfg = compose("devices=2", *extra)
+    preflight(cfg)
+    assert cfg.tune_malloc is keeps

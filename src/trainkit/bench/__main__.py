@@ -26,6 +26,9 @@ import torch
 
 from trainkit.bench import cells as matrix
 from trainkit.bench.report import (
+    DOCS_END,
+    DOCS_START,
+    MEMORY_DOCS,
     add_scaling,
     compile_warmup_s,
     launches,
@@ -165,11 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     paths = write_all(args.out, report)
     if args.docs:
         minutes, seconds = divmod(round(time.monotonic() - started), 60)
+        command = "make bench ARGS=--memory" if args.memory else "make bench"
         how = (
-            f"One run of `make bench` at commit {report['machine'].get('commit', '?')}, "
+            f"One run of `{command}` at commit {report['machine'].get('commit', '?')}, "
             f"{minutes} min {seconds} s, written here by the benchmark:"
         )
-        write_docs(args.docs, report, how)
+        write_docs(args.docs, report, how, MEMORY_DOCS if args.memory else (DOCS_START, DOCS_END))
         paths.append(args.docs)
     print(markdown(report))
     print("Wrote " + ", ".join(str(p) for p in paths))

@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 
 from trainkit.bench.clock import PHASES
 from trainkit.config import ROOT_DIR, compose_config
-from trainkit.data.synthetic import write_cifar10, write_mnist
+from trainkit.data.synthetic import write_cifar10, write_mnist, write_wikitext
 from trainkit.runtime import free_port
 
 # Strategies whose processes each take their own share of the batch: data.batch_size is per process.
@@ -42,13 +42,20 @@ class Workload:
     steps: int  # timed steps per epoch
     repeats: int  # timed epochs per launch
     rounds: int  # launches per cell, taken in turn with the other cells' launches
+    # measured for its memory: every process gives freed buffers back (tune_malloc=false), so
+    # that the resident peak is what the run holds, not what the heap kept of freed buffers
+    memory: bool = False
 
     def write_data(self, root: Path) -> str:
         """Synthetic files in the real format: every epoch's steps without wrapping, plus the
-        held-out validation images (``data.val_size=200``)."""
+        held-out validation images (``data.val_size=200``) or text blocks (``held_out``: 16)."""
         n = self.batch_size * (self.warmup + self.steps) + 200
         if "data=cifar10" in self.overrides:
             return str(write_cifar10(root / self.name, -(-n // 5), 200))
+        if "data=bench_wikitext" in self.overrides:  # blocks of 35 tokens, lines of 8-15 words
+            lines = max(3 * (n + 16), TEXT_WORDS)  # a line starts at each word: all are used
+            write_wikitext(root / self.name, lines=lines, words=TEXT_WORDS)
+            return str(root / self.name)
         return str(write_mnist(root / self.name, n, 200))
 
 
@@ -96,6 +103,14 @@ def turn(cells: list[Cell], round_: int) -> list[tuple[int, Cell]]:
 RESNET_OVERRIDES = ("model=resnet50", "data=cifar10", "data.val_size=200")
 MEMORY_OVERRIDES = ("data=mnist", "data.val_size=200", "callbacks=none")
 WIDE_MLP = ("model=mlp", "model.net.hidden=[8192,8192,8192]")
+# A module of the kind users bring (bench/language.py): the demo transformer, 118M parameters
+TEXT_WORDS = 1000  # bench/conf/model/bench_transformer.yaml's vocabulary: these and <eos>
+WIDE_TRANSFORMER = (
+    "hydra.searchpath=[pkg://trainkit.bench.conf]",
+    "model=bench_transformer",
+    "data=bench_wikitext",
+    *("callbacks=none", "monitor=val_loss", "monitor_mode=min"),
+)
 WORKLOADS = {
     w.name: w
     for w in (
@@ -104,8 +119,10 @@ WORKLOADS = {
         Workload("resnet50_b256", RESNET_OVERRIDES, 256, warmup=2, steps=3, repeats=1, rounds=1),
         # the memory cells (--memory): the default MLP as the baseline, and a wide one (141M
         # parameters, Adam), batch 64, 3 steps, no checkpoint (whose writer holds all of it)
-        Workload("mlp_b64", ("model=mlp", *MEMORY_OVERRIDES), 64, 1, 2, 1, 1),
-        Workload("mlp_wide", (*WIDE_MLP, *MEMORY_OVERRIDES), 64, 1, 2, 1, 1),
+        Workload("mlp_b64", ("model=mlp", *MEMORY_OVERRIDES), 64, 1, 2, 1, 1, memory=True),
+        Workload("mlp_wide", (*WIDE_MLP, *MEMORY_OVERRIDES), 64, 1, 2, 1, 1, memory=True),
+        # 8 blocks of 35 tokens a step
+        Workload("transformer_wide", WIDE_TRANSFORMER, 8, 1, 2, 1, 1, memory=True),
     )
 }
 
@@ -155,16 +172,25 @@ DEFAULT_MATRIX: tuple[Cell, ...] = (
 )
 
 # --memory: peak memory per process of the wide MLP on one device, on 2 and 3 stages and sharded
-# over 2 ranks (fsdp, batch 32 each), each above the default MLP's on one device (what every process
-# holds anyway: torch, Lightning, the data)
+# over 2 ranks (fsdp, batch 32 each), and of the wide transformer on one device and sharded over 2
+# ranks; each above the default MLP's on one device (what every process holds anyway: torch,
+# Lightning, the data), against its own model's one-device cell
 MEMORY_BASELINE = Cell("mlp_b64", "template")
-MEMORY_ONE_DEVICE = Cell("mlp_wide", "template")
+MEMORY_ONE_DEVICE = {  # by workload
+    "mlp_wide": Cell("mlp_wide", "template"),
+    "transformer_wide": Cell("transformer_wide", "template"),
+}
 MEMORY_SPLITS = (
     pipeline("mlp_wide", 4),
     pipeline("mlp_wide", 4, stages=3),
     Cell("mlp_wide", "template", "fsdp", 2),
+    Cell("transformer_wide", "template", "fsdp", 2),
 )
-MEMORY_MATRIX: tuple[Cell, ...] = (MEMORY_BASELINE, MEMORY_ONE_DEVICE, *MEMORY_SPLITS)
+MEMORY_MATRIX: tuple[Cell, ...] = (
+    MEMORY_BASELINE,
+    *MEMORY_ONE_DEVICE.values(),
+    *MEMORY_SPLITS,
+)
 
 
 @dataclass
@@ -181,7 +207,8 @@ def template_command(cell: Cell, work: Workload, s: Settings, cell_dir: Path) ->
         *(sys.executable, "train.py", *work.overrides, f"data.root='{s.data_roots[work.name]}'"),
         *(f"strategy={cell.strategy}", f"devices={cell.devices}", f"precision={cell.precision}"),
         f"data.batch_size={cell.per_process_batch(work.batch_size)}",
-        *(f"threads={s.threads}", f"seed={s.seed}", f"tune_malloc={s.tune_malloc}"),
+        *(f"threads={s.threads}", f"seed={s.seed}"),
+        f"tune_malloc={s.tune_malloc and not work.memory}",
         f"trainer.max_epochs={work.repeats}",
         f"trainer.limit_train_batches={work.warmup + work.steps}",
         *("trainer.limit_val_batches=1", "trainer.limit_test_batches=1"),

@@ -118,20 +118,24 @@ MEMORY_GOAL = 0.6
 
 def memory(cells: list[dict]) -> dict | None:
     """The memory cells' peak per rank above the baseline's (``MEMORY_BASELINE``), each against
-    one device's; None unless the baseline and the one-device cell ran."""
+    its model's one-device cell (``MEMORY_ONE_DEVICE``); None unless the baseline and a
+    one-device cell ran."""
     by_name = {c["cell"]: c for c in cells if "peak_mem_mb" in c}
-    if MEMORY_BASELINE.name not in by_name or MEMORY_ONE_DEVICE.name not in by_name:
+    ones = {w: c for w, c in MEMORY_ONE_DEVICE.items() if c.name in by_name}
+    if MEMORY_BASELINE.name not in by_name or not ones:
         return None
     base = by_name[MEMORY_BASELINE.name]["peak_mem_mb"][0]
-    one = by_name[MEMORY_ONE_DEVICE.name]["peak_mem_mb"][0] - base
     rows = []
-    for cell in (MEMORY_ONE_DEVICE, *MEMORY_SPLITS):
-        if cell.name in by_name:
+    for workload, reference in ones.items():
+        one = by_name[reference.name]["peak_mem_mb"][0] - base
+        splits = [c for c in MEMORY_SPLITS if c.workload == workload and c.name in by_name]
+        for cell in (reference, *splits):
             above = [mb - base for mb in by_name[cell.name]["peak_mem_mb"]]
             largest = max(above) / one
-            met = None if cell is MEMORY_ONE_DEVICE else largest <= MEMORY_GOAL
+            met = None if cell is reference else largest <= MEMORY_GOAL
             rows.append(
-                {"cell": cell.name, "label": _label(by_name[cell.name]), "above_mb": above}
+                {"cell": cell.name, "label": f"{workload}: {_label(by_name[cell.name])}"}
+                | {"above_mb": above}
                 | {"vs_one_device": [mb / one for mb in above], "largest": largest, "met": met}
             )
     return {"baseline_mb": base, "goal": MEMORY_GOAL, "rows": rows}
@@ -392,17 +396,23 @@ def write_tensorboard(logdir: Path, report: dict) -> None:
 
 
 DOCS_START, DOCS_END = "<!-- bench:results:start -->", "<!-- bench:results:end -->"
+# `--memory` runs' own section of the page, so that neither run's tables replace the other's
+MEMORY_DOCS = ("<!-- bench:memory:start -->", "<!-- bench:memory:end -->")
 
 
-def write_docs(page: Path, report: dict, how: str) -> None:
-    """The results, as ``markdown`` writes them, between the page's two markers: the published
-    figures are the benchmark's own, never pasted by hand. ``how`` says which run they are."""
+def write_docs(
+    page: Path, report: dict, how: str, markers: tuple[str, str] = (DOCS_START, DOCS_END)
+) -> None:
+    """The results, as ``markdown`` writes them, between the page's two ``markers``: the
+    published figures are the benchmark's own, never pasted by hand. ``how`` says which run they
+    are."""
+    start, end = markers
     text = page.read_text()
-    if text.count(DOCS_START) != 1 or text.count(DOCS_END) != 1:
-        raise ValueError(f"{page} needs one {DOCS_START} and one {DOCS_END}")
-    before, rest = text.split(DOCS_START)
-    after = rest.split(DOCS_END)[1]
-    page.write_text(f"{before}{DOCS_START}\n{how}\n\n{markdown(report)}\n{DOCS_END}{after}")
+    if text.count(start) != 1 or text.count(end) != 1:
+        raise ValueError(f"{page} needs one {start} and one {end}")
+    before, rest = text.split(start)
+    after = rest.split(end)[1]
+    page.write_text(f"{before}{start}\n{how}\n\n{markdown(report)}\n{end}{after}")
 
 
 def write_all(run_dir: Path, report: dict) -> list[Path]:

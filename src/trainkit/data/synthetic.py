@@ -100,6 +100,24 @@ def write_imagefolder(
     return root
 
 
+def write_wikitext(root: Path, lines: int, words: int, seed: int = 0) -> int:
+    """``<root>/wikitext-2.txt``, as ``lightning.pytorch.demos.WikiText2`` reads it (words split by
+    spaces, a line each), from a vocabulary of ``words`` words in a learnable order (each next
+    word three on from the last; line ``i`` starts at word ``i``, so that with as many lines as
+    words every word is used); returns the vocabulary size WikiText2 counts (the words used and
+    ``<eos>``)."""
+    rng = np.random.default_rng(seed)
+    text = [
+        " ".join(f"w{(start + 3 * i) % words}" for i in range(length))
+        for start, length in zip(
+            np.arange(lines) % words, rng.integers(8, 16, size=lines), strict=True
+        )
+    ]
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "wikitext-2.txt").write_text("\n".join(text) + "\n")
+    return len({w for line in text for w in line.split()}) + 1
+
+
 def main(argv: list[str] | None = None) -> None:
     import argparse
 

@@ -87,9 +87,13 @@ class FSDPStrategy(ExactMeanReduce, ModelParallelStrategy):
     statistics, and make bf16 gradients)."""
 
     # What Lightning's ModelParallelStrategy runs (no 64-true, no float16 gradient scaler), and it
-    # applies no layer sync (sync_batchnorm): preflight refuses the rest before any process starts
+    # applies no layer sync (sync_batchnorm): preflight refuses the rest before any process starts.
+    # It is chosen to hold less per rank: freed buffers go back to the OS (tune_malloc=null)
     capabilities = replace(
-        LIGHTNING, syncs_layers=False, precisions=("32-true", "bf16-mixed", "bf16-true", "16-true")
+        LIGHTNING,
+        syncs_layers=False,
+        precisions=("32-true", "bf16-mixed", "bf16-true", "16-true"),
+        lean_host_memory=True,
     )
 
     def __init__(

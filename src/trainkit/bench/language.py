@@ -1,0 +1,66 @@
+"""The memory benchmark's language model: ``lightning.pytorch.demos.Transformer`` (an
+``nn.Transformer`` between an embedding and an output layer), widened, in a LightningModule written
+as Lightning's transformer example writes it (its own steps, plain ``self.log``), with Adam; and
+its data, token blocks of a text in WikiText2's file format (``data.synthetic.write_wikitext``).
+A module of the kind users bring, not the template's: what ``strategy=fsdp`` shards by its
+default policy (each transformer layer a unit, the root the rest)."""
+
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.demos import Transformer, WikiText2
+from torch.utils.data import DataLoader, Subset
+
+
+class LanguageModel(L.LightningModule):
+    def __init__(
+        self, vocab_size: int, ninp: int, nhead: int, nhid: int, nlayers: int, lr: float = 1e-4
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = Transformer(vocab_size, ninp, nhead, nhid, nlayers, dropout=0.0)
+
+    def loss(self, batch):
+        inputs, target = batch
+        return F.nll_loss(self.model(inputs, target), target.view(-1))
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.loss(batch))
+
+    def test_step(self, batch, batch_idx):
+        self.log("test_loss", self.loss(batch))
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+
+
+class TokenBlocks(L.LightningDataModule):
+    """``root/wikitext-2.txt`` in WikiText2's blocks of ``block_size`` tokens: the last
+    ``held_out`` blocks for validation and test, the rest to train on (shuffled)."""
+
+    def __init__(
+        self, root: str, batch_size: int = 8, block_size: int = 35, held_out: int = 16
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+    def setup(self, stage: str) -> None:
+        blocks = WikiText2(Path(self.hparams.root), self.hparams.block_size, download=False)
+        n = len(blocks) - self.hparams.held_out
+        self.train, self.held = Subset(blocks, range(n)), Subset(blocks, range(n, len(blocks)))
+
+    def train_dataloader(self):
+        return DataLoader(self.train, self.hparams.batch_size, shuffle=True)
+
+    def val_dataloader(self):
+        return DataLoader(self.held, self.hparams.batch_size)
+
+    def test_dataloader(self):
+        return DataLoader(self.held, self.hparams.batch_size)

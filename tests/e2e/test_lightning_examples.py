@@ -1,0 +1,380 @@
+"""Lightning's own examples and the most-forked template's module (``tests/lightning_examples.py``)
+plugged in through config only, in real ``train.py``/``eval.py`` processes.
+
+The autoencoder (on MNIST) and the transformer language model (on WikiText2's format) log with
+plain ``self.log`` (no ``sync_dist``), as the examples do. Under every strategy that runs any
+module, right means:
+
+- every run's test metrics (on all its ranks), the validation value its checkpoints were chosen
+  by, and what its logger got, equal ``eval.py``'s on one device on its best checkpoint;
+- ``eval.py`` on 2 and 3 processes of the one-device run's checkpoint equals that run's test;
+- fsdp x2 trains the weights ddp x2 trains, with every parameter sharded.
+
+The training and evaluation sets have sizes that neither 2 nor 3 divides. Also here: the module
+that keeps objects in its hyperparameters, the language model changed for the pipeline, and
+``eval.py`` pointed at moved data.
+"""
+
+import csv
+import json
+import math
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+from torch.utils.data import DataLoader, DistributedSampler
+
+from helpers import (
+    max_diff,
+    quiet_trainer,
+    run_python,
+    run_weights,
+    sample_digest,
+    shares_trained_run,
+    write_user_conf,
+)
+from lightning_docs import MNISTDataModule
+from trainkit.data.synthetic import write_mnist, write_wikitext
+
+USER_CONF = {
+    "model/lit_autoencoder.yaml": "_target_: lightning_examples.LitAutoEncoder\nhidden_dim: 64\n",
+    "model/lit_language.yaml": "_target_: lightning_examples.LanguageModel\nvocab_size: ???\n",
+    "model/lit_pipelined_language.yaml": (
+        "_target_: lightning_examples.PipelinedLanguageModel\nvocab_size: ???\nninp: 32\n"
+    ),
+    # lightning-hydra-template's configs/model/mnist.yaml, with its own module and net
+    "model/lit_hydra_template.yaml": """
+_target_: lightning_examples.MNISTLitModule
+optimizer:
+  _target_: torch.optim.Adam
+  _partial_: true
+  lr: 0.001
+  weight_decay: 0.0
+scheduler:
+  _target_: torch.optim.lr_scheduler.ReduceLROnPlateau
+  _partial_: true
+  mode: min
+  factor: 0.1
+  patience: 10
+net:
+  _target_: lightning_examples.SimpleDenseNet
+  input_size: 784
+  lin1_size: 64
+  lin2_size: 128
+  lin3_size: 64
+  output_size: 10
+compile: false
+""",
+    "data/lit_mnist.yaml": (
+        "_target_: lightning_docs.MNISTDataModule\ndata_dir: ${paths.data_dir}\n"
+        "batch_size: 64\ndownload: false\n"
+    ),
+    "data/lit_wikitext.yaml": (
+        "_target_: lightning_examples.WikiText2DataModule\ndata_dir: ${paths.data_dir}\n"
+        "batch_size: 20\nheld_out: 41\n"
+    ),
+}
+BATCH = 64
+# float sums in another order (reduce-scatter, then the optimizer): measured 4e-6 after an epoch
+WEIGHT_ATOL = 2e-5
+TIMEOUT = "strategy.timeout.seconds=60"  # a hung rank fails the test soon
+CPU = "accelerator=cpu"
+
+
+@pytest.fixture(scope="module")
+def user_conf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_user_conf(tmp_path_factory.mktemp("examples_conf"), USER_CONF)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """MNIST: 1003 training images (random_split: 803 train, 200 validation), 251 test.
+    WikiText2: 287 blocks of 35 tokens (205 train, 41 validation, 41 test)."""
+    wiki = tmp_path_factory.mktemp("wikitext")
+    return {
+        "mnist": write_mnist(tmp_path_factory.mktemp("mnist"), n_train=1003, n_test=251),
+        "wikitext": wiki,
+        "vocab_size": write_wikitext(wiki, lines=800, words=30),
+    }
+
+
+# per example: its groups, and the keys its validation and test log at the end of an epoch (the
+# autoencoder logs on_step=True too: Lightning names the epoch's value <name>_epoch)
+EXAMPLES = {
+    "autoencoder": (
+        ("model=lit_autoencoder", "data=lit_mnist"),
+        "val_loss_epoch",
+        "test_loss_epoch",
+    ),
+    # clipped as the example's main() clips
+    "language": (
+        ("model=lit_language", "data=lit_wikitext", "trainer.gradient_clip_val=0.25"),
+        "val_loss",
+        "test_loss",
+    ),
+}
+LAYOUTS = {  # the multi-process runs of each example
+    "ddp2": ("strategy=ddp", "devices=2"),
+    "fsdp2": ("strategy=fsdp", "devices=2", "+callbacks.shards._target_=helpers.ShardSizes"),
+    "fsdp3": ("strategy=fsdp", "devices=3", "+callbacks.seen._target_=helpers.SeenSamples"),
+}
+
+
+def user_run(conf: Path, data: dict, model: str, *extra: str) -> tuple[str, ...]:
+    """A run of the user's ``model`` group on its data, one epoch, logged to CSV."""
+    on = "wikitext" if "language" in model else "mnist"
+    vocab = (f"model.vocab_size={data['vocab_size']}",) if on == "wikitext" else ()
+    return (
+        f"hydra.searchpath=[file://{conf}]",
+        f"model={model}",
+        f"data=lit_{on}",
+        *vocab,
+        f"paths.data_dir={data[on]}",
+        *("accelerator=cpu", "seed=0", "trainer.max_epochs=1", "logger=csv"),
+        *("monitor=val_loss", "monitor_mode=min"),
+        *extra,
+    )
+
+
+def example_run(example: str, conf: Path, data: dict, *extra: str) -> tuple[str, ...]:
+    groups = EXAMPLES[example][0]
+    return user_run(conf, data, groups[0].removeprefix("model="), *groups[1:], *extra)
+
+
+# each example's runs made once, by one xdist worker (`make test` runs with --dist loadgroup)
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(e, marks=pytest.mark.xdist_group(name=f"lit_{e}")) for e in EXAMPLES],
+)
+def runs(
+    request: pytest.FixtureRequest,
+    user_conf: Path,
+    data: dict,
+    run_script: Callable[..., Path],
+    run_here: Callable[..., Path],
+) -> dict:
+    """Per example: the one-device run and the LAYOUTS runs; eval.py of each run's best
+    checkpoint on one device (``<run>_eval1``), and of the one-device run's on 2 processes (ddp)
+    and on 3 (fsdp)."""
+    example = request.param
+    _, val_key, test_key = EXAMPLES[example]
+    runs: dict = {"example": example, "val": val_key, "test": test_key}
+    runs["single"] = run_here("train.py", *example_run(example, user_conf, data))
+    for name, layout in LAYOUTS.items():
+        runs[name] = run_script(
+            "train.py", *example_run(example, user_conf, data, *layout, TIMEOUT)
+        )
+    for name in ("single", *LAYOUTS):
+        runs[f"{name}_eval1"] = run_here("eval.py", f"ckpt_path={best(runs[name])}", CPU)
+    evaluate = ("eval.py", f"ckpt_path={best(runs['single'])}", CPU)
+    runs["eval2"] = run_script(*evaluate, "devices=2")
+    runs["eval3"] = run_script(*evaluate, "devices=3", "strategy=fsdp", TIMEOUT)
+    return runs
+
+
+def metrics(run_dir: Path) -> dict:
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+def best(run_dir: Path) -> str:
+    return metrics(run_dir)["best_checkpoint"]
+
+
+def validation_on_one_device(run_dir: Path) -> dict[str, float]:
+    """What Lightning's own Trainer logs validating the run's best checkpoint on one device, on
+    the validation loader of the run's datamodule (built from the run's config.yaml). Lightning's
+    docs' datamodule sets its validation set up for ``fit`` only, so eval.py's validate stage
+    cannot run it: the loader is passed as it is."""
+    config = OmegaConf.load(run_dir / "config.yaml")
+    module, datamodule = instantiate(config.model), instantiate(config.data)
+    module.load_state_dict(torch.load(best(run_dir), weights_only=True)["state_dict"])
+    datamodule.setup("fit")
+    (values,) = quiet_trainer(accelerator="cpu").validate(module, datamodule.val_dataloader())
+    return values
+
+
+def logged(run_dir: Path) -> dict[str, float]:
+    """What the run's CSV logger got: the last value of each column."""
+    values: dict[str, float] = {}
+    with open(run_dir / "csv" / "metrics.csv") as f:
+        for row in csv.DictReader(f):
+            values.update({k: float(v) for k, v in row.items() if v})
+    return values
+
+
+@pytest.mark.parametrize("name", ["single", *LAYOUTS])
+def test_every_value_a_run_logs_equals_one_devices_evaluation(runs: dict, name: str) -> None:
+    """On all the run's ranks: its test metrics, its validation value (in metrics.json, the
+    best checkpoint's score, which a sweep gets too) and what its logger wrote."""
+    val, test = runs["val"], runs["test"]
+    run, one = metrics(runs[name]), metrics(runs[f"{name}_eval1"])
+    assert set(one["test"]) == {test}
+    assert run["test"] == pytest.approx(one["test"], rel=1e-5)
+    # one epoch: the best checkpoint holds the weights of the validation the run's metrics hold
+    exact = pytest.approx(validation_on_one_device(runs[name])[val], rel=1e-5)
+    assert run["fit"][val] == exact
+    checkpoint = torch.load(best(runs[name]), weights_only=True)
+    (score,) = (s["best_model_score"] for s in checkpoint["callbacks"].values() if s["monitor"])
+    assert float(score) == exact
+    written = logged(runs[name])
+    assert written[val] == exact
+    assert written[test] == pytest.approx(one["test"][test], rel=1e-5)
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+def test_eval_on_several_processes_equals_the_one_device_run(runs: dict, devices: int) -> None:
+    """The one-device run's checkpoint on 2 (ddp) and 3 (fsdp) processes: its own test metrics."""
+    evaluated = metrics(runs[f"eval{devices}"])
+    assert evaluated["test"] == pytest.approx(metrics(runs["single"])["test"], rel=1e-5)
+
+
+def test_fsdp_trains_the_weights_ddp_trains_with_every_parameter_sharded(runs: dict) -> None:
+    """The same ranks, data and seed: fsdp x2's final weights are ddp x2's. Every parameter is
+    sharded, by a unit of its own or by the root unit: each rank holds its half of it, of its
+    gradient and of its optimizer state."""
+    ddp, fsdp = run_weights(runs["ddp2"]), run_weights(runs["fsdp2"])
+    assert max_diff(ddp, fsdp) < WEIGHT_ATOL
+    held = [json.loads((runs["fsdp2"] / f"shards.rank{r}.json").read_text()) for r in (0, 1)]
+    assert held[0].keys() == ddp.keys()  # (neither example has buffers)
+    for param, sizes in held[0].items():
+        rows, *rest = sizes["shape"]
+        expected = [len(c) * math.prod(rest) for c in torch.arange(rows).chunk(2)]
+        expected += [0] * (2 - len(expected))
+        for rank in (0, 1):
+            share = held[rank][param]
+            assert share["param"] == share["grad"] == expected[rank], (param, rank, share)
+
+
+def test_fsdp_on_three_ranks_trains_each_ranks_part_of_the_epoch(runs: dict, data: dict) -> None:
+    """Each rank takes the steps Lightning's DistributedSampler gives it; every training sample
+    is seen (and a few twice, as the sampler pads)."""
+    seen = [json.loads((runs["fsdp3"] / f"seen.rank{r}.json").read_text()) for r in range(3)]
+    if runs["example"] == "language":
+        assert [epochs[0]["batches"] for epochs in seen] == [4, 4, 4]  # 69 of 205 blocks a rank
+        return
+    datamodule = MNISTDataModule(str(data["mnist"]), download=False)
+    datamodule.setup("fit")
+    train = datamodule.mnist_train
+    expected = [
+        len(DataLoader(train, BATCH, sampler=DistributedSampler(train, 3, r, seed=0)))
+        for r in range(3)
+    ]
+    assert [epochs[0]["batches"] for epochs in seen] == expected
+    digests = {d for epochs in seen for d in epochs[0]["samples"]}
+    assert digests == {sample_digest(train[i][0]) for i in range(len(train))}
+
+
+# --- a module that keeps objects in its hyperparameters (lightning-hydra-template's) -----------
+
+
+def test_a_module_keeping_its_net_and_optimizer_in_hparams_runs_as_written(
+    user_conf: Path, data: dict, run_script: Callable[..., Path], run_here: Callable[..., Path]
+) -> None:
+    """``MNISTLitModule`` keeps ``net`` and its optimizer and scheduler factories with
+    ``save_hyperparameters()`` and reads the optimizer back in ``configure_optimizers``: it
+    trains and tests on one device and on ddp x2 as written, its checkpoints read with
+    ``weights_only=True`` (the objects stored as the config that built them), and eval.py
+    evaluates them."""
+    run = user_run(user_conf, data, "lit_hydra_template", "monitor=val/loss")
+    single = run_here("train.py", *run)
+    ddp = run_script("train.py", *run, "strategy=ddp", "devices=2", TIMEOUT)
+    net = OmegaConf.to_container(OmegaConf.load(user_conf / "model/lit_hydra_template.yaml").net)
+    for trained in (single, ddp):
+        hparams = torch.load(best(trained), weights_only=True)["hyper_parameters"]
+        assert hparams["net"] == net
+        assert hparams["optimizer"]["_target_"] == "torch.optim.Adam"
+        evaluated = metrics(run_here("eval.py", f"ckpt_path={best(trained)}", CPU))["test"]
+        assert set(evaluated) == {"test/loss", "test/acc"}
+        assert evaluated["test/acc"] == pytest.approx(metrics(trained)["test"]["test/acc"])
+        # its test/loss is a MeanMetric of batch means, which depends on how the test set is cut
+        # into batches: exact on one device, as near as the batches allow on two
+        near = 1e-6 if trained == single else 1e-3
+        loss = pytest.approx(metrics(trained)["test"]["test/loss"], rel=near)
+        assert evaluated["test/loss"] == loss
+
+
+# --- the language model under the pipeline, changed as docs/add_a_task.md shows ----------------
+
+
+def test_a_transformer_with_its_layers_in_a_sequential_runs_under_the_pipeline(
+    user_conf: Path, data: dict, run_script: Callable[..., Path], run_here: Callable[..., Path]
+) -> None:
+    """The example as written is refused (test_pipeline_task.py); with its layers in an
+    ``nn.Sequential`` and the four members it trains on 2 stages, and its test equals one
+    device's eval.py. 225 training blocks in batches of 25: the pipeline takes no short batch
+    (the user's loader keeps one, and would be refused with another split)."""
+    split = ("data.held_out=31", "data.batch_size=25", "strategy.microbatches=5")
+    run = user_run(user_conf, data, "lit_pipelined_language", "strategy.balance=params", *split)
+    pipelined = run_script("train.py", *run, "strategy=pipeline", "devices=2", TIMEOUT)
+    one = run_here("eval.py", f"ckpt_path={best(pipelined)}", CPU)
+    assert metrics(pipelined)["test"] == pytest.approx(metrics(one)["test"], rel=1e-5)
+    assert set(metrics(one)["test"]) == {"test_loss"}
+
+
+# --- eval.py pointed at moved data: a datamodule's own arguments ---------------------------------
+
+
+def refused(proc, line: str) -> None:
+    """Exit code 1, the reason and fix in one line, no traceback."""
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert line in proc.stderr.splitlines(), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+
+
+def test_eval_reaches_a_user_datamodules_own_arguments(
+    runs: dict, data: dict, run_script: Callable[..., Path], tmp_path: Path
+) -> None:
+    """``data.<key>`` for any argument of the checkpoint's datamodule, without a ``+``;
+    ``paths.data_dir`` where the training run's data config took it (``${paths.data_dir}``); a
+    key the datamodule does not take refused with those it does."""
+    if runs["example"] != "autoencoder":
+        pytest.skip("one user datamodule is enough: the autoencoder's")
+    trained = runs["single"]
+    ckpt = (f"ckpt_path={best(trained)}", CPU)
+    moved = shutil.copytree(data["mnist"], tmp_path / "moved")
+    for given in (f"data.data_dir={moved}", f"paths.data_dir={moved}", "data.batch_size=50"):
+        run_dir = run_script("eval.py", *ckpt, given)
+        assert metrics(run_dir)["test"] == pytest.approx(metrics(trained)["test"], rel=1e-5)
+        used = OmegaConf.load(run_dir / "config.yaml").data
+        assert (used.data_dir, used.batch_size) == (
+            str(data["mnist"] if "batch" in given else moved),
+            50 if "batch" in given else BATCH,
+        )
+    refused(
+        run_python("eval.py", *ckpt, f"data.root={moved}", log_dir=tmp_path),
+        "data.root: MNISTDataModule takes no argument 'root'; it takes data_dir, batch_size, "
+        "train_fraction, download",
+    )
+    refused(
+        run_python("eval.py", *ckpt, "data.bach_size=8", log_dir=tmp_path),
+        "data.bach_size: MNISTDataModule takes no argument 'bach_size' (did you mean "
+        "data.batch_size?); it takes data_dir, batch_size, train_fraction, download",
+    )
+
+
+@shares_trained_run
+def test_a_data_dir_the_checkpoints_data_does_not_take_is_refused_naming_the_key(
+    trained_run: Path, mnist_root: Path, tmp_path: Path
+) -> None:
+    """The template's own run, trained with ``data.root=<dir>`` (not under its
+    ``paths.data_dir``): ``paths.data_dir`` would move nothing, and the line names the key that
+    does."""
+    best_ckpt = trained_run / "checkpoints" / "best.ckpt"
+    trained_data_dir = OmegaConf.load(trained_run / "config.yaml").paths.data_dir
+    proc = run_python(
+        "eval.py",
+        f"ckpt_path={best_ckpt}",
+        "accelerator=cpu",
+        f"paths.data_dir={tmp_path}",
+        log_dir=tmp_path,
+    )
+    refused(
+        proc,
+        f"paths.data_dir={tmp_path}: the checkpoint's data config takes nothing from its run's "
+        f"paths.data_dir ({trained_data_dir}), so it would not move; give the data's own key "
+        f"instead: data.root={mnist_root}",
+    )
