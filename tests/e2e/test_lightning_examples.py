@@ -7,7 +7,8 @@ module, right means:
 
 - every run's test metrics (on all its ranks), the validation value its checkpoints were chosen
   by, and what its logger got, equal ``eval.py``'s on one device on its best checkpoint;
-- ``eval.py`` on 2 and 3 processes of the one-device run's checkpoint equals that run's test;
+- ``eval.py`` on 2 (ddp_spawn) and 3 (fsdp) processes of the one-device run's checkpoint equals
+  that run's test;
 - fsdp x2 trains the weights ddp x2 trains, with every parameter sharded.
 
 The training and evaluation sets have sizes that neither 2 nor 3 divides. Also here: the module
@@ -158,8 +159,8 @@ def runs(
     run_here: Callable[..., Path],
 ) -> dict:
     """Per example: the one-device run and the LAYOUTS runs; eval.py of each run's best
-    checkpoint on one device (``<run>_eval1``), and of the one-device run's on 2 processes (ddp)
-    and on 3 (fsdp)."""
+    checkpoint on one device (``<run>_eval1``), and of the one-device run's on 2 processes
+    (ddp_spawn) and on 3 (fsdp)."""
     example = request.param
     _, val_key, test_key = EXAMPLES[example]
     runs: dict = {"example": example, "val": val_key, "test": test_key}
@@ -171,7 +172,7 @@ def runs(
     for name in ("single", *LAYOUTS):
         runs[f"{name}_eval1"] = run_here("eval.py", f"ckpt_path={best(runs[name])}", CPU)
     evaluate = ("eval.py", f"ckpt_path={best(runs['single'])}", CPU)
-    runs["eval2"] = run_script(*evaluate, "devices=2")
+    runs["eval2"] = run_script(*evaluate, "devices=2", "strategy=ddp_spawn", TIMEOUT)
     runs["eval3"] = run_script(*evaluate, "devices=3", "strategy=fsdp", TIMEOUT)
     return runs
 
@@ -227,7 +228,8 @@ def test_every_value_a_run_logs_equals_one_devices_evaluation(runs: dict, name: 
 
 @pytest.mark.parametrize("devices", [2, 3])
 def test_eval_on_several_processes_equals_the_one_device_run(runs: dict, devices: int) -> None:
-    """The one-device run's checkpoint on 2 (ddp) and 3 (fsdp) processes: its own test metrics."""
+    """The one-device run's checkpoint on 2 (ddp_spawn) and 3 (fsdp) processes: its own test
+    metrics."""
     evaluated = metrics(runs[f"eval{devices}"])
     assert evaluated["test"] == pytest.approx(metrics(runs["single"])["test"], rel=1e-5)
 
