@@ -6,6 +6,7 @@
 - ``shares_trained_run``: the xdist group of the tests that read conftest's ``trained_run``;
 - ``SignalAt``: a callback that sends a real signal at a given step, ``CollectiveCount`` one that
   counts a rank's collectives, ``SeenSamples`` one that records what a rank trained on,
+  ``EpochCounts`` one that logs its batches' sizes as epoch values,
   ``BreakWeightsAt`` one that breaks the weights without a non-finite loss (as
   ``+callbacks.*._target_`` of a train.py subprocess: ``run_python`` puts tests/ on its path);
 - ``gloo_collectives_report``: the fsdp strategy's CPU collectives beside torch's, in a rank of
@@ -444,6 +445,18 @@ class SeenSamples(L.Callback):
         epochs = json.loads(out.read_text()) if out.exists() else []
         out.write_text(json.dumps([*epochs, self._epoch]))
         del self._epoch
+
+
+class EpochCounts(L.Callback):
+    """Logs of each training batch what a module might, with ``self.log`` aggregating over the
+    epoch and no ``sync_dist``: its samples (``reduce_fx="sum"``), the largest batch (``max``)
+    and the batch size (the default mean, weighted by batch size)."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        size = float(len(batch[1]))
+        pl_module.log("count/samples", size, on_step=False, on_epoch=True, reduce_fx="sum")
+        pl_module.log("count/largest", size, on_step=False, on_epoch=True, reduce_fx="max")
+        pl_module.log("count/mean", size, on_step=False, on_epoch=True)
 
 
 class ShardSizes(L.Callback):

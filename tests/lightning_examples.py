@@ -13,6 +13,9 @@ trainkit in them: the code a new user brings. Tests plug them in through config 
   needs (``docs/add_a_task.md``): its layers one ``nn.Sequential`` that the pipeline cuts.
 - ``MNISTLitModule``: lightning-hydra-template's module: ``net`` and the optimizer and scheduler
   factories kept by ``save_hyperparameters``, read back in ``configure_optimizers``.
+- ``GAN``: Lightning's GAN example (``examples/pytorch/domain_templates``), narrower: manual
+  optimization of two optimizers, each step calling the generator through ``self(z)`` and the
+  discriminator directly, between two backward passes.
 """
 
 import math
@@ -304,3 +307,98 @@ class MNISTLitModule(L.LightningModule):
                 },
             }
         return {"optimizer": optimizer}
+
+
+# --- Lightning's examples/pytorch/domain_templates/generative_adversarial_net.py ---------------
+
+
+class Generator(nn.Module):
+    def __init__(self, latent_dim: int = 32, img_shape: tuple = (1, 28, 28)):
+        super().__init__()
+        self.img_shape = img_shape
+
+        def block(in_feat, out_feat, normalize=True):
+            layers = [nn.Linear(in_feat, out_feat)]
+            if normalize:
+                layers.append(nn.BatchNorm1d(out_feat, 0.8))
+            layers.append(nn.LeakyReLU(0.2, inplace=True))
+            return layers
+
+        self.model = nn.Sequential(
+            *block(latent_dim, 64, normalize=False),
+            *block(64, 128),
+            nn.Linear(128, int(math.prod(img_shape))),
+            nn.Tanh(),
+        )
+
+    def forward(self, z):
+        img = self.model(z)
+        return img.view(img.size(0), *self.img_shape)
+
+
+class Discriminator(nn.Module):
+    def __init__(self, img_shape: tuple = (1, 28, 28)):
+        super().__init__()
+        self.model = nn.Sequential(
+            nn.Linear(int(math.prod(img_shape)), 128),
+            nn.LeakyReLU(0.2, inplace=True),
+            nn.Linear(128, 1),
+        )
+
+    def forward(self, img):
+        return self.model(img.view(img.size(0), -1))
+
+
+class GAN(L.LightningModule):
+    def __init__(
+        self, lr: float = 0.0002, b1: float = 0.5, b2: float = 0.999, latent_dim: int = 32
+    ):
+        super().__init__()
+        self.save_hyperparameters()
+        self.automatic_optimization = False
+        self.generator = Generator(latent_dim=latent_dim)
+        self.discriminator = Discriminator()
+        self.validation_z = torch.randn(8, latent_dim)
+
+    def forward(self, z):
+        return self.generator(z)
+
+    @staticmethod
+    def adversarial_loss(y_hat, y):
+        return F.binary_cross_entropy_with_logits(y_hat, y)
+
+    def training_step(self, batch):
+        imgs, _ = batch
+        opt_g, opt_d = self.optimizers()
+        z = torch.randn(imgs.shape[0], self.hparams.latent_dim).type_as(imgs)
+
+        # the generator: make the discriminator call its images real
+        valid = torch.ones(imgs.size(0), 1).type_as(imgs)
+        self.toggle_optimizer(opt_g)
+        g_loss = self.adversarial_loss(self.discriminator(self(z)), valid)
+        opt_g.zero_grad()
+        self.manual_backward(g_loss)
+        opt_g.step()
+        self.untoggle_optimizer(opt_g)
+
+        # the discriminator: tell real images from generated ones
+        self.toggle_optimizer(opt_d)
+        real_loss = self.adversarial_loss(self.discriminator(imgs), valid)
+        fake = torch.zeros(imgs.size(0), 1).type_as(imgs)
+        fake_loss = self.adversarial_loss(self.discriminator(self(z).detach()), fake)
+        d_loss = (real_loss + fake_loss) / 2
+        opt_d.zero_grad()
+        self.manual_backward(d_loss)
+        opt_d.step()
+        self.untoggle_optimizer(opt_d)
+        self.log_dict({"d_loss": d_loss, "g_loss": g_loss})
+
+    def configure_optimizers(self):
+        lr, b1, b2 = self.hparams.lr, self.hparams.b1, self.hparams.b2
+        opt_g = torch.optim.Adam(self.generator.parameters(), lr=lr, betas=(b1, b2))
+        opt_d = torch.optim.Adam(self.discriminator.parameters(), lr=lr, betas=(b1, b2))
+        return opt_g, opt_d
+
+    def on_train_epoch_end(self):
+        z = self.validation_z.type_as(self.generator.model[0].weight)
+        self.sample_imgs = self(z)

@@ -68,7 +68,7 @@ def readable_hparams(obj: Any, config: Mapping[str, Any]) -> dict[str, Any] | No
     refused = unreadable_hparams(obj)
     if not refused:
         return None
-    made = {key: config.get(key) or f"<{refused[key]}>" for key in refused}
+    made = {key: config[key] if key in config else f"<{refused[key]}>" for key in refused}
     return {**obj.hparams, **made}
 
 

@@ -84,9 +84,13 @@ def unknown_keys(config_name: str, overrides: Sequence[str]) -> list[str]:
 
 
 def _in_open(cfg: DictConfig, key: str) -> bool:
-    """Whether ``key`` is under a mapping that takes any key (``open/mapping``)."""
-    parent = OmegaConf.select(cfg, key.rsplit(".", 1)[0]) if "." in key else None
-    return isinstance(parent, DictConfig) and not OmegaConf.is_struct(parent)
+    """Whether ``key`` is under a mapping that takes any key (``open/mapping``), at any depth."""
+    parts = key.split(".")
+    for depth in range(len(parts) - 1, 0, -1):
+        node = OmegaConf.select(cfg, ".".join(parts[:depth]))
+        if isinstance(node, DictConfig):
+            return not OmegaConf.is_struct(node)
+    return False
 
 
 def _keys(cfg: DictConfig, prefix: str = "") -> Iterator[str]:

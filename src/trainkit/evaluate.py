@@ -64,9 +64,9 @@ def with_checkpoint_config(cfg: DictConfig) -> DictConfig:
 
 
 def move_data_dir(data: DictConfig, trained: str, moved: str) -> None:
-    """``paths.data_dir=<moved>``: each value of the checkpoint's data config that the training
-    run took from its ``paths.data_dir`` (``trained``, or a path under it) now under ``moved``.
-    Refused, naming the keys that would move it, where none did."""
+    """``paths.data_dir=<moved>``: each key of the checkpoint's data config whose value the
+    training run took from its ``paths.data_dir`` (``trained``, or a path under it) now under
+    ``moved``. Refused, naming the keys that would move the data, where none did."""
     reached = [
         key
         for key, value in data.items()
@@ -84,20 +84,25 @@ def move_data_dir(data: DictConfig, trained: str, moved: str) -> None:
 
 
 def check_data_keys(data: DictConfig, given: dict) -> None:
-    """A ``data.<key>=...`` that the checkpoint's datamodule does not take: one line with the
-    arguments it does take."""
-    takes = arguments(data)
-    if any(p.kind is p.VAR_KEYWORD for p in takes.values()):
+    """A ``data.<key>=...`` that the checkpoint's datamodule (or the ``data._target_`` given)
+    does not take as a keyword: one line with the arguments it does take. Not checked where its
+    signature cannot be read or takes any keyword (``**kwargs``)."""
+    target = OmegaConf.create({"_target_": given.get("_target_", data.get("_target_"))})
+    takes = {
+        name: p
+        for name, p in arguments(target).items()
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY, p.VAR_KEYWORD)
+    }
+    if not takes or any(p.kind is p.VAR_KEYWORD for p in takes.values()):
         return
     unknown = [key for key in given if key not in takes and not key.startswith("_")]
     if unknown:
-        name = data._target_.rsplit(".", 1)[-1]
-        own = [k for k, p in takes.items() if p.kind is not p.VAR_POSITIONAL]
-        close = difflib.get_close_matches(unknown[0], own, n=1)
+        name = str(target._target_).rsplit(".", 1)[-1]
+        close = difflib.get_close_matches(unknown[0], list(takes), n=1)
         hint = f" (did you mean data.{close[0]}?)" if close else ""
         raise ConfigError(
             f"data.{unknown[0]}: {name} takes no argument {unknown[0]!r}{hint}; it takes "
-            f"{', '.join(own)}"
+            f"{', '.join(takes)}"
         )
 
 

@@ -1,7 +1,8 @@
 """The run's parallel dimensions: computed and checked once from the config, then used by name.
 
 ``ParallelDims`` answers how many processes a run starts and where; ``data_shard`` answers, inside
-a running process, which data-parallel replica it is. Nothing else computes either.
+a running process, which data-parallel replica it is, and ``data_parallel_group`` which ranks hold
+the other replicas. Nothing else computes these.
 """
 
 from __future__ import annotations
@@ -186,6 +187,13 @@ class ParallelDims:
                 f"(num_nodes={self.num_nodes} x {self.processes_per_node} per node): pass "
                 f"num_nodes=<--nnodes> devices=<--nproc-per-node>"
             )
+
+
+def data_parallel_group(strategy: Any) -> Any:
+    """The process group of one rank per data-parallel replica, this process's among them (a
+    pipeline's: this stage's rank in every replica, which hold the same values); None for every
+    rank (the default group), where each rank is a replica of its own."""
+    return getattr(strategy, "data_parallel_group", None)
 
 
 def data_shard(strategy: Any) -> tuple[int, int]:

@@ -202,6 +202,15 @@ def resolve_drop_last(cfg: DictConfig) -> None:
         )
 
 
+def resolve_monitor_mode(cfg: DictConfig) -> None:
+    """``monitor=null`` (a module whose validation logs nothing: a GAN) leaves no mode to choose
+    by: ``monitor_mode`` becomes max, as the best checkpoint with min and no monitor has the last
+    checkpoint's Lightning state key, which Lightning refuses twice ("more than one stateful
+    callback of type ModelCheckpoint")."""
+    if "monitor" in cfg and cfg.monitor is None and cfg.get("monitor_mode") == "min":
+        settle(cfg, "monitor_mode", "max", "monitor=null: no metric to minimise")
+
+
 def resolve_tune_malloc(cfg: DictConfig) -> None:
     """``tune_malloc=null``: freed buffers kept for speed, except under a strategy chosen to hold
     less (``lean_host_memory``: fsdp), where they go back to the OS."""
@@ -246,6 +255,7 @@ def preflight(cfg: DictConfig, training: bool = True) -> ParallelDims:
     check_compile(cfg, dims)
     if training:
         resolve_drop_last(cfg)
+    resolve_monitor_mode(cfg)
     resolve_tune_malloc(cfg)
     set_threads(cfg, dims.processes_per_node)
     return dims
@@ -312,9 +322,11 @@ def why_cannot(stage: str, model: Any, datamodule: Any) -> str | None:
     None if they can."""
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
+    from trainkit.strategies.fsdp import written_class  # (FSDP2 renames a sharded module)
+
     step, loader = STAGE_NEEDS[stage]
     if step and not is_overridden(step, model):
-        return f"{type(model).__name__} has no {step}"
+        return f"{written_class(model).__name__} has no {step}"
     if not is_overridden(loader, datamodule):
         return f"{type(datamodule).__name__} has no {loader}"
     return None

@@ -24,7 +24,7 @@ from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from trainkit.data.sharding import shard_dataloader, shards_itself
-from trainkit.parallel import data_shard
+from trainkit.parallel import data_parallel_group, data_shard
 
 
 class _EpochLoop(_TrainingEpochLoop):
@@ -100,15 +100,16 @@ class _CallbackConnector(LightningCallbackConnector):
 
 
 class _EpochValuesOverAllRanks(_LoggerConnector):
-    """Lightning's, except that what ``self.log`` aggregated over an epoch is computed over every
-    rank as the epoch's batches end, with or without ``sync_dist``: Lightning reduces across ranks
-    only with ``sync_dist=True`` (as Lightning's examples and docs seldom write it), so each
-    process logged, monitored and checkpointed its own part of the epoch, and the loggers got
-    rank 0's. Here a value's sums and batch counts are reduced as ``sync_dist`` reduces them
-    (with the strategies' ``ExactMeanReduce``: the batch-size weighted mean one device computes),
-    a torchmetrics metric syncs itself, and every rank computes them at this one point in one
-    order, so that no reader on one rank alone (rank 0's progress bar) starts a collective. A value
-    logged on some ranks only, or with ``rank_zero_only``, stays each rank's own."""
+    """Lightning's, except that what ``self.log`` aggregated over an epoch's batches is computed
+    over every data-parallel replica as the batches end, with or without ``sync_dist``: Lightning
+    reduces across ranks only with ``sync_dist=True`` (as Lightning's examples and docs seldom
+    write it), so each process logged, monitored and checkpointed its own part of the epoch, and
+    the loggers got rank 0's. A value's sums and batch counts are reduced as ``sync_dist`` reduces
+    them (with the strategies' ``ExactMeanReduce``: the batch-size weighted mean one device
+    computes), over one rank per replica (a pipeline's stages hold the same values); a
+    torchmetrics metric syncs itself. Every rank computes them at this one point in one order, so
+    that no reader on one rank alone (rank 0's progress bar) starts a collective. A value logged
+    on some ranks only, or with ``rank_zero_only``, is left as logged."""
 
     def epoch_end_reached(self) -> None:
         super().epoch_end_reached()
@@ -123,22 +124,22 @@ class _EpochValuesOverAllRanks(_LoggerConnector):
             and value._computed is None
             and not value.meta.sync.rank_zero_only
         }
-        everywhere = _on_every_rank(sorted(pending))
-        for key in everywhere:
+        replicas = data_parallel_group(self.trainer.strategy)
+        for key in _on_every_rank(sorted(pending)):
             value = pending[key]
             sync = value.meta.sync
-            forced = value.is_tensor and not sync.should
-            if forced:
-                sync.should = True
+            logged = (sync.should, sync.group)
+            if value.is_tensor:
+                sync.should, sync.group = True, replicas if logged[1] is None else logged[1]
             try:
                 value.compute()  # cached for every later read of this epoch
-            finally:
-                if forced:  # as logged: a later self.log of the key compares its arguments
-                    sync.should = False
+            finally:  # as logged: a later self.log of the key compares its arguments
+                sync.should, sync.group = logged
 
 
 def _on_every_rank(keys: list[str]) -> list[str]:
-    """The keys every rank has, in one order; one warning for those some ranks lack."""
+    """The keys every rank has, in one order; one warning for those some ranks lack (one
+    ``all_gather_object`` at each end of an epoch's or a loader's batches)."""
     gathered: list[list[str] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, keys)
     common = set.intersection(*(set(k or ()) for k in gathered))
@@ -146,8 +147,9 @@ def _on_every_rank(keys: list[str]) -> list[str]:
     if some:
         names = ", ".join(key.split(".", 1)[1] for key in some)
         rank_zero_warn(
-            f"self.log({names}) on some processes only: each reports its own value. Log it on "
-            f"every process to get the value over all of them, or with rank_zero_only=True"
+            f"self.log({names}) on some processes only: without sync_dist, each reports its own "
+            f"value (with it, Lightning's reduction waits for the others). Log it on every "
+            f"process to get the value over all of them, or with rank_zero_only=True"
         )
     return [key for key in keys if key in common]
 
@@ -190,6 +192,6 @@ class Trainer(L.Trainer):
         callbacks = _CallbackConnector(self)
         vars(callbacks).update(vars(self._callback_connector))  # what its on_trainer_init noted
         self._callback_connector = callbacks
-        logging = _EpochValuesOverAllRanks(self)
-        vars(logging).update(vars(self._logger_connector))  # the loggers on_trainer_init set
-        self._logger_connector = logging
+        connector = _EpochValuesOverAllRanks(self)
+        vars(connector).update(vars(self._logger_connector))  # the loggers on_trainer_init set
+        self._logger_connector = connector

@@ -95,9 +95,6 @@ def training_set(data_root: Path, fraction: float):
     [
         ("auto", 1, False, 0.8),
         ("ddp", 2, False, 0.8),
-        # 129 validation samples: parts of 65 and 64, one batch of 64 apart, where fsdp's ranks
-        # must take the same number of batches (each forward all-gathers)
-        ("fsdp", 2, False, 0.871),
         # 803 training, 200 validation and 251 test samples (fsdp on 3 ranks of them: with
         # Lightning's examples, in e2e/test_lightning_examples.py)
         ("ddp", 3, True, 0.8),

@@ -70,6 +70,7 @@ net:
   output_size: 10
 compile: false
 """,
+    "model/lit_gan.yaml": "_target_: lightning_examples.GAN\n",
     "data/lit_mnist.yaml": (
         "_target_: lightning_docs.MNISTDataModule\ndata_dir: ${paths.data_dir}\n"
         "batch_size: 64\ndownload: false\n"
@@ -118,10 +119,14 @@ EXAMPLES = {
         "test_loss",
     ),
 }
+COUNTS = "+callbacks.counts._target_=helpers.EpochCounts"
 LAYOUTS = {  # the multi-process runs of each example
     "ddp2": ("strategy=ddp", "devices=2"),
     "fsdp2": ("strategy=fsdp", "devices=2", "+callbacks.shards._target_=helpers.ShardSizes"),
-    "fsdp3": ("strategy=fsdp", "devices=3", "+callbacks.seen._target_=helpers.SeenSamples"),
+    "fsdp3": (
+        *("strategy=fsdp", "devices=3", "trainer.max_epochs=2"),
+        *("+callbacks.seen._target_=helpers.SeenSamples", COUNTS),
+    ),
 }
 
 
@@ -174,6 +179,12 @@ def runs(
     evaluate = ("eval.py", f"ckpt_path={best(runs['single'])}", CPU)
     runs["eval2"] = run_script(*evaluate, "devices=2", "strategy=ddp_spawn", TIMEOUT)
     runs["eval3"] = run_script(*evaluate, "devices=3", "strategy=fsdp", TIMEOUT)
+    if example == "language":  # its plain SGD keeps no state: resumed, fsdp restores only its lr
+        last = runs["fsdp2"] / "checkpoints" / "last.ckpt"
+        resume = ("strategy=fsdp", "devices=2", f"ckpt_path={last}", "trainer.max_epochs=2")
+        runs["fsdp2_resumed"] = run_script(
+            "train.py", *example_run(example, user_conf, data, *resume)
+        )
     return runs
 
 
@@ -185,45 +196,45 @@ def best(run_dir: Path) -> str:
     return metrics(run_dir)["best_checkpoint"]
 
 
-def validation_on_one_device(run_dir: Path) -> dict[str, float]:
-    """What Lightning's own Trainer logs validating the run's best checkpoint on one device, on
-    the validation loader of the run's datamodule (built from the run's config.yaml). Lightning's
-    docs' datamodule sets its validation set up for ``fit`` only, so eval.py's validate stage
-    cannot run it: the loader is passed as it is."""
+def validation_on_one_device(run_dir: Path, checkpoint: str) -> dict[str, float]:
+    """What Lightning's own Trainer logs validating one of the run's checkpoints on one device,
+    on the validation loader of the run's datamodule (built from the run's config.yaml).
+    Lightning's docs' datamodule sets its validation set up for ``fit`` only, so eval.py's
+    validate stage cannot run it: the loader is passed as it is."""
     config = OmegaConf.load(run_dir / "config.yaml")
     module, datamodule = instantiate(config.model), instantiate(config.data)
-    module.load_state_dict(torch.load(best(run_dir), weights_only=True)["state_dict"])
+    module.load_state_dict(torch.load(checkpoint, weights_only=True)["state_dict"])
     datamodule.setup("fit")
     (values,) = quiet_trainer(accelerator="cpu").validate(module, datamodule.val_dataloader())
     return values
 
 
-def logged(run_dir: Path) -> dict[str, float]:
-    """What the run's CSV logger got: the last value of each column."""
-    values: dict[str, float] = {}
+def logged(run_dir: Path) -> list[dict[str, float]]:
+    """What the run's CSV logger got: a row per logging call, the columns it logged."""
     with open(run_dir / "csv" / "metrics.csv") as f:
-        for row in csv.DictReader(f):
-            values.update({k: float(v) for k, v in row.items() if v})
-    return values
+        return [{k: float(v) for k, v in row.items() if v} for row in csv.DictReader(f)]
+
+
+def last_logged(run_dir: Path, key: str) -> float:
+    return [row[key] for row in logged(run_dir) if key in row][-1]
 
 
 @pytest.mark.parametrize("name", ["single", *LAYOUTS])
 def test_every_value_a_run_logs_equals_one_devices_evaluation(runs: dict, name: str) -> None:
-    """On all the run's ranks: its test metrics, its validation value (in metrics.json, the
-    best checkpoint's score, which a sweep gets too) and what its logger wrote."""
+    """On all the run's ranks: its test metrics, its last validation value (in metrics.json and
+    the logger), and its best checkpoint's score (which a sweep gets too)."""
     val, test = runs["val"], runs["test"]
     run, one = metrics(runs[name]), metrics(runs[f"{name}_eval1"])
     assert set(one["test"]) == {test}
     assert run["test"] == pytest.approx(one["test"], rel=1e-5)
-    # one epoch: the best checkpoint holds the weights of the validation the run's metrics hold
-    exact = pytest.approx(validation_on_one_device(runs[name])[val], rel=1e-5)
-    assert run["fit"][val] == exact
+    assert last_logged(runs[name], test) == pytest.approx(one["test"][test], rel=1e-5)
+    last = validation_on_one_device(runs[name], str(runs[name] / "checkpoints" / "last.ckpt"))
+    assert run["fit"][val] == pytest.approx(last[val], rel=1e-5)
+    assert last_logged(runs[name], val) == pytest.approx(last[val], rel=1e-5)
     checkpoint = torch.load(best(runs[name]), weights_only=True)
     (score,) = (s["best_model_score"] for s in checkpoint["callbacks"].values() if s["monitor"])
-    assert float(score) == exact
-    written = logged(runs[name])
-    assert written[val] == exact
-    assert written[test] == pytest.approx(one["test"][test], rel=1e-5)
+    best_val = validation_on_one_device(runs[name], best(runs[name]))[val]
+    assert float(score) == pytest.approx(best_val, rel=1e-5)
 
 
 @pytest.mark.parametrize("devices", [2, 3])
@@ -251,10 +262,47 @@ def test_fsdp_trains_the_weights_ddp_trains_with_every_parameter_sharded(runs: d
             assert share["param"] == share["grad"] == expected[rank], (param, rank, share)
 
 
+def training_set_size(runs: dict, data: dict) -> int:
+    if runs["example"] == "language":
+        return 287 - 2 * 41
+    datamodule = MNISTDataModule(str(data["mnist"]), download=False)
+    datamodule.setup("fit")
+    return len(datamodule.mnist_train)
+
+
+def test_sums_maxima_and_means_of_an_epoch_are_over_every_rank(runs: dict, data: dict) -> None:
+    """fsdp x3, two epochs: what a module logs of each training batch without sync_dist is, in
+    each epoch, over all three ranks' batches (each rank's part of Lightning's DistributedSampler,
+    padded to ceil(n / 3) samples, in batches of the loader's size)."""
+    batch = 20 if runs["example"] == "language" else BATCH
+    part = math.ceil(training_set_size(runs, data) / 3)
+    sizes = [batch] * (part // batch) + ([part % batch] if part % batch else [])
+    rows = [row for row in logged(runs["fsdp3"]) if "count/samples" in row]
+    assert [row["epoch"] for row in rows] == [0, 1]
+    for row in rows:
+        assert row["count/samples"] == 3 * part
+        assert row["count/largest"] == batch
+        mean = sum(b * b for b in sizes) / sum(sizes)  # each batch's size, weighted by it
+        assert row["count/mean"] == pytest.approx(mean, rel=1e-6)
+
+
+def test_an_fsdp_run_of_a_stateless_optimizer_resumes(runs: dict) -> None:
+    """The language model's plain SGD saves an empty state: resumed under fsdp, its second epoch
+    starts where the first ended and trains on."""
+    if runs["example"] != "language":
+        pytest.skip("the autoencoder's Adam has a state: resumed in e2e/test_fsdp.py")
+    first = torch.load(runs["fsdp2"] / "checkpoints" / "last.ckpt", weights_only=True)
+    second = torch.load(runs["fsdp2_resumed"] / "checkpoints" / "last.ckpt", weights_only=True)
+    assert second["global_step"] == 2 * first["global_step"] > 0
+    assert second["optimizer_states"][0]["param_groups"][0]["lr"] == 0.1
+    assert max_diff(first["state_dict"], second["state_dict"]) > 0
+
+
 def test_fsdp_on_three_ranks_trains_each_ranks_part_of_the_epoch(runs: dict, data: dict) -> None:
     """Each rank takes the steps Lightning's DistributedSampler gives it; every training sample
     is seen (and a few twice, as the sampler pads)."""
     seen = [json.loads((runs["fsdp3"] / f"seen.rank{r}.json").read_text()) for r in range(3)]
+    assert all(len(epochs) == 2 for epochs in seen)
     if runs["example"] == "language":
         assert [epochs[0]["batches"] for epochs in seen] == [4, 4, 4]  # 69 of 205 blocks a rank
         return
@@ -299,6 +347,25 @@ def test_a_module_keeping_its_net_and_optimizer_in_hparams_runs_as_written(
         assert evaluated["test/loss"] == loss
 
 
+# --- a GAN: manual optimization, its parts called directly --------------------------------------
+
+
+def test_a_gan_trains_under_fsdp_as_under_ddp(
+    user_conf: Path, data: dict, run_script: Callable[..., Path]
+) -> None:
+    """Lightning's GAN example optimizes its generator and discriminator in turn by hand, calling
+    the discriminator directly after a backward pass: under fsdp (each part a unit of its own) it
+    trains the weights ddp trains (which needs find_unused_parameters for it)."""
+    # no validation, so no monitor; its losses logged at every step
+    run = user_run(
+        user_conf, data, "lit_gan", "monitor=null", "devices=2", "trainer.log_every_n_steps=1"
+    )
+    ddp = run_script("train.py", *run, "strategy=ddp", "strategy.find_unused_parameters=true")
+    fsdp = run_script("train.py", *run, "strategy=fsdp", TIMEOUT)
+    assert max_diff(run_weights(ddp), run_weights(fsdp)) < WEIGHT_ATOL
+    assert {"d_loss", "g_loss"} <= {k for row in logged(fsdp) for k in row}
+
+
 # --- the language model under the pipeline, changed as docs/add_a_task.md shows ----------------
 
 
@@ -307,11 +374,14 @@ def test_a_transformer_with_its_layers_in_a_sequential_runs_under_the_pipeline(
 ) -> None:
     """The example as written is refused (test_pipeline_task.py); with its layers in an
     ``nn.Sequential`` and the four members it trains on 2 stages, and its test equals one
-    device's eval.py. 225 training blocks in batches of 25: the pipeline takes no short batch
-    (the user's loader keeps one, and would be refused with another split)."""
+    device's eval.py; a sum it logs over an epoch counts each sample once, not once per stage.
+    225 training blocks in batches of 25: the pipeline takes no short batch (the user's loader
+    keeps one, and would be refused with another split)."""
     split = ("data.held_out=31", "data.batch_size=25", "strategy.microbatches=5")
     run = user_run(user_conf, data, "lit_pipelined_language", "strategy.balance=params", *split)
-    pipelined = run_script("train.py", *run, "strategy=pipeline", "devices=2", TIMEOUT)
+    pipelined = run_script("train.py", *run, "strategy=pipeline", "devices=2", TIMEOUT, COUNTS)
+    # the stages log the same batches: an epoch's sum counts them once
+    assert last_logged(pipelined, "count/samples") == 225
     one = run_here("eval.py", f"ckpt_path={best(pipelined)}", CPU)
     assert metrics(pipelined)["test"] == pytest.approx(metrics(one)["test"], rel=1e-5)
     assert set(metrics(one)["test"]) == {"test_loss"}
@@ -338,14 +408,12 @@ def test_eval_reaches_a_user_datamodules_own_arguments(
     trained = runs["single"]
     ckpt = (f"ckpt_path={best(trained)}", CPU)
     moved = shutil.copytree(data["mnist"], tmp_path / "moved")
-    for given in (f"data.data_dir={moved}", f"paths.data_dir={moved}", "data.batch_size=50"):
-        run_dir = run_script("eval.py", *ckpt, given)
+    for given, batch in (((f"data.data_dir={moved}", "data.batch_size=50"), 50),
+                         ((f"paths.data_dir={moved}",), BATCH)):  # fmt: skip
+        run_dir = run_script("eval.py", *ckpt, *given)
         assert metrics(run_dir)["test"] == pytest.approx(metrics(trained)["test"], rel=1e-5)
         used = OmegaConf.load(run_dir / "config.yaml").data
-        assert (used.data_dir, used.batch_size) == (
-            str(data["mnist"] if "batch" in given else moved),
-            50 if "batch" in given else BATCH,
-        )
+        assert (used.data_dir, used.batch_size) == (str(moved), batch)
     refused(
         run_python("eval.py", *ckpt, f"data.root={moved}", log_dir=tmp_path),
         "data.root: MNISTDataModule takes no argument 'root'; it takes data_dir, batch_size, "

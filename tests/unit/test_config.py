@@ -28,6 +28,8 @@ from myproject.tasks import ImageClassifier
 from trainkit import callbacks
 from trainkit.callbacks import ProfileSteps, RunConfig, StartupTime
 from trainkit.config import CONF_DIR, LIBRARY_CONF_DIR, compose_config, settle, unknown_keys
+from trainkit.errors import ConfigError
+from trainkit.evaluate import check_data_keys, move_data_dir
 from trainkit.parallel import ParallelDims
 from trainkit.resolvers import run_name
 from trainkit.train import build, run
@@ -442,6 +444,33 @@ def test_eval_config_composes_with_ckpt_path(tmp_path: Path) -> None:
     resolved = OmegaConf.to_container(cfg, resolve=True)
     assert resolved["paths"]["output_dir"] == str((tmp_path / "out").resolve())
     assert resolved["logger"]["csv"]["save_dir"] == str((tmp_path / "out").resolve())
+
+
+def test_eval_data_takes_any_key_its_datamodule_takes(tmp_path: Path) -> None:
+    """eval.yaml's data is open: a user's datamodule's own keys compose without a `+`, at any
+    depth, and are not called unknown; they are checked against the datamodule instead."""
+    overrides = ["ckpt_path=x", "data.data_dir=/d", "data.aug.size=3"]
+    cfg = compose_config("eval", tmp_path / "out", overrides)
+    assert OmegaConf.to_container(cfg.data) == {"data_dir": "/d", "aug": {"size": 3}}
+    assert unknown_keys("eval", overrides) == []
+    trained = OmegaConf.create({"_target_": "lightning_docs.MNISTDataModule", "data_dir": "/old"})
+    check_data_keys(trained, {"data_dir": "/new", "batch_size": 8})
+    with pytest.raises(ConfigError, match=r"^data.root: MNISTDataModule takes no argument 'root'"):
+        check_data_keys(trained, {"root": "/new"})
+    # a datamodule that takes any keyword, or another target given, is checked as it is
+    check_data_keys(OmegaConf.create({"_target_": "argparse.Namespace"}), {"anything": 1})
+    with pytest.raises(ConfigError, match=r"^data.data_dir: MLP takes no argument"):
+        check_data_keys(trained, {"_target_": "myproject.models.MLP", "data_dir": "/new"})
+
+
+def test_paths_data_dir_moves_what_the_training_run_took_from_it() -> None:
+    data = OmegaConf.create({"root": "/old/data/mnist", "cache": "/old/data2", "n": 3})
+    move_data_dir(data, "/old/data", "/new")
+    assert OmegaConf.to_container(data) == {"root": "/new/mnist", "cache": "/old/data2", "n": 3}
+    with pytest.raises(
+        ConfigError, match=r"give the data's own key instead: data.cache=/old/data2"
+    ):
+        move_data_dir(OmegaConf.create({"cache": "/old/data2"}), "/old/data", "/new")
 
 
 def test_eval_config_requires_ckpt_path(tmp_path: Path) -> None:

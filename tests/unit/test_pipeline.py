@@ -164,7 +164,7 @@ def test_bad_options_are_refused_when_built(kwargs: dict, message: str) -> None:
             r"interleaved .*7 micro-batches is not a multiple of 3 rounds",
         ),
         ({}, task(nn.Linear(784, 10)), 2, 64, 1, r"\.net \(an nn\.Sequential .*\.net is Linear"),
-        ({"module": "body"}, mlp(), 2, 64, 1, r"\.body \(an nn\.Sequential .*body is NoneType"),
+        ({"module": "body"}, mlp(), 2, 64, 1, r"\.body \(an nn\.Sequential .*body does not exist"),
         (
             {},
             ImageClassifier(

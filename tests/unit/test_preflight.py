@@ -38,6 +38,7 @@ from trainkit.preflight import (
 from trainkit.resume import resolve_ckpt_path
 from trainkit.runtime import cpu_flags, has_bf16_units, usable_cores
 from trainkit.strategies.dp import DataParallelStrategy
+from trainkit.train import build
 
 
 @pytest.mark.parametrize(
@@ -389,3 +390,14 @@ def test_freed_buffers_are_kept_for_speed_except_where_the_strategy_saves_memory
     cfg = compose("devices=2", *extra)
     preflight(cfg)
     assert cfg.tune_malloc is keeps
+
+
+def test_no_monitor_leaves_the_two_checkpoints_their_own_state_keys(compose) -> None:
+    """monitor=null with monitor_mode=min gave the best checkpoint the last one's Lightning state
+    key, and Lightning refused to build the Trainer; with no monitor the mode means nothing."""
+    cfg = compose("monitor=null", "monitor_mode=min", "logger=none")
+    dims = preflight(cfg)
+    assert cfg.monitor_mode == "max"
+    _, _, trainer = build(cfg, dims)
+    keys = [c.state_key for c in trainer.checkpoint_callbacks]
+    assert len(keys) == len(set(keys)) == 2

@@ -110,21 +110,25 @@ def unit_names(model: torch.nn.Module, wrap: list[str] | None = None) -> list[st
 
 def test_fsdp_shards_the_repeated_blocks_of_any_module(compose) -> None:
     """The default policy: each member of a block sequence (the template's nets declare theirs; a
-    ModuleList or Sequential of one class), none where there is none (the module itself, the root
-    unit, then takes every parameter)."""
+    ModuleList or Sequential of one class), then each child of the module with parameters left
+    (the module itself, the root unit, takes its own)."""
     language = lightning_examples.LanguageModel(vocab_size=31)
-    assert unit_names(language) == [
+    layers = [
         *(f"model.transformer.encoder.layers.{i}" for i in range(2)),
         *(f"model.transformer.decoder.layers.{i}" for i in range(2)),
     ]
-    assert unit_names(lightning_examples.LitAutoEncoder()) == []  # Linear, ReLU, Linear
+    assert unit_names(language) == [*layers, "model"]  # model: the embedding, output, norms
+    autoencoder = lightning_examples.LitAutoEncoder()  # Linear, ReLU, Linear: no repeated block
+    assert unit_names(autoencoder) == ["encoder", "decoder"]
     cfg = compose("strategy=fsdp", "devices=2")
     _, model, _ = build(cfg, preflight(cfg))
-    assert unit_names(model) == [f"net.{i}" for i in range(3)]  # the MLP's 2 hidden layers, head
+    # the MLP's 2 hidden layers and head; net holds nothing else, the task's metrics nothing
+    assert unit_names(model) == [f"net.{i}" for i in range(3)]
     wrapped = unit_names(language, ["torch.nn.TransformerDecoderLayer", "torch.nn.Embedding"])
     assert wrapped == [
         *(f"model.transformer.decoder.layers.{i}" for i in (1, 0)),  # innermost first
         "model.embedding",
+        "model",
     ]
 
 
@@ -135,7 +139,7 @@ def test_fsdp_shards_the_repeated_blocks_of_any_module(compose) -> None:
         (
             ["torch.nn.TransformerEncoderLayer", "torch.nn.Conv2d"],
             r"LitAutoEncoder has no torch.nn.TransformerEncoderLayer, torch.nn.Conv2d module; "
-            r"its modules with parameters are Linear, LitAutoEncoder, Sequential",
+            r"its modules with parameters are Linear \(strategy.wrap=null",
         ),
     ],
 )

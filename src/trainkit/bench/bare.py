@@ -72,8 +72,7 @@ class Bare(L.LightningModule):
 def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(spec["threads"])
-    if spec["tune_malloc"]:
-        tune_malloc()
+    tune_malloc(keep_freed=spec["tune_malloc"])
     world = spec["world"]
     trainer = L.Trainer(
         accelerator="gpu" if torch.cuda.is_available() else "cpu",

@@ -103,7 +103,7 @@ def turn(cells: list[Cell], round_: int) -> list[tuple[int, Cell]]:
 RESNET_OVERRIDES = ("model=resnet50", "data=cifar10", "data.val_size=200")
 MEMORY_OVERRIDES = ("data=mnist", "data.val_size=200", "callbacks=none")
 WIDE_MLP = ("model=mlp", "model.net.hidden=[8192,8192,8192]")
-# A module of the kind users bring (bench/language.py): the demo transformer, 118M parameters
+# A module of the kind users bring (bench/language.py): the demo transformer, 132M parameters
 TEXT_WORDS = 1000  # bench/conf/model/bench_transformer.yaml's vocabulary: these and <eos>
 WIDE_TRANSFORMER = (
     "hydra.searchpath=[pkg://trainkit.bench.conf]",

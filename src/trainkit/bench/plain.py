@@ -39,8 +39,7 @@ def build(config: dict, **kwargs):
 def train(rank: int, spec: dict) -> None:
     world = spec["world"]
     torch.set_num_threads(spec["threads"])
-    if spec["tune_malloc"]:
-        tune_malloc()
+    tune_malloc(keep_freed=spec["tune_malloc"])
     device = torch.device(f"cuda:{rank}" if torch.cuda.is_available() else "cpu")
     if world > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]))

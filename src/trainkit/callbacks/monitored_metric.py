@@ -4,7 +4,6 @@ import lightning as L
 
 from trainkit.callbacks.step_hooks import step_hooks
 from trainkit.errors import ConfigError
-from trainkit.strategies.fsdp import written_class
 
 
 @step_hooks()
@@ -24,6 +23,8 @@ class MonitoredMetric(L.Callback):
         # every rank decides alike (a metric logged with rank_zero_only is on rank 0 only)
         if trainer.strategy.reduce_boolean_decision(self.monitor in logged, all=True):
             return
+        from trainkit.strategies.fsdp import written_class  # (FSDP2 renames a sharded module)
+
         module = written_class(pl_module).__name__
         raise ConfigError(
             f"monitor={self.monitor} is not among the metrics that {module}'s "

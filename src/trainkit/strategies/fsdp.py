@@ -6,9 +6,9 @@ full-state checkpoint, its loading. Lightning expects the module's ``configure_m
 it; here a module that does (any ``fully_shard`` in it) keeps its own units, and any other is
 sharded by a policy: ``wrap`` names the classes whose modules become units, and by default the
 repeated blocks do (``repeated_blocks``: each member of a block sequence, as torchtitan shards
-each transformer block). The module itself is then the root unit, which takes every parameter no
-unit took, so nothing trains outside FSDP. Lightning's own ``strategy="fsdp"`` (FSDP1) refuses a
-CPU accelerator (Lightning #21812).
+each transformer block); then each child of the module with parameters left. The module itself
+is the root unit, which takes its own, so nothing trains outside FSDP. Lightning's own
+``strategy="fsdp"`` (FSDP1) refuses a CPU accelerator (Lightning #21812).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 # torch's interfaces for FSDPModule.set_custom_all_gather / set_custom_reduce_scatter, and its
@@ -81,7 +82,7 @@ class FSDPStrategy(ExactMeanReduce, ModelParallelStrategy):
     whole parameters exist only during its own forward and backward (all-gathered, then freed
     again where ``reshard_after_forward``; on CPU with the collectives below, which hold nothing
     longer). The root unit's (the module's own) stay gathered from its forward to its backward,
-    as FSDP2 keeps any root's. Checkpoints are one full file, written by rank 0, that every
+    as FSDP2 keeps a root's. Checkpoints are one full file, written by rank 0, that every
     strategy and ``eval.py`` load. Mixed precision is Lightning's autocast, as under every other
     strategy (FSDP2's bf16 parameter policy would cast BatchNorm's weights but not its running
     statistics, and make bf16 gradients)."""
@@ -120,8 +121,17 @@ class FSDPStrategy(ExactMeanReduce, ModelParallelStrategy):
         self.units(model)
 
     def units(self, model: nn.Module) -> list[nn.Module]:
-        """The modules sharded as units of their own, by ``wrap`` or by default
-        (``repeated_blocks``); the root, ``model`` itself, takes the rest."""
+        """The modules sharded as units of their own, innermost first: the blocks ``wrap`` names
+        or, by default, the repeated blocks; then each child of ``model`` with parameters left,
+        so that a step may call any child directly (a GAN's ``self.discriminator(x)``) and find
+        it gathered. The root, ``model`` itself, takes its own parameters."""
+        blocks = self.blocks(model)
+        covered = {id(p) for block in blocks for p in block.parameters()}
+        rest = [c for c in model.children() if any(id(p) not in covered for p in c.parameters())]
+        return [*blocks, *rest]
+
+    def blocks(self, model: nn.Module) -> list[nn.Module]:
+        """The units the policy picks, innermost first: ``wrap``'s, or ``repeated_blocks``."""
         if self.wrap is None:
             return repeated_blocks(model)
         classes = []
@@ -136,8 +146,11 @@ class FSDPStrategy(ExactMeanReduce, ModelParallelStrategy):
         found = [m for m in model.modules() if isinstance(m, tuple(classes)) and m is not model]
         missing = [n for n, c in zip(self.wrap, classes, strict=True)
                    if not any(isinstance(m, c) for m in found)]  # fmt: skip
-        if missing:
-            have = sorted({type(m).__name__ for m in model.modules() if holds_parameters(m)})
+        if missing:  # the classes of the modules that hold parameters of their own
+            own = (
+                m for m in model.modules() if next(m.parameters(recurse=False), None) is not None
+            )
+            have = sorted({type(m).__name__ for m in own})
             raise ConfigError(
                 f"strategy.wrap={self.wrap}: {type(model).__name__} has no {', '.join(missing)} "
                 f"module; its modules with parameters are {', '.join(have)} (strategy.wrap=null "
@@ -182,18 +195,23 @@ class FSDPStrategy(ExactMeanReduce, ModelParallelStrategy):
     def _shard(self, module: nn.Module) -> None:
         from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 
-        if isinstance(module, FSDPModule):
-            return  # sharded for fit; test after fit runs on the same units
-        options: dict[str, Any] = {
-            "mesh": self.device_mesh["data_parallel"],
-            "reshard_after_forward": self.reshard_after_forward,
-        }
-        if self.cpu_offload:
-            options["offload_policy"] = CPUOffloadPolicy()
-        if not sharded_already(module):  # else the units its configure_model made
-            for unit in self.units(module):
-                fully_shard(unit, **options)
-        fully_shard(module, **options)  # the root: every parameter no unit took
+        # a module sharded already: for fit (a test after fit runs on the same units), or by its
+        # own configure_model down to its root
+        if not isinstance(module, FSDPModule):
+            options: dict[str, Any] = {
+                "mesh": self.device_mesh["data_parallel"],
+                "reshard_after_forward": self.reshard_after_forward,
+            }
+            if self.cpu_offload:
+                options["offload_policy"] = CPUOffloadPolicy()
+            if not sharded_already(module):
+                for unit in self.units(module):
+                    fully_shard(unit, **options)
+            elif self.wrap is not None:
+                rank_zero_warn(f"strategy.wrap={self.wrap} is not used: the module shards itself")
+            # the root takes every parameter no unit took; FSDP2 keeps a root's gathered from its
+            # forward to its backward only where reshard_after_forward is left to it (None)
+            fully_shard(module, **{**options, "reshard_after_forward": None})
         if self.root_device.type == "cpu":
             all_gather, reduce_scatter = GlooAllGather(), GlooReduceScatter()
             for unit in (m for m in module.modules() if isinstance(m, FSDPModule)):
@@ -205,18 +223,38 @@ class FSDPStrategy(ExactMeanReduce, ModelParallelStrategy):
                 unit.set_modules_to_backward_prefetch([unit])
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
-        """Lightning's load of a full checkpoint, less the optimizer state where nothing trains:
-        a test after fit found the fit's optimizers still there and loaded their state too (and
-        failed on a stateless one's, SGD without momentum: Lightning reads its first entry)."""
-        if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
-            return super().load_checkpoint(checkpoint_path, weights_only)
-        return _load_checkpoint(
+        """Lightning's load of a full checkpoint, its optimizer part mended: a test after fit
+        found the fit's optimizers still there and loaded their state too, and a stateless
+        optimizer's state (SGD without momentum) failed there, Lightning reading the first key of
+        its empty state (and torch's loader finding no state tensor). The weights as Lightning
+        loads them; the optimizers' state only to fit."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
+
+        module = self.lightning_module
+        checkpoint = _load_checkpoint(
             path=Path(self.broadcast(checkpoint_path)),
             state={"state_dict": self.model},
-            strict=self.lightning_module.strict_loading,
+            strict=module.strict_loading,
             optimizer_states_from_list=True,
             weights_only=weights_only,
         )
+        if module.trainer.state.fn != TrainerFn.FITTING:
+            return checkpoint
+        options = StateDictOptions(
+            full_state_dict=True, broadcast_from_rank0=True, strict=module.strict_loading
+        )
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
+            if not state["state"]:  # stateless: its hyperparameters only (torch's loader places
+                # state tensors, and refuses an optimizer without any)
+                for group, saved in zip(optimizer.param_groups, state["param_groups"], strict=True):
+                    group.update({k: v for k, v in saved.items() if k != "params"})
+                continue
+            state = keyed_by_name(state, optimizer, self.model)
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state, options=options)
+        return checkpoint
 
     def model_to_device(self) -> None:
         """Everything to the device but, with ``cpu_offload``, the shards that FSDP keeps on the
@@ -272,10 +310,27 @@ class FSDPStrategy(ExactMeanReduce, ModelParallelStrategy):
 
 def _move_parameterless(module: nn.Module, device: torch.device) -> None:
     for child in module.children():
-        if next(child.parameters(), None) is None:
-            child.to(device)
-        else:
+        if holds_parameters(child):
             _move_parameterless(child, device)
+        else:
+            child.to(device)
+
+
+def keyed_by_name(state: dict[str, Any], optimizer: Any, module: nn.Module) -> dict[str, Any]:
+    """An optimizer's state dict keyed by parameter name, as ``set_optimizer_state_dict`` reads
+    it: a one-device or ddp run saves it keyed by each parameter's place in the optimizer."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+    def name(key: int | str) -> str:
+        return order[key] if isinstance(key, int) else key
+
+    return {
+        "state": {name(k): v for k, v in state["state"].items()},
+        "param_groups": [
+            {**g, "params": [name(k) for k in g["params"]]} for g in state["param_groups"]
+        ],
+    }
 
 
 # FSDP's collectives on gloo (CPU). Gloo's all_gather_into_tensor and reduce_scatter_tensor each

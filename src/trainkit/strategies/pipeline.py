@@ -355,6 +355,12 @@ class PipelineStrategy(DDPStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.replicas, "rank": self.global_rank // self.stages}
 
+    @property
+    def data_parallel_group(self) -> Any:
+        """This stage's rank in every replica: the stages of one pipeline log the same values,
+        reduced over the replicas once (``parallel.data_parallel_group``)."""
+        return self._replica_group
+
     def _make_groups(self) -> None:
         """One process group per pipeline, one per stage across replicas (every rank creates
         every group, in the same order, as torch.distributed requires)."""

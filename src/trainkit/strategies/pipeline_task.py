@@ -88,10 +88,11 @@ def check_pipeline_task(module: nn.Module, attribute: str = "net") -> None:
     missing = [m for m in MEMBERS if not implements(module, m)]
     blocks = getattr(module, attribute, None)
     if not isinstance(blocks, nn.Sequential):
-        lacks = f" and lacks {', '.join(missing)}" if missing else ""
+        has = f"is {type(blocks).__name__}" if hasattr(module, attribute) else "does not exist"
+        lacks = f" and {name} lacks {', '.join(missing)}" if missing else ""
         raise ConfigError(
             f"strategy=pipeline cuts {name}.{attribute} (an nn.Sequential of blocks) across its "
-            f"stages, but {name}.{attribute} is {type(blocks).__name__}{lacks}: put the layers "
+            f"stages, but {name}.{attribute} {has}{lacks}: put the layers "
             f"in an nn.Sequential {attribute} (a transformer: embedding, layers, output layer) "
             f"of a subclass of trainkit.strategies.pipeline_task.PipelineTask, as "
             f"docs/add_a_task.md's transformer does, or use strategy=fsdp, which runs the "
