@@ -8,6 +8,7 @@ import inspect
 import logging
 import os
 import textwrap
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -264,6 +265,34 @@ def preflight(cfg: DictConfig, training: bool = True) -> ParallelDims:
 # --- the built run: task, data and strategy ------------------------------------------------------
 
 
+def module_calls(module: nn.Module, start: tuple[str, ...]) -> Iterator[tuple[str, ast.Call]]:
+    """``("Class.method", call)`` for each ``self.<attr>(...)`` or ``self.<attr>.<m>(...)`` call in
+    the source of ``module``'s methods ``start`` and of the module's own methods they call (not
+    Lightning's). Reading source cannot see everything (a method reached through a dict, code
+    built at run time); a method without source says nothing."""
+    todo, seen = list(start), set()
+    while todo:
+        name = todo.pop(0)
+        owner = defined_by(type(module), name) if name not in seen else None
+        seen.add(name)
+        if owner is None or owner.__module__.startswith("lightning."):  # none, or Lightning's
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(vars(owner)[name])))
+        except (OSError, TypeError, SyntaxError):  # no source to read: nothing to say
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                method = node.func.attr
+                if is_self(node.func.value) and callable(getattr(type(module), method, None)):
+                    todo.append(method)
+                yield f"{owner.__name__}.{name}", node
+
+
+def is_self(node: ast.expr) -> bool:
+    return isinstance(node, ast.Name) and node.id == "self"
+
+
 def step_side_effects(module: nn.Module) -> list[str]:
     """What ``module``'s steps do besides computing, read from their source and that of the
     module's methods they call: each ``self.log``/``self.log_dict`` call and each torchmetrics
@@ -274,39 +303,63 @@ def step_side_effects(module: nn.Module) -> list[str]:
         return isinstance(module._modules.get(attr), (Metric, MetricCollection))
 
     found: list[str] = []
-    todo, seen = list(STEPS), set()
-    while todo:
-        name = todo.pop(0)
-        owner = defined_by(type(module), name) if name not in seen else None
-        seen.add(name)
-        if owner is None or owner.__module__.startswith("lightning."):  # none, or Lightning's
-            continue
-        function = vars(owner)[name]
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
-        except (OSError, TypeError, SyntaxError):  # no source to read: nothing to say
-            continue
-        where = f"{owner.__name__}.{name}"
-        for node in ast.walk(tree):
-            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
-                continue
-            target, attr = node.func.value, node.func.attr
-            if isinstance(target, ast.Name) and target.id == "self":  # self.<attr>(...)
-                if attr in ("log", "log_dict"):
-                    found.append(f"{where}: self.{attr}")
-                elif is_metric(attr):
-                    found.append(f"{where}: self.{attr}(...)")
-                elif callable(getattr(type(module), attr, None)):
-                    todo.append(attr)
-            elif (  # self.<metric>.update(...)
-                isinstance(target, ast.Attribute)
-                and isinstance(target.value, ast.Name)
-                and target.value.id == "self"
-                and is_metric(target.attr)
-                and attr in ("update", "forward")
-            ):
-                found.append(f"{where}: self.{target.attr}.{attr}")
+    for where, call in module_calls(module, STEPS):
+        target, attr = call.func.value, call.func.attr
+        if is_self(target):  # self.<attr>(...)
+            if attr in ("log", "log_dict"):
+                found.append(f"{where}: self.{attr}")
+            elif is_metric(attr):
+                found.append(f"{where}: self.{attr}(...)")
+        elif (  # self.<metric>.update(...)
+            isinstance(target, ast.Attribute)
+            and is_self(target.value)
+            and is_metric(target.attr)
+            and attr in ("update", "forward")
+        ):
+            found.append(f"{where}: self.{target.attr}.{attr}")
     return found
+
+
+# the hooks in which a module logs; and the reductions Lightning takes from self.log (any other
+# it refuses at the call, once training or evaluation runs)
+LOGGING_HOOKS = (
+    *STEPS,
+    *(f"on_{stage}_batch_end" for stage in ("train", "validation", "test")),
+    *(f"on_{stage}_epoch_end" for stage in ("train", "validation", "test")),
+)
+REDUCTIONS = ("mean", "avg", "sum", "max", "min")
+
+
+def check_logged_reductions(module: nn.Module) -> None:
+    """A ``self.log(..., reduce_fx=<anything but mean, sum, max or min>)`` in the module's
+    logging hooks, refused before any work: Lightning refuses it only at the call, and no
+    other reduction can be computed over the ranks."""
+    for where, call in module_calls(module, LOGGING_HOOKS):
+        if not (is_self(call.func.value) and call.func.attr in ("log", "log_dict")):
+            continue
+        fx = next((k.value for k in call.keywords if k.arg == "reduce_fx"), None)
+        if fx is None or names_reduction(fx):
+            continue
+        key = call.args[0] if call.args else None
+        name = repr(key.value) if isinstance(key, ast.Constant) else "its value"
+        raise ConfigError(
+            f"{where}: self.{call.func.attr}({name}, reduce_fx={ast.unparse(fx)}): an epoch's "
+            f"value is reduced over the batches and the processes with mean, sum, max or min "
+            f"only; log a torchmetrics Metric that computes it (self.log({name}, metric)), or "
+            f"reduce_fx='mean'"
+        )
+
+
+def names_reduction(node: ast.expr) -> bool:
+    """Whether ``reduce_fx`` may be one Lightning takes: ``"mean"`` (``"avg"``), ``"sum"``,
+    ``"max"`` or ``"min"``, in any case; ``torch.mean`` and the like; a plain name (the builtins
+    ``sum``, ``max``, ``min``, or a variable, which is not read). A lambda, another string or
+    another attribute (``torch.median``) is not."""
+    if isinstance(node, ast.Constant):
+        return str(node.value).lower() in REDUCTIONS
+    if isinstance(node, ast.Attribute):
+        return node.attr in REDUCTIONS and isinstance(node.value, ast.Name)
+    return isinstance(node, ast.Name)
 
 
 # what Lightning needs to run each stage: the task's step (predict has a default) and the loader
@@ -357,12 +410,14 @@ def check_built_run(
     training: bool = True,
 ) -> None:
     """What the built task, data and strategy say about the run, before a process is started or
-    a step is taken: the task's steps under the strategy, the training data's sharding (in the
-    process that starts the others) and the strategy's own ``check_run``."""
+    a step is taken: the task's steps under the strategy, the reductions of what it logs, the
+    training data's sharding (in the process that starts the others) and the strategy's own
+    ``check_run``."""
     caps = capabilities(strategy)
     if not caps.runs_task_steps:  # it composes the steps from the task's members instead
         check_pipeline_task(model, getattr(strategy, "module_name", "net"))
     check_threaded_steps(model, dims, caps)
+    check_logged_reductions(model)
     if not training:
         return
     batch_size = cfg.data.get("batch_size")

@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 import lightning_docs
+import lightning_examples
 from helpers import SLURM_TASK, in_process_state
 from myproject.data import MNISTDataModule
 from myproject.models import MLP
@@ -29,6 +30,7 @@ from trainkit.evaluate import check_stages
 from trainkit.parallel import LIGHTNING, ParallelDims, capabilities
 from trainkit.preflight import (
     check_compile,
+    check_logged_reductions,
     check_threaded_steps,
     preflight,
     set_threads,
@@ -401,3 +403,25 @@ def test_no_monitor_leaves_the_two_checkpoints_their_own_state_keys(compose) -> 
     _, _, trainer = build(cfg, dims)
     keys = [c.state_key for c in trainer.checkpoint_callbacks]
     assert len(keys) == len(set(keys)) == 2
+
+
+class MedianLoss(L.LightningModule):
+    """Logs its validation loss's median over the batches: Lightning refuses the reduction only
+    at the call, in the sanity check or the first validation."""
+
+    def validation_step(self, batch, batch_idx):
+        self._log_loss(batch)
+
+    def _log_loss(self, batch):
+        self.log("val_loss", batch.float().mean(), reduce_fx=torch.median)
+
+
+def test_a_logged_value_no_process_count_can_reduce_is_refused_before_any_work() -> None:
+    with pytest.raises(
+        ConfigError,
+        match=r"^MedianLoss._log_loss: self.log\('val_loss', reduce_fx=torch.median\): an epoch's "
+        r"value is reduced .* with mean, sum, max or min only; log a torchmetrics Metric",
+    ):
+        check_logged_reductions(MedianLoss())
+    for module in (lightning_docs.LitClassifier(), lightning_examples.LitAutoEncoder()):
+        check_logged_reductions(module)  # reductions Lightning takes: nothing to say
