@@ -6,7 +6,8 @@
 - ``shares_trained_run``: the xdist group of the tests that read conftest's ``trained_run``;
 - ``SignalAt``: a callback that sends a real signal at a given step, ``CollectiveCount`` one that
   counts a rank's collectives, ``SeenSamples`` one that records what a rank trained on,
-  ``EpochCounts`` one that logs its batches' sizes as epoch values,
+  ``EpochCounts`` one that logs its batches' sizes as epoch values, ``FSDPUnits`` one that
+  records a run's FSDP units,
   ``BreakWeightsAt`` one that breaks the weights without a non-finite loss (as
   ``+callbacks.*._target_`` of a train.py subprocess: ``run_python`` puts tests/ on its path);
 - ``gloo_collectives_report``: the fsdp strategy's CPU collectives beside torch's, in a rank of
@@ -457,6 +458,18 @@ class EpochCounts(L.Callback):
         pl_module.log("count/samples", size, on_step=False, on_epoch=True, reduce_fx="sum")
         pl_module.log("count/largest", size, on_step=False, on_epoch=True, reduce_fx="max")
         pl_module.log("count/mean", size, on_step=False, on_epoch=True)
+
+
+class FSDPUnits(L.Callback):
+    """The modules that are FSDP units when training starts, by name (the module itself: ""),
+    into ``units.rank<r>.json``."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        units = [name for name, m in pl_module.named_modules() if isinstance(m, FSDPModule)]
+        out = Path(trainer.default_root_dir) / f"units.rank{trainer.global_rank}.json"
+        out.write_text(json.dumps(units))
 
 
 class ShardSizes(L.Callback):

@@ -13,6 +13,8 @@ trainkit in them: the code a new user brings. Tests plug them in through config 
   needs (``docs/add_a_task.md``): its layers one ``nn.Sequential`` that the pipeline cuts.
 - ``MNISTLitModule``: lightning-hydra-template's module: ``net`` and the optimizer and scheduler
   factories kept by ``save_hyperparameters``, read back in ``configure_optimizers``.
+- ``SelfShardedAutoEncoder``: the autoencoder sharding itself in ``configure_model``, as
+  Lightning's docs write it for ``ModelParallelStrategy``.
 - ``GAN``: Lightning's GAN example (``examples/pytorch/domain_templates``), narrower: manual
   optimization of two optimizers, each step calling the generator through ``self(z)`` and the
   discriminator directly, between two backward passes.
@@ -73,6 +75,22 @@ class LitAutoEncoder(L.LightningModule):
         loss = F.mse_loss(x, self(x))
         self.log(f"{stage}_loss", loss, on_step=True)
         return loss
+
+
+class SelfShardedAutoEncoder(LitAutoEncoder):
+    """The autoencoder sharding itself in ``configure_model``, as Lightning's docs for its
+    ``ModelParallelStrategy`` write it: each linear layer a unit, then the root (the module)."""
+
+    def configure_model(self):
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if isinstance(self, FSDPModule):  # idempotent, as Lightning asks: called for the test too
+            return
+        mesh = self.device_mesh["data_parallel"]  # Lightning sets the mesh up
+        for layer in (*self.encoder, *self.decoder):
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self, mesh=mesh)
 
 
 # --- Lightning's examples/pytorch/basics/transformer.py ----------------------------------------

@@ -71,6 +71,7 @@ net:
 compile: false
 """,
     "model/lit_gan.yaml": "_target_: lightning_examples.GAN\n",
+    "model/lit_self_sharded.yaml": "_target_: lightning_examples.SelfShardedAutoEncoder\n",
     "data/lit_mnist.yaml": (
         "_target_: lightning_docs.MNISTDataModule\ndata_dir: ${paths.data_dir}\n"
         "batch_size: 64\ndownload: false\n"
@@ -316,6 +317,23 @@ def test_fsdp_on_three_ranks_trains_each_ranks_part_of_the_epoch(runs: dict, dat
     assert [epochs[0]["batches"] for epochs in seen] == expected
     digests = {d for epochs in seen for d in epochs[0]["samples"]}
     assert digests == {sample_digest(train[i][0]) for i in range(len(train))}
+
+
+def test_a_module_that_shards_itself_keeps_its_units(
+    runs: dict, user_conf: Path, data: dict, run_script: Callable[..., Path]
+) -> None:
+    """A configure_model that calls fully_shard, as Lightning's docs write it for its
+    ModelParallelStrategy: its own units are used (each linear layer, not the policy's encoder
+    and decoder), and it trains ddp x2's weights."""
+    if runs["example"] != "autoencoder":
+        pytest.skip("one module is enough: the autoencoder")
+    units = "+callbacks.units._target_=helpers.FSDPUnits"
+    run = user_run(user_conf, data, "lit_self_sharded", "strategy=fsdp", "devices=2")
+    run_dir = run_script("train.py", *run, units, TIMEOUT)
+    layers = ["encoder.0", "encoder.2", "decoder.0", "decoder.2"]
+    for rank in (0, 1):
+        assert json.loads((run_dir / f"units.rank{rank}.json").read_text()) == ["", *layers]
+    assert max_diff(run_weights(runs["ddp2"]), run_weights(run_dir)) < WEIGHT_ATOL
 
 
 # --- a module that keeps objects in its hyperparameters (lightning-hydra-template's) -----------
