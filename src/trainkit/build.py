@@ -31,12 +31,12 @@ from trainkit.strategies.ddp import DDPStrategy
 DATA_FACTS = ("num_classes", "input_shape")  # what a datamodule may tell a model about its data
 
 
-def arguments(config: DictConfig) -> dict[str, inspect.Parameter]:
-    """The arguments that ``config``'s ``_target_`` takes; none where it has no signature to read
-    (a builtin or C type)."""
-    target = get_object(config._target_) if "_target_" in config else None
+def arguments(target: str | None) -> dict[str, inspect.Parameter]:
+    """The arguments that the ``_target_`` named ``target`` takes; none where it has no
+    signature to read (a builtin or C type)."""
+    obj = get_object(target) if target else None
     try:
-        return dict(inspect.signature(target).parameters) if callable(target) else {}
+        return dict(inspect.signature(obj).parameters) if callable(obj) else {}
     except (TypeError, ValueError):
         return {}
 
@@ -44,7 +44,7 @@ def arguments(config: DictConfig) -> dict[str, inspect.Parameter]:
 def asks_for(model: DictConfig, key: str) -> bool:
     """Whether the model config has ``key`` (``???`` included) or its ``_target_`` takes it."""
     given = key in model.keys()  # noqa: SIM118  (`in` alone is False for a missing ???)
-    return given or key in arguments(model)
+    return given or key in arguments(model.get("_target_"))
 
 
 def model_config(cfg: DictConfig, datamodule: L.LightningDataModule) -> DictConfig:

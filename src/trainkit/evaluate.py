@@ -87,7 +87,7 @@ def check_data_keys(data: DictConfig, given: dict) -> None:
     """A ``data.<key>=...`` that the checkpoint's datamodule (or the ``data._target_`` given)
     does not take as a keyword: one line with the arguments it does take. Not checked where its
     signature cannot be read or takes any keyword (``**kwargs``)."""
-    target = OmegaConf.create({"_target_": given.get("_target_", data.get("_target_"))})
+    target = given.get("_target_", data.get("_target_"))
     takes = {
         name: p
         for name, p in arguments(target).items()
@@ -97,7 +97,7 @@ def check_data_keys(data: DictConfig, given: dict) -> None:
         return
     unknown = [key for key in given if key not in takes and not key.startswith("_")]
     if unknown:
-        name = str(target._target_).rsplit(".", 1)[-1]
+        name = str(target).rsplit(".", 1)[-1]
         close = difflib.get_close_matches(unknown[0], list(takes), n=1)
         hint = f" (did you mean data.{close[0]}?)" if close else ""
         raise ConfigError(

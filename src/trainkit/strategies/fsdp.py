@@ -30,6 +30,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 
 # torch's interfaces for FSDPModule.set_custom_all_gather / set_custom_reduce_scatter, and its
 # default buffer allocation, importable from these modules only
@@ -64,16 +65,12 @@ def repeated_blocks(module: nn.Module) -> list[nn.Module]:
 def written_class(module: nn.Module) -> type:
     """The module's own class: FSDP2 makes a sharded module an instance of a subclass of it,
     ``FSDP<name>``, which messages should not show."""
-    from torch.distributed.fsdp import FSDPModule
-
     cls = type(module)
     return cls.__bases__[1] if FSDPModule in cls.__bases__ else cls
 
 
 def sharded_already(module: nn.Module) -> bool:
     """Whether the module sharded itself (``fully_shard`` in its ``configure_model``)."""
-    from torch.distributed.fsdp import FSDPModule
-
     return any(isinstance(m, FSDPModule) for m in module.modules())
 
 
@@ -193,8 +190,6 @@ class FSDPStrategy(ExactMeanReduce, ModelParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def _shard(self, module: nn.Module) -> None:
-        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
-
         # a module sharded already: for fit (a test after fit runs on the same units), or by its
         # own configure_model down to its root
         if not isinstance(module, FSDPModule):
