@@ -338,46 +338,113 @@ class SaveWeights(L.Callback):
 
 # What reads a tensor's value on the host: on a GPU each one waits for the device.
 TENSOR_READS = ("item", "tolist", "numpy", "__float__", "__int__", "__bool__", "__index__")
+# What makes a tensor of host values: with ``device=`` a GPU, a blocking host-to-device copy.
+FROM_HOST = ("tensor", "as_tensor", "asarray", "from_numpy")
+# Where a step may read or upload: torch's optimizers keep their ``step`` counts on the host
+# (unless ``capturable``/``fused``), and Lightning moves the batch (pinned: asynchronously).
+ALLOWED_CALLERS = (
+    f"torch{os.sep}optim{os.sep}",
+    os.path.join("fabric", "utilities", "apply_func.py"),
+)
+
+
+def _moves_to_a_device(args: tuple, kwargs: dict) -> bool:
+    """``Tensor.to(...)``'s arguments name a device (or a tensor whose device to take)."""
+    named = [*args, kwargs.get("device"), kwargs.get("other")]
+    return any(
+        isinstance(a, (torch.device, str, int, torch.Tensor)) for a in named if a is not None
+    )
+
+
+class HostTraffic:
+    """While active, counts the calls that read a tensor's value on the host (``TENSOR_READS``)
+    and those that upload host values to a device (``FROM_HOST`` of anything but a tensor,
+    ``Tensor.to(<device>)``, ``Tensor.cuda``), by patching torch; on a CPU they cost nothing, and
+    on a GPU each one is a synchronisation. ``where`` lists the callers' ``file:line``."""
+
+    def __init__(self) -> None:
+        self.reads, self.uploads, self.where = 0, 0, []
+        self.active = True
+
+    def _count(self, kind: str) -> None:
+        frame = sys._getframe(2)
+        if self.active and not any(c in frame.f_code.co_filename for c in ALLOWED_CALLERS):
+            setattr(self, kind, getattr(self, kind) + 1)
+            self.where.append(f"{kind}: {frame.f_code.co_filename}:{frame.f_lineno}")
+
+    def __enter__(self) -> "HostTraffic":
+        self._patched = [(torch.Tensor, n, getattr(torch.Tensor, n)) for n in TENSOR_READS]
+        self._patched += [(torch, n, getattr(torch, n)) for n in FROM_HOST]
+        self._patched += [(torch.Tensor, n, getattr(torch.Tensor, n)) for n in ("to", "cuda")]
+        for owner, name, original in self._patched:
+            setattr(owner, name, self._counted(owner, name, original))
+        return self
+
+    def _counted(self, owner, name: str, original):
+        def call(*args, **kwargs):
+            if owner is torch.Tensor and name in TENSOR_READS:
+                self._count("reads")
+            elif self._uploads(owner, name, args, kwargs):
+                self._count("uploads")
+            return original(*args, **kwargs)
+
+        return call
+
+    @staticmethod
+    def _uploads(owner, name: str, args: tuple, kwargs: dict) -> bool:
+        if owner is torch:  # torch.tensor(<host values>) and kin; of a tensor, no copy
+            return not isinstance(args[0] if args else None, torch.Tensor)
+        return name == "cuda" or _moves_to_a_device(args[1:], kwargs)
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, original in self._patched:
+            setattr(owner, name, original)
 
 
 class TensorReads(L.Callback):
-    """Counts, per global step, the host-side reads of a tensor's value (``TENSOR_READS``, patched
-    on ``torch.Tensor`` from setup to teardown) while training runs; writes ``reads.json``
-    (``{step: count}``) into the run's directory. Not counted: torch's optimizers reading their
-    ``step`` counts, which stay host tensors on a GPU too (unless ``capturable``/``fused``).
-    ``every_step``: also reads the loss at every step, as a step path that waits on the device
-    would (the check's own check)."""
+    """Counts, per global step while training runs, the host reads of a tensor's value and the
+    uploads of host values to the device (``HostTraffic``); writes ``reads.json``
+    (``{"reads": {step: count}, "uploads": {step: count}, "where": {step: [file:line]}}``) into
+    the run's directory. ``every_step``: also reads the loss at every step, and
+    ``upload_every_step`` moves a Python number to the device at every step, as step paths that
+    wait on the device would (the check's own checks)."""
 
-    def __init__(self, every_step: bool = False) -> None:
-        self.every_step = every_step
+    def __init__(self, every_step: bool = False, upload_every_step: bool = False) -> None:
+        self.every_step, self.upload_every_step = every_step, upload_every_step
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        self.counts: Counter = Counter()
-        self._originals = {name: getattr(torch.Tensor, name) for name in TENSOR_READS}
+        self.counts = {"reads": Counter(), "uploads": Counter(), "where": {}}
+        self.traffic = HostTraffic().__enter__()
+        self.traffic.active = False
 
-        def counted(name: str, original):
-            def read(tensor, *args, **kwargs):
-                caller = sys._getframe(1).f_code.co_filename
-                optimizer = f"torch{os.sep}optim{os.sep}" in caller
-                if trainer.training and not trainer.sanity_checking and not optimizer:
-                    self.counts[trainer.global_step] += 1
-                return original(tensor, *args, **kwargs)
-
-            return read
-
-        for name, original in self._originals.items():
-            setattr(torch.Tensor, name, counted(name, original))
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        self._collect(trainer)
+        self.traffic.active = not trainer.sanity_checking
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if self.every_step:
             outputs["loss"].item()
+        if self.upload_every_step:
+            torch.tensor(0.5, device=pl_module.device)
+
+    def _collect(self, trainer) -> None:
+        """Books what was counted since the last step's start under that step."""
+        step, t = trainer.global_step, self.traffic
+        self.counts["reads"][step] += t.reads
+        self.counts["uploads"][step] += t.uploads
+        if t.where:
+            self.counts["where"][step] = t.where
+        t.reads, t.uploads, t.where = 0, 0, []
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        self._collect(trainer)
+        self.traffic.active = False
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
-        for name, original in self._originals.items():
-            setattr(torch.Tensor, name, original)
+        self.traffic.__exit__(None, None, None)
         if stage == "fit":
             out = Path(trainer.default_root_dir) / "reads.json"
-            out.write_text(json.dumps({str(k): v for k, v in sorted(self.counts.items())}))
+            out.write_text(json.dumps({k: dict(sorted(v.items())) for k, v in self.counts.items()}))
 
 
 class SyncDebugBetweenLogs(L.Callback):

@@ -1,37 +1,87 @@
-"""No host-device synchronisation per training step in the default recipe: between logging
-intervals, nothing reads a tensor's value on the host (``helpers.TensorReads`` counts the reads
-per step in a real run), so on a GPU the template's per-step work overlaps the kernels. The GPU
-version, with CUDA's sync debug mode: e2e/test_gpu.py."""
+"""No host-device synchronisation per training step: between logging intervals nothing reads a
+tensor's value on the host, and nothing uploads a host value (a Python number, a host tensor) to
+the device (``helpers.TensorReads`` counts both per step in a real run). On a CPU they cost
+nothing; on a GPU each one makes the host wait, so the template's per-step work could no longer
+overlap the kernels. The GPU version, with CUDA's sync debug mode: e2e/test_gpu.py."""
 
 import json
+from collections.abc import Callable
+from pathlib import Path
 
-LOG_EVERY = 10
+import pytest
+
+from helpers import write_tree
+from trainkit.data.synthetic import write_cifar10
 
 
-def reads_per_step(run_here, overrides, *extra: str) -> dict[int, int]:
+def traffic_per_step(run_here, overrides, log_every: int, *extra: str) -> dict[str, dict]:
     run_dir = run_here(
-        "train.py", *overrides, "trainer.max_epochs=1", "data.batch_size=16",
-        f"trainer.log_every_n_steps={LOG_EVERY}", "+callbacks.reads._target_=helpers.TensorReads",
+        "train.py", *overrides, "trainer.max_epochs=1",
+        f"trainer.log_every_n_steps={log_every}", "+callbacks.reads._target_=helpers.TensorReads",
         *extra,
     )  # fmt: skip
-    return {int(k): v for k, v in json.loads((run_dir / "reads.json").read_text()).items()}
+    counts = json.loads((run_dir / "reads.json").read_text())
+    return {kind: {int(k): v for k, v in steps.items()} for kind, steps in counts.items()}
 
 
-def between_logging(reads: dict[int, int], steps: int) -> dict[int, int]:
-    """The reads at steps that are neither a logging step, nor next to one, nor the epoch's last."""
-    quiet = [s for s in range(1, steps - 1) if min(s % LOG_EVERY, -s % LOG_EVERY) > 1]
-    assert len(quiet) > steps // 2
-    return {s: reads.get(s, 0) for s in quiet}
+def between_logging(counts: dict[int, int], steps: int, log_every: int) -> dict[int, int]:
+    """The counts at steps that are neither a logging step, nor next to one, nor the epoch's
+    last (counts are booked at the start of the step after the one that made them)."""
+    quiet = [s for s in range(1, steps - 1) if min(s % log_every, -s % log_every) > 1]
+    assert len(quiet) >= steps // 3
+    return {s: counts.get(s, 0) for s in quiet}
 
 
-def test_the_default_recipe_reads_no_tensor_between_logging_steps(
+def assert_quiet(traffic: dict[str, dict], steps: int, log_every: int) -> None:
+    for kind in ("reads", "uploads"):
+        quiet = between_logging(traffic[kind], steps, log_every)
+        where = {s: traffic["where"].get(s) for s, n in quiet.items() if n}
+        assert set(quiet.values()) == {0}, (kind, where)
+
+
+def test_the_default_recipe_reads_and_uploads_nothing_between_logging_steps(
     run_here, overrides: tuple[str, ...]
 ) -> None:
-    reads = reads_per_step(run_here, overrides)
-    assert sum(reads.values()) > 0  # the logging steps and the epoch's end do read
-    assert set(between_logging(reads, 50).values()) == {0}, reads
+    traffic = traffic_per_step(run_here, overrides, 10, "data.batch_size=16")  # 50 steps
+    assert sum(traffic["reads"].values()) > 0  # the logging steps and the epoch's end do read
+    assert_quiet(traffic, 50, 10)
 
 
 def test_a_step_path_that_reads_every_step_is_caught(run_here, overrides: tuple[str, ...]) -> None:
-    reads = reads_per_step(run_here, overrides, "+callbacks.reads.every_step=true")
-    assert all(count >= 1 for count in between_logging(reads, 50).values()), reads
+    extra = ("data.batch_size=16", "+callbacks.reads.every_step=true")
+    reads = traffic_per_step(run_here, overrides, 10, *extra)["reads"]
+    assert all(count >= 1 for count in between_logging(reads, 50, 10).values()), reads
+
+
+def test_a_step_path_that_uploads_a_python_number_every_step_is_caught(
+    run_here, overrides: tuple[str, ...]
+) -> None:
+    extra = ("data.batch_size=16", "+callbacks.reads.upload_every_step=true")
+    uploads = traffic_per_step(run_here, overrides, 10, *extra)["uploads"]
+    assert all(count >= 1 for count in between_logging(uploads, 50, 10).values()), uploads
+
+
+@pytest.fixture(scope="module")
+def image_roots(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    cifar = write_cifar10(tmp_path_factory.mktemp("syncs-cifar"), n_per_batch=8, n_test=4)
+    folder = tmp_path_factory.mktemp("syncs-imagefolder")
+    write_tree(folder, {"train": 12, "val": 1})  # 36 training images
+    return {"cifar": cifar, "imagefolder": folder}
+
+
+RECIPES = {  # ResNet-50 steps: a short epoch of 18 batches of 2 (36 of 40 CIFAR images)
+    "cifar": ("experiment=cifar10_resnet50", "data.download=false", "data.val_size=4"),
+    "imagefolder": ("experiment=imagefolder_resnet50", "data.image_size=32", "data.num_workers=1"),
+}
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_the_image_recipes_read_and_upload_nothing_between_logging_steps(
+    run_here: Callable[..., Path], image_roots: dict[str, Path], recipe: str
+) -> None:
+    root = image_roots[recipe]
+    extra = (*RECIPES[recipe], f"data.root={root}", "data.batch_size=2", "accelerator=cpu")
+    traffic = traffic_per_step(run_here, (), 6, *extra, "trainer.limit_val_batches=1")
+    steps = 18
+    assert max(traffic["reads"]) >= steps - 1  # it trained the whole epoch
+    assert_quiet(traffic, steps, 6)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import HostTraffic
 from myproject.data import MNISTDataModule
 from myproject.data.mnist import MNIST_FILES
 from trainkit.data.decode import normalize_images
@@ -268,6 +269,13 @@ def test_normalize_images_per_channel() -> None:
     images = torch.full((2, 3, 4, 4), 255, dtype=torch.uint8)
     x = normalize_images(images, (0.5, 0.0, 1.0), (0.5, 0.25, 2.0))
     assert x.shape == (2, 3, 4, 4)
-    assert x[:, 0].unique().tolist() == [1.0]
-    assert x[:, 1].unique().tolist() == [4.0]
-    assert x[:, 2].unique().tolist() == [0.0]
+    expected = torch.tensor([1.0, 4.0, 0.0]).view(1, 3, 1, 1).expand(2, 3, 4, 4)
+    torch.testing.assert_close(x, expected)
+
+
+def test_normalize_images_uploads_nothing_once_its_constants_are_on_the_device() -> None:
+    images = torch.zeros((2, 3, 4, 4), dtype=torch.uint8)
+    normalize_images(images, (0.5, 0.0, 1.0), (0.5, 0.25, 2.0))  # the first batch makes them
+    with HostTraffic() as traffic:
+        normalize_images(images, [0.5, 0.0, 1.0], [0.5, 0.25, 2.0])
+    assert (traffic.uploads, traffic.reads) == (0, 0), traffic.where

@@ -3,6 +3,7 @@
 No Lightning here: the datamodules and the benchmark's plain loop read and transform data alike.
 """
 
+import functools
 import pickle
 from collections.abc import Sequence
 from pathlib import Path
@@ -87,10 +88,22 @@ def read_label_names(batch_dir: Path) -> list[str]:
 
 
 def normalize_images(images: Tensor, mean: Sequence[float], std: Sequence[float]) -> Tensor:
-    """uint8 (B, H, W) or (B, C, H, W) -> float (B, C, H, W) scaled to [0, 1] then standardised."""
+    """uint8 (B, H, W) or (B, C, H, W) -> float (B, C, H, W) scaled to [0, 1] then standardised.
+
+    One fused multiply-add, ``x * scale + shift``, with constants kept on the batch's device: a
+    tensor built from Python values in a step is a blocking host-to-device copy on a GPU.
+    """
     if images.dim() == 3:
         images = images.unsqueeze(1)
-    x = images.float().div_(255)
-    m = torch.tensor(mean, device=x.device).view(1, -1, 1, 1)
-    s = torch.tensor(std, device=x.device).view(1, -1, 1, 1)
-    return x.sub_(m).div_(s)
+    scale, shift = _standardising(tuple(mean), tuple(std), images.device)
+    return torch.addcmul(shift, images.float(), scale)
+
+
+@functools.cache
+def _standardising(
+    mean: tuple[float, ...], std: tuple[float, ...], device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """``(x / 255 - mean) / std`` as ``x * scale + shift``, (1, C, 1, 1) each; once per device."""
+    m = torch.tensor(mean, dtype=torch.float64).view(1, -1, 1, 1)
+    s = torch.tensor(std, dtype=torch.float64).view(1, -1, 1, 1)
+    return (1 / (255 * s)).float().to(device), (-m / s).float().to(device)
