@@ -136,3 +136,43 @@ def test_the_default_recipe_does_not_wait_on_the_gpu_between_logging_steps(
         "+callbacks.sync._target_=helpers.SyncDebugBetweenLogs", log_dir=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("decode", ["workers", "device"])
+def test_the_imagefolder_recipe_does_not_wait_on_the_gpu_between_logging_steps(
+    tmp_path: Path, decode: str
+) -> None:
+    """uint8 batches normalised on the GPU, or JPEGs decoded there by nvjpeg and cropped as a
+    batch: neither synchronises a step that does not log."""
+    write_tree(tmp_path / "images", {"train": 12, "val": 1})  # 36 training images
+    proc = run_python(
+        "train.py", "experiment=imagefolder_resnet50", f"data.root={tmp_path / 'images'}",
+        "data.image_size=64", "data.batch_size=2", f"data.decode={decode}", *GPU,
+        "trainer.log_every_n_steps=6", "+callbacks.sync._target_=helpers.SyncDebugBetweenLogs",
+        log_dir=tmp_path / "logs",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_nvjpeg_decodes_and_crops_a_batch_as_the_workers_do(tmp_path: Path) -> None:
+    from trainkit.data.images import (
+        DeviceCrops,
+        collate_planned,
+        crop_batch,
+        decode_batch,
+        decode_rgb,
+        eval_transform,
+    )
+    from trainkit.data.synthetic import write_imagefolder
+
+    write_imagefolder(tmp_path, classes=1, per_class=8, size=(500, 375))
+    paths = sorted(str(p) for p in tmp_path.rglob("*.jpg"))
+    plan = DeviceCrops(224, train=False, resize_ratio=0.875)
+    batch = collate_planned([(plan(p), 0) for p in paths])
+    images = decode_batch(batch, torch.device("cuda"))
+    assert all(image.is_cuda for image in images)
+    crops = crop_batch(
+        batch._replace(rois=batch.rois.cuda(), flips=batch.flips.cuda()), images, 224
+    )
+    reference = torch.stack([eval_transform(224, 0.875)(decode_rgb(p)) for p in paths])
+    assert (crops.cpu() - reference.float()).abs().mean() < 1.5  # nvjpeg: another IDCT

@@ -1,7 +1,9 @@
-"""ImageFolderDataModule on real PNG/JPEG trees: layouts, loaders, and every kind of bad data."""
+"""ImageFolderDataModule on real PNG/JPEG trees: layouts, loaders decoding in the workers or on
+the device, and every kind of bad data."""
 
 import gc
 import logging
+import os
 import re
 from pathlib import Path
 
@@ -9,7 +11,9 @@ import pytest
 import torch
 from PIL import Image
 from torch import Tensor
-from torch.utils.data import Subset
+from torch.utils.data import Subset, default_collate
+from torchvision.datasets import ImageFolder
+from torchvision.transforms import v2
 
 from helpers import (
     CLASSES,
@@ -50,6 +54,21 @@ def label_from_pixels(x: Tensor) -> int:
     name = min(SORTED, key=lambda c: abs(LEVEL[c] - level))
     assert abs(LEVEL[name] - level) < 12, level
     return SORTED.index(name)
+
+
+def on_device(dm: ImageFolderDataModule, batch):
+    """What the training step receives: the loader's batch through the datamodule's device hooks,
+    as Lightning calls them (here the device is the CPU)."""
+    moved = dm.transfer_batch_to_device(batch, torch.device("cpu"), 0)
+    return dm.on_after_batch_transfer(moved, 0)
+
+
+def device_batches(dm: ImageFolderDataModule, loader):
+    for batch in loader:
+        yield on_device(dm, batch)
+
+
+DECODES = pytest.mark.parametrize("decode", ["workers", "device"])
 
 
 def sample_paths(dataset) -> list[str]:
@@ -97,9 +116,12 @@ def test_classes_are_the_sorted_training_folders(tree) -> None:
     assert dm.num_classes == 3
 
 
-def test_loaders_give_normalised_images_labelled_by_sorted_class(tree) -> None:
+@DECODES
+def test_loaders_give_uint8_batches_normalised_on_the_device_labelled_by_sorted_class(
+    tree, decode: str
+) -> None:
     root, files = tree
-    dm = setup(root)
+    dm = setup(root, decode=decode)
 
     assert as_strings(files["train"]) == set(sample_paths(dm.datasets["train"]))
     assert as_strings(files["val"]) == set(sample_paths(dm.datasets["val"]))
@@ -113,7 +135,13 @@ def test_loaders_give_normalised_images_labelled_by_sorted_class(tree) -> None:
     counts = {"train": 3 * N_TRAIN, "val": 3 * N_VAL, "test": 3 * N_VAL}
     for split, loader in loaders.items():
         seen = []
-        for x, y in loader:
+        for batch in loader:
+            if decode == "workers":  # cropped in the workers, a quarter of float32's bytes
+                assert batch[0].dtype == torch.uint8 and batch[0].shape[1:] == (3, SIZE, SIZE)
+            else:  # the JPEGs' bytes; the device decodes them
+                assert all(p.dtype == torch.uint8 for p in batch.payloads)
+                assert any(p.dim() == 1 for p in batch.payloads)
+            x, y = on_device(dm, batch)
             assert x.dtype == torch.float32
             assert x.shape == (len(y), 3, SIZE, SIZE)
             assert y.dtype == torch.int64
@@ -254,17 +282,21 @@ def test_undecodable_image_found_at_setup_with_check_images(fresh_tree: Path, ki
     assert str(bad) in str(err.value)
 
 
+@DECODES
 @pytest.mark.parametrize("kind", list(BAD_FILES))
-def test_undecodable_image_found_when_its_batch_loads(fresh_tree: Path, kind: str) -> None:
+def test_undecodable_image_found_when_its_batch_loads(
+    fresh_tree: Path, kind: str, decode: str
+) -> None:
     bad = BAD_FILES[kind](fresh_tree / "val" / "banana" / "img05.jpg")
-    dm = setup(fresh_tree, eval_batch_size=1)  # no check: setup does not open the files
+    # no check: setup does not open the files
+    dm = setup(fresh_tree, eval_batch_size=1, decode=decode)
     paths = sample_paths(dm.datasets["val"])
     position = paths.index(str(bad))
     assert 0 < position < len(paths) - 1
 
     loaded = 0
     with pytest.raises(BadImageError, match="cannot decode image") as err:
-        for _ in dm.val_dataloader():
+        for _ in device_batches(dm, dm.val_dataloader()):
             loaded += 1
     assert loaded == position  # every batch before it loaded
     assert str(bad) in str(err.value)
@@ -307,7 +339,7 @@ def test_skip_leaves_bad_files_out_and_lists_them(
     assert len(dm.datasets["train"]) == 6 and len(dm.datasets["val"]) == 3
 
     for loader in (dm.train_dataloader(), dm.val_dataloader()):
-        for x, y in loader:  # every remaining image loads
+        for x, y in device_batches(dm, loader):  # every remaining image loads
             assert [label_from_pixels(img) for img in x] == y.tolist()
 
 
@@ -360,3 +392,55 @@ def test_loads_through_a_worker_process(tree, tmp_path: Path) -> None:
     del err  # its traceback holds the loader's iterator, and with it the worker
     gc.collect()
     assert str(bad) in message
+
+
+@DECODES
+def test_eval_batches_equal_torchvisions_imagefolder_with_pil(tree, decode: str) -> None:
+    """Today's reference: torchvision's ImageFolder, PIL, and the eval transform on each image.
+    Decoded and resized in the workers: within 1 level of 255 (rounding). Cropped on the device
+    by roi_align: within 1.5 levels on average (these are noise, resized 2-4x down)."""
+    root, _ = tree
+    transform = v2.Compose(
+        [
+            *(v2.Resize(round(SIZE / 0.875), antialias=True), v2.CenterCrop(SIZE)),
+            *(v2.ToImage(), v2.ToDtype(torch.float32, scale=True)),
+            v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+        ]
+    )
+    reference = ImageFolder(str(root / "val"), transform=transform)
+    dm = setup(root, decode=decode, eval_batch_size=len(reference))
+    (x, y), (x0, y0) = on_device(dm, next(iter(dm.val_dataloader()))), default_collate(reference)
+    assert torch.equal(y, y0)
+    levels = (denormalise(x) - denormalise(x0)).abs() * 255
+    if decode == "workers":
+        assert levels.max() <= 1.0 + 1e-3
+    else:
+        assert levels.mean() < 1.5
+
+
+def test_num_workers_auto_shares_this_nodes_cores(tree) -> None:
+    root, _ = tree
+    dm = make(root, num_workers="auto")
+    assert dm.workers() == max(1, len(os.sched_getaffinity(0)) - 1)  # one process, no trainer
+    dm.setup("fit")
+    assert dm.train_dataloader().num_workers == dm.workers()
+    assert make(root, num_workers=3).workers() == 3
+
+
+@pytest.mark.parametrize(
+    ("argument", "value"), [("num_workers", -1), ("num_workers", "many"), ("decode", "gpu")]
+)
+def test_bad_loader_arguments_are_refused_naming_the_key(tree, argument: str, value) -> None:
+    root, _ = tree
+    with pytest.raises(ValueError, match=rf"data\.{argument} must be .*{value!r}"):
+        make(root, **{argument: value})
+
+
+def test_device_decoding_through_a_worker_process(tree) -> None:
+    root, _ = tree
+    in_process = setup(root, decode="device")
+    through_worker = setup(root, decode="device", num_workers=1)
+    for dm in (in_process, through_worker):
+        dm.batches = list(device_batches(dm, dm.val_dataloader()))
+    for (x, y), (x0, y0) in zip(through_worker.batches, in_process.batches, strict=True):
+        assert torch.equal(x, x0) and torch.equal(y, y0)

@@ -4,12 +4,25 @@ import os
 from pathlib import Path
 
 import torch
-from PIL import Image, UnidentifiedImageError
 from torch.utils.data import DataLoader, Dataset, Subset
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS
-from torchvision.transforms import v2
 
+from trainkit.data.decode import normalize_images
+from trainkit.data.images import (
+    DECODES,
+    SKIP_HINT,
+    BadImageError,
+    DeviceBatch,
+    DeviceCrops,
+    auto_workers,
+    collate_planned,
+    crop_batch,
+    decode_batch,
+    decode_rgb,
+    eval_transform,
+    train_transform,
+)
 from trainkit.data.sharding import EvenBatches, ShardedDataModule
 
 log = logging.getLogger(__name__)
@@ -17,22 +30,7 @@ log = logging.getLogger(__name__)
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 BAD_FILES = ("error", "skip")
-SKIP_HINT = "or set data.bad_files=skip to leave such files out (they are listed in the log)"
-
-
-class BadImageError(OSError):
-    """An image file that cannot be decoded; the message names it."""
-
-
-def load_rgb(path: str) -> Image.Image:
-    """Open and fully decode an image as RGB (grayscale is expanded, alpha dropped)."""
-    try:
-        with Image.open(path) as img:
-            return img.convert("RGB")
-    except (OSError, UnidentifiedImageError, ValueError) as err:
-        raise BadImageError(
-            f"{path}: cannot decode image ({err}). Replace or remove it, {SKIP_HINT}."
-        ) from err
+__all__ = ["BadImageError", "ImageFolderDataModule"]
 
 
 def describe(paths: list[str], limit: int = 10) -> str:
@@ -44,16 +42,10 @@ class _ClassFolder(ImageFolder):
     """ImageFolder with the class list fixed by the training folder, and its problems recorded
     instead of silently skipped: non-image files and class folders without images."""
 
-    def __init__(self, root: Path, classes: list[str], transform) -> None:
+    def __init__(self, root: Path, classes: list[str]) -> None:
         self.fixed_classes = classes
         self.non_images: list[str] = []
-        super().__init__(
-            str(root),
-            transform=transform,
-            loader=load_rgb,
-            is_valid_file=self._is_image,
-            allow_empty=True,
-        )
+        super().__init__(str(root), is_valid_file=self._is_image, allow_empty=True)
 
     @property
     def empty_classes(self) -> list[str]:
@@ -101,15 +93,21 @@ def undecodable(paths: list[str]) -> list[str]:
     bad = []
     for path in paths:
         try:
-            load_rgb(path)
+            decode_rgb(path)
         except BadImageError:
             bad.append(path)
     return bad
 
 
 class ImageFolderDataModule(ShardedDataModule):
-    """Images in class folders, read by ``torchvision.datasets.ImageFolder`` through DataLoader
-    workers: the large-data path.
+    """Images in class folders, listed by ``torchvision.datasets.ImageFolder`` and read through
+    DataLoader workers: the large-data path.
+
+    Workers decode to uint8 (``trainkit.data.images``: libjpeg-turbo, PIL only for the formats
+    torchvision lacks) and crop there (``decode=workers``), or only read the files, which the
+    training device decodes and crops as a batch (``decode=device``: nvjpeg on a GPU). Batches
+    stay uint8 until the device, which converts and normalises them (``on_after_batch_transfer``).
+    ``num_workers=auto``: as many workers per process as this node's cores allow.
 
     ``root`` holds ``train/`` and ``val/`` (and optionally ``test/``; else val is the test set), or
     only ``train/``, or the class folders themselves; without ``val/`` a seeded ``val_size`` of the
@@ -126,7 +124,8 @@ class ImageFolderDataModule(ShardedDataModule):
         eval_batch_size: int | None = None,
         val_size: int | float = 0.1,
         split_seed: int = 0,
-        num_workers: int = 4,
+        num_workers: int | str = "auto",
+        decode: str = "workers",
         pin_memory: bool = True,
         persistent_workers: bool = True,
         bad_files: str = "error",
@@ -142,11 +141,13 @@ class ImageFolderDataModule(ShardedDataModule):
             raise ValueError(f"data.bad_files must be one of {BAD_FILES}, got {bad_files!r}")
         if image_size <= 0:
             raise ValueError(f"data.image_size must be positive, got {image_size}")
-        if num_workers < 0:
-            raise ValueError(f"data.num_workers must be >= 0, got {num_workers}")
-        self.image_size, self.resize_ratio = image_size, resize_ratio
+        if num_workers != "auto" and not (isinstance(num_workers, int) and num_workers >= 0):
+            raise ValueError(f"data.num_workers must be auto or an int >= 0, got {num_workers!r}")
+        if decode not in DECODES:
+            raise ValueError(f"data.decode must be one of {DECODES}, got {decode!r}")
+        self.image_size, self.resize_ratio, self.decode = image_size, resize_ratio, decode
         self.num_workers, self.pin_memory = num_workers, pin_memory
-        self.persistent_workers = persistent_workers and num_workers > 0
+        self.persistent_workers = persistent_workers
         self.bad_files, self.check_images = bad_files, check_images or bad_files == "skip"
         self.mean, self.std = tuple(mean), tuple(std)
         self._classes: list[str] | None = None
@@ -190,24 +191,20 @@ class ImageFolderDataModule(ShardedDataModule):
 
     # --- datasets -----------------------------------------------------------------------------
 
-    def transforms(self, train: bool) -> v2.Compose:
-        size = self.image_size
-        if train:
-            geometry = [v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip()]
+    def read_as(self, folder: _ClassFolder, train: bool) -> _ClassFolder:
+        """Sets how ``folder``'s images are read: decoded and cropped here (``decode=workers``),
+        or read for the device to decode and crop (``decode=device``)."""
+        if self.decode == "device":
+            folder.loader = DeviceCrops(self.image_size, train, self.resize_ratio)
+            folder.transform = None
         else:
-            resize = round(size / self.resize_ratio)
-            geometry = [v2.Resize(resize, antialias=True), v2.CenterCrop(size)]
-        return v2.Compose(
-            [
-                *geometry,
-                v2.ToImage(),
-                v2.ToDtype(torch.float32, scale=True),
-                v2.Normalize(self.mean, self.std),
-            ]
-        )
+            size, ratio = self.image_size, self.resize_ratio
+            folder.loader = decode_rgb
+            folder.transform = train_transform(size) if train else eval_transform(size, ratio)
+        return folder
 
     def _folder(self, directory: Path, train: bool) -> _ClassFolder:
-        folder = _ClassFolder(directory, self.classes, self.transforms(train))
+        folder = self.read_as(_ClassFolder(directory, self.classes), train)
         if folder.non_images:
             self._report("files that are not images", folder.non_images)
         if self.check_images:
@@ -241,8 +238,7 @@ class ImageFolderDataModule(ShardedDataModule):
             val: Dataset = self._folder(dirs["val"], train=False)
         else:
             train_idx, val_idx = self.split_train(len(train))
-            eval_view = copy.copy(train)
-            eval_view.transform = self.transforms(train=False)
+            eval_view = self.read_as(copy.copy(train), train=False)
             train, val = Subset(train, train_idx.tolist()), Subset(eval_view, val_idx.tolist())
         test = self._folder(dirs["test"], train=False) if "test" in dirs else val
         self.datasets = {"train": train, "val": val, "test": test}
@@ -253,13 +249,38 @@ class ImageFolderDataModule(ShardedDataModule):
         dataset = self.datasets[split]
         shard = self.shard(len(dataset), train)
         batch_size, drop_last = self.loader_batch_size(train), self.drop_last(train)
+        workers = self.workers()
         return DataLoader(
             dataset,
             batch_sampler=EvenBatches(shard, batch_size, shard.longest, drop_last),
-            num_workers=self.num_workers,
+            num_workers=workers,
+            collate_fn=collate_planned if self.decode == "device" else None,
             pin_memory=self.pin_memory and torch.cuda.is_available(),
-            persistent_workers=self.persistent_workers,
+            persistent_workers=self.persistent_workers and workers > 0,
         )
+
+    def workers(self) -> int:
+        """``num_workers``, or for ``auto`` this node's usable cores shared by its processes."""
+        if self.num_workers != "auto":
+            return self.num_workers
+        trainer = self.trainer
+        return auto_workers(trainer.world_size // trainer.num_nodes if trainer else 1)
+
+    # --- on the device --------------------------------------------------------------------------
+
+    def transfer_batch_to_device(self, batch, device: torch.device, dataloader_idx: int):
+        """``decode=device``: the JPEG bytes stay on the host, where the decoder reads them."""
+        if isinstance(batch, DeviceBatch):
+            batch = batch._replace(payloads=decode_batch(batch, device))
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
+    def on_after_batch_transfer(self, batch, dataloader_idx: int):
+        """uint8 (or cropped on the device, float in [0, 255]) -> normalised float."""
+        if isinstance(batch, DeviceBatch):
+            images, labels = crop_batch(batch, batch.payloads, self.image_size), batch.labels
+        else:
+            images, labels = batch
+        return normalize_images(images, self.mean, self.std), labels
 
     # --- class names travel with the checkpoint -------------------------------------------------
 

@@ -87,16 +87,30 @@ def write_cifar10(root: Path, n_per_batch: int, n_test: int, seed: int = 0) -> P
 def write_imagefolder(
     root: Path, classes: int, per_class: int, size: tuple[int, int] = (64, 48), seed: int = 0
 ) -> Path:
-    """``<root>/<class>/<i>.jpg``: random RGB JPEGs, for loading-speed measurements."""
+    """``<root>/<class>/<i>.jpg``: RGB JPEGs (quality 90) that compress and resize like photos:
+    smooth colour gradients in random directions, a few discs, light sensor noise."""
     from PIL import Image
 
     rng = np.random.default_rng(seed)
+    width, height = size
+    yy, xx = np.mgrid[0:height, 0:width].astype(np.float32)
     for c in range(classes):
         folder = root / f"class_{c}"
         folder.mkdir(parents=True, exist_ok=True)
         for i in range(per_class):
-            pixels = rng.integers(0, 256, size=(size[1], size[0], 3), dtype=np.uint8)
-            Image.fromarray(pixels, "RGB").save(folder / f"{i}.jpg", quality=90)
+            angle, colours = rng.uniform(0, np.pi), rng.uniform(0, 255, size=(2, 3))
+            t = (xx * np.cos(angle) + yy * np.sin(angle)) / (width + height)
+            pixels = colours[0] + (colours[1] - colours[0]) * t[..., None]
+            for _ in range(3):
+                cy, cx, r = (
+                    rng.uniform(0, height),
+                    rng.uniform(0, width),
+                    rng.uniform(5, height / 3),
+                )
+                pixels[(yy - cy) ** 2 + (xx - cx) ** 2 < r * r] = rng.uniform(0, 255, size=3)
+            pixels += rng.normal(0, 6, size=pixels.shape)
+            image = Image.fromarray(pixels.clip(0, 255).astype(np.uint8), "RGB")
+            image.save(folder / f"{i}.jpg", quality=90)
     return root
 
 

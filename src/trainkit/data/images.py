@@ -1,0 +1,199 @@
+"""Image files to uint8 tensors: decoded in DataLoader workers, or read there and decoded as a
+batch on the training device (nvjpeg on a GPU), with torchvision's RandomResizedCrop done there as
+one ``roi_align`` over the batch.
+
+Batches stay uint8 until the device: 4x fewer bytes to collate, pin and copy than float32, and the
+conversion and normalisation (``decode.normalize_images``) are free work for a GPU.
+"""
+
+import logging
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from lightning.fabric.utilities.data import suggested_max_num_workers
+from PIL import Image, UnidentifiedImageError
+from torch import Tensor
+from torchvision.io import ImageReadMode, decode_image, decode_jpeg, read_file
+from torchvision.ops import roi_align
+from torchvision.transforms import v2
+
+log = logging.getLogger(__name__)
+
+SKIP_HINT = "or set data.bad_files=skip to leave such files out (they are listed in the log)"
+DECODES = ("workers", "device")
+
+
+class BadImageError(OSError):
+    """An image file that cannot be decoded; the message names it."""
+
+
+def bad_image(path: str, err: Exception) -> BadImageError:
+    return BadImageError(f"{path}: cannot decode image ({err}). Replace or remove it, {SKIP_HINT}.")
+
+
+def decode_rgb(path: str) -> Tensor:
+    """(3, H, W) uint8 RGB: grayscale expanded, alpha dropped, 16-bit scaled to 8. libjpeg-turbo,
+    libpng and libwebp through ``torchvision.io`` (pixel for pixel what PIL gives, at twice its
+    speed); PIL for the formats those lack (BMP, TIFF, PPM...)."""
+    try:
+        image = decode_image(read_file(path), mode=ImageReadMode.RGB)
+    except RuntimeError:
+        return _decode_with_pil(path)
+    return v2.functional.to_dtype(image, torch.uint8, scale=True)
+
+
+def _decode_with_pil(path: str) -> Tensor:
+    try:
+        with Image.open(path) as img:
+            rgb = img.convert("RGB")
+    except (OSError, UnidentifiedImageError, ValueError) as err:
+        raise bad_image(path, err) from err
+    return v2.functional.pil_to_tensor(rgb)
+
+
+def train_transform(size: int) -> v2.Compose:
+    """torchvision's ImageNet training augmentation, on a uint8 tensor (antialiased resize)."""
+    return v2.Compose([v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip()])
+
+
+def eval_transform(size: int, resize_ratio: float) -> v2.Compose:
+    """Resize the short side to ``size / resize_ratio``, then the center ``size`` square."""
+    return v2.Compose([v2.Resize(round(size / resize_ratio), antialias=True), v2.CenterCrop(size)])
+
+
+def auto_workers(processes_per_node: int) -> int:
+    """DataLoader workers per process from this node's usable cores (Lightning's rule: the
+    cores, less one per process for its main thread)."""
+    return suggested_max_num_workers(processes_per_node)
+
+
+# --- decoding on the device -----------------------------------------------------------------------
+
+
+class Planned(NamedTuple):
+    """One image as a worker hands it over for decoding on the device: its JPEG bytes (1-D), or
+    its pixels (3-D) where the device cannot decode it; its size, and where to crop it."""
+
+    payload: Tensor
+    path: str
+    size: tuple[int, int]  # height, width
+    box: tuple[float, float, float, float]  # top, left, height, width in the source's pixels
+    flip: bool
+
+
+class DeviceCrops:
+    """A worker's side of ``decode=device``, as ImageFolder's loader: reads the file's bytes (and
+    its header only), and draws the crop box as ``train_transform``/``eval_transform`` would;
+    the device decodes and crops the batch (``decode_batch``, ``crop_batch``)."""
+
+    def __init__(self, size: int, train: bool, resize_ratio: float) -> None:
+        self.size, self.train, self.resize_ratio = size, train, resize_ratio
+        self.random_crop = v2.RandomResizedCrop(size)
+
+    def __call__(self, path: str) -> Planned:
+        try:
+            with Image.open(path) as img:
+                (width, height), mode, kind = img.size, img.mode, img.format
+        except (OSError, UnidentifiedImageError, ValueError) as err:
+            raise bad_image(path, err) from err
+        # the device decodes RGB and grey JPEGs; CMYK, PNG and the rest are decoded here
+        on_device = kind == "JPEG" and mode in ("RGB", "L")
+        payload = read_file(path) if on_device else decode_rgb(path)
+        if not self.train:
+            return Planned(payload, path, (height, width), self.center_box(height, width), False)
+        # torchvision's own sampler of RandomResizedCrop's scale and ratio: it needs only a size
+        shape_only = torch.empty(1, dtype=torch.uint8).expand(3, height, width)
+        p = self.random_crop.make_params([shape_only])
+        box = (p["top"], p["left"], p["height"], p["width"])
+        return Planned(payload, path, (height, width), box, bool(torch.rand(()) < 0.5))
+
+    def center_box(self, height: int, width: int) -> tuple[float, float, float, float]:
+        """``eval_transform``'s resize then center crop, as a box in the source's pixels."""
+        short = round(self.size / self.resize_ratio)
+        if height <= width:
+            new_h, new_w = short, int(short * width / height)
+        else:
+            new_h, new_w = int(short * height / width), short
+        top, left = round((new_h - self.size) / 2), round((new_w - self.size) / 2)
+        sy, sx = height / new_h, width / new_w
+        return top * sy, left * sx, self.size * sy, self.size * sx
+
+
+class DeviceBatch(NamedTuple):
+    """A collated batch for ``decode=device``. ``rois``, ``flips`` and ``labels`` are tensors that
+    Lightning moves (pinned: asynchronously); ``regions`` and ``paths`` stay on the host."""
+
+    payloads: list[Tensor]
+    regions: list[tuple[int, int, int, int]]  # top, left, height, width of each image to keep
+    rois: Tensor  # (B, 5) float: index, x1, y1, x2, y2 in the kept region's pixels
+    flips: Tensor  # (B,) bool
+    labels: Tensor
+    paths: list[str]
+
+
+def collate_planned(samples: Sequence[tuple[Planned, int]]) -> DeviceBatch:
+    """The JPEGs' bytes as views of one tensor (a worker hands over one buffer, not one per image:
+    ``read_file``'s own cannot be shared). Each crop box widened by a pixel (its bilinear
+    neighbours) and clipped to its image: only that region is copied into the batch on the
+    device."""
+    encoded = [p.payload for p, _ in samples if p.payload.dim() == 1]
+    views = iter(torch.cat(encoded).split([len(e) for e in encoded]) if encoded else ())
+    payloads = [next(views) if p.payload.dim() == 1 else p.payload for p, _ in samples]
+    regions, rois = [], []
+    for i, (planned, _) in enumerate(samples):
+        (height, width), (top, left, h, w) = planned.size, planned.box
+        t0, l0 = max(0, math.floor(top) - 1), max(0, math.floor(left) - 1)
+        t1, l1 = min(height, math.ceil(top + h) + 1), min(width, math.ceil(left + w) + 1)
+        regions.append((t0, l0, t1 - t0, l1 - l0))
+        rois.append((i, left - l0, top - t0, left + w - l0, top + h - t0))
+    return DeviceBatch(
+        payloads=payloads,
+        regions=regions,
+        rois=torch.tensor(rois, dtype=torch.float32),
+        flips=torch.tensor([p.flip for p, _ in samples]),
+        labels=torch.tensor([label for _, label in samples]),
+        paths=[p.path for p, _ in samples],
+    )
+
+
+def decode_batch(batch: DeviceBatch, device: torch.device) -> list[Tensor]:
+    """The batch's JPEG bytes decoded on ``device`` in one call (nvjpeg on a GPU); the images the
+    workers decoded are left as they are. A batch the device refuses is decoded one by one, on the
+    CPU where the device cannot, so that a bad file is named."""
+    images = list(batch.payloads)
+    encoded = [i for i, p in enumerate(images) if p.dim() == 1]
+    if not encoded:
+        return images
+    try:
+        decoded = decode_jpeg([images[i] for i in encoded], mode=ImageReadMode.RGB, device=device)
+    except RuntimeError:
+        decoded = [_decode_one(images[i], batch.paths[i], device) for i in encoded]
+    for i, image in zip(encoded, decoded, strict=True):
+        images[i] = image
+    return images
+
+
+def _decode_one(data: Tensor, path: str, device: torch.device) -> Tensor:
+    try:
+        return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+    except RuntimeError:
+        log.warning("%s: decoded on the CPU, the device could not", path)
+        return decode_rgb(path)
+
+
+def crop_batch(batch: DeviceBatch, images: list[Tensor], size: int) -> Tensor:
+    """(B, 3, size, size) float in [0, 255]: each image's region in one canvas, its last row and
+    column repeated (the edge, as a resize samples it); then one ``roi_align`` resizes every crop
+    (bilinear; an adaptive grid of samples per output pixel antialiases a downscale) and the
+    flips are applied as one ``where``."""
+    height = max(h for _, _, h, _ in batch.regions) + 1
+    width = max(w for _, _, _, w in batch.regions) + 1
+    canvas = images[0].new_zeros((len(images), 3, height, width), dtype=torch.float32)
+    for i, (image, (top, left, h, w)) in enumerate(zip(images, batch.regions, strict=True)):
+        region = image[None, :, top : top + h, left : left + w].float()
+        canvas[i, :, : h + 1, : w + 1] = F.pad(region, (0, 1, 0, 1), mode="replicate")[0]
+    crops = roi_align(canvas, batch.rois, output_size=size, sampling_ratio=-1, aligned=True)
+    return torch.where(batch.flips.view(-1, 1, 1, 1), crops.flip(-1), crops)
