@@ -184,3 +184,26 @@ def test_tensorboard_scalars(bench_run: Path, results: dict) -> None:
     acc = EventAccumulator(str(bench_run / "tensorboard" / "ratios"))
     acc.Reload()
     assert "ratio/template_vs_plain_loop_mlp" in acc.Tags()["scalars"]
+
+
+def test_loading_compares_the_input_paths_per_core_into_its_own_section(tmp_path: Path) -> None:
+    out, page = tmp_path / "run", shutil.copy(ROOT / "docs" / "performance.md", tmp_path)
+    proc = bench("--loading", "--quick", "--repeats", "1", "--out", str(out), "--docs", str(page))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    loading = json.loads((out / "results.json").read_text())["loading"]
+    reference, ours = "torchvision ImageFolder + PIL", "template, decode=workers"
+    for name in (reference, ours):
+        assert all(rate > 0 for rate in loading["per_core"][name].values())
+    assert set(loading["ratio_per_core"]) == {"1", "2"}
+    # uint8 for float32 of the same crops, and the labels alike
+    assert loading["bytes_ratio"] == pytest.approx(0.25, rel=1e-3)
+    ratio = f"{loading['ratio_per_core']['1']:.2f}x (1 worker(s))"
+    assert ratio in proc.stdout
+    written = Path(page).read_text()
+    section = written.split("<!-- bench:loading:start -->")[1].split("<!-- bench:loading:end -->")
+    assert ratio in section[0] and "make bench ARGS=--loading" in section[0]
+    ours_page = (ROOT / "docs" / "performance.md").read_text()
+    assert (
+        written.split("<!-- bench:loading:start -->")[0]
+        == ours_page.split("<!-- bench:loading:start -->")[0]
+    )

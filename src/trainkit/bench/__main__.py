@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import json
 import platform
 import statistics
 import subprocess
@@ -28,6 +29,7 @@ from trainkit.bench import cells as matrix
 from trainkit.bench.report import (
     DOCS_END,
     DOCS_START,
+    LOADING_DOCS,
     MEMORY_DOCS,
     add_scaling,
     compile_warmup_s,
@@ -36,6 +38,7 @@ from trainkit.bench.report import (
     memory,
     phase_gaps,
     ratios,
+    replace_between,
     write_all,
     write_docs,
 )
@@ -83,7 +86,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--quick", action="store_true", help="2 warm-up + 4 timed steps (tests)")
-    parser.add_argument("--loading", action="store_true", help="also ImageFolder images/s")
+    parser.add_argument(
+        "--loading",
+        action="store_true",
+        help="the ImageFolder input path instead: images/s per worker core against torchvision's",
+    )
     parser.add_argument("--out", type=Path, help="a new directory (default: logs/bench/<time>)")
     parser.add_argument(
         "--docs", type=Path, help="also write the results into this page (docs/performance.md)"
@@ -132,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(c.name for c in cells))
         return 0
     args.out.mkdir(parents=True)
+    if args.loading:
+        return run_loading(args)
     settings = matrix.Settings(threads=args.threads)
     for name in dict.fromkeys(c.workload for c in cells):
         settings.data_roots[name] = matrix.WORKLOADS[name].write_data(args.out / "data")
@@ -161,10 +170,6 @@ def main(argv: list[str] | None = None) -> int:
         "compile_warmup_s": compile_warmup_s(results),
         "memory": memory(results),
     }  # fmt: skip
-    if args.loading:
-        from trainkit.bench.loading import bench_imagefolder
-
-        report["loading"] = bench_imagefolder(args.out / "data", 256, [0, 1, 2], args.repeats or 3)
     paths = write_all(args.out, report)
     if args.docs:
         minutes, seconds = divmod(round(time.monotonic() - started), 60)
@@ -183,6 +188,26 @@ def main(argv: list[str] | None = None) -> int:
             f"{len(failed)} cell(s) failed: {failed}; see cells/<name>/output.log", file=sys.stderr
         )
     return 1 if failed else 0
+
+
+def run_loading(args: argparse.Namespace) -> int:
+    """``--loading``: the input path's own run, into its own section of the page."""
+    from trainkit.bench import loading
+
+    images = 128 if args.quick else 768
+    result = loading.bench_loading(args.out / "data", images, [1, 2], args.repeats or 3)
+    report = {"machine": machine(), "loading": result}
+    (args.out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
+    text = loading.markdown(result)
+    if args.docs:
+        m = report["machine"]
+        how = (
+            f"One run of `make bench ARGS=--loading` at commit {m.get('commit', '?')} on "
+            f"{m['cpu']}, {m['cores']} cores, written here by the benchmark:"
+        )
+        replace_between(args.docs, LOADING_DOCS, f"{how}\n\n{text}")
+    print(text)
+    return 0
 
 
 if __name__ == "__main__":

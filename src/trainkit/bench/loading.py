@@ -1,41 +1,139 @@
-"""ImageFolder input pipeline speed: decode + augment images/s with 0, 1, 2 DataLoader workers."""
+"""The ImageFolder input path: training images/s per worker core of the template's loader and of
+torchvision's ``ImageFolder`` + PIL, on the same photo-sized JPEGs, and the bytes per batch each
+hands to the device.
+
+Each loader runs through its DataLoader workers, after its first batch (worker start-up
+excluded); the loaders take turns, ``repeats`` times, and the median counts. The reference is
+torchvision's classic ImageNet recipe: PIL decodes, ``RandomResizedCrop`` and a flip, then a
+float32 tensor normalised per image in the worker.
+"""
 
 import statistics
 import time
 from pathlib import Path
 
+import torch
 from hydra.utils import instantiate
+from torch.utils.data import DataLoader
+from torchvision.datasets import ImageFolder
+from torchvision.transforms import v2
 
 from trainkit.config import compose_config
 from trainkit.data.synthetic import write_imagefolder
 
+# (width, height) of the classes' JPEGs: ImageNet's typical sizes, landscape and portrait
+SOURCE_SIZES = ((500, 375), (375, 500), (500, 333), (320, 320))
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
-def bench_imagefolder(root: Path, images: int, workers: list[int], repeats: int) -> dict:
-    """Images/s through ImageFolder, the train transforms and a DataLoader, after the first batch
-    (worker start-up excluded)."""
-    folder = write_imagefolder(root / "folder", classes=4, per_class=images // 4, size=(320, 240))
-    cfg = compose_config(
-        "train",
-        root / "config",
-        ["data=imagefolder", f"data.root={folder}", "data.val_size=4", "data.batch_size=32"],
+
+def torchvision_loader(folder: Path, size: int, batch: int, workers: int) -> DataLoader:
+    transform = v2.Compose(
+        [
+            v2.RandomResizedCrop(size, antialias=True),
+            v2.RandomHorizontalFlip(),
+            v2.ToImage(),
+            v2.ToDtype(torch.float32, scale=True),
+            v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+        ]
     )
-    rates: dict[int, list[float]] = {w: [] for w in workers}
+    dataset = ImageFolder(str(folder), transform=transform)
+    return DataLoader(dataset, batch, shuffle=True, num_workers=workers, drop_last=True)
+
+
+def template_loader(folder: Path, size: int, batch: int, workers: int, decode: str) -> DataLoader:
+    """``data=imagefolder`` as train.py composes it; ``val_size`` holds out one batch."""
+    overrides = [
+        *("data=imagefolder", f"data.root={folder}", f"data.image_size={size}"),
+        *(f"data.batch_size={batch}", f"data.val_size={batch}", f"data.num_workers={workers}"),
+        *(f"data.decode={decode}", "data.drop_last=true"),
+    ]
+    datamodule = instantiate(compose_config("train", folder.parent / "config", overrides).data)
+    datamodule.setup("fit")
+    return datamodule.train_dataloader()
+
+
+def images_per_s(loader: DataLoader, batches: int) -> tuple[float, int]:
+    """Images/s over ``batches`` batches after the first, and the bytes of one batch's tensors."""
+    it, counted = iter(loader), 0
+    first = next(it)
+    start = time.perf_counter()
+    for _ in range(batches):
+        counted += batch_images(next(it))
+    elapsed = time.perf_counter() - start
+    del it  # stops its workers
+    return counted / elapsed, tensor_bytes(first)
+
+
+def batch_images(batch) -> int:
+    return len(batch[0]) if isinstance(batch, list | tuple) else len(batch.labels)
+
+
+def tensor_bytes(batch) -> int:
+    if isinstance(batch, torch.Tensor):
+        return batch.nbytes
+    if isinstance(batch, list | tuple):
+        return sum(tensor_bytes(b) for b in batch)
+    return 0
+
+
+def bench_loading(root: Path, images: int, workers: list[int], repeats: int) -> dict:
+    classes = len(SOURCE_SIZES)
+    folder = write_imagefolder(root / "photos", classes, images // classes, sizes=SOURCE_SIZES)
+    size, batch = 224, 32
+    batches = images // batch - 2  # the first is not timed; one is held out as validation
+    loaders = {
+        "torchvision ImageFolder + PIL": lambda w: torchvision_loader(folder, size, batch, w),
+        "template, decode=workers": lambda w: template_loader(folder, size, batch, w, "workers"),
+        "template, decode=device (the workers' part)": lambda w: template_loader(
+            folder, size, batch, w, "device"
+        ),
+    }
+    rates: dict[str, dict[int, list[float]]] = {name: {w: [] for w in workers} for name in loaders}
+    sizes: dict[str, int] = {}
     for _ in range(repeats):
         for w in workers:
-            cfg.data.num_workers = w
-            dm = instantiate(cfg.data)
-            dm.setup("fit")
-            start, samples = None, 0
-            for x, _ in dm.train_dataloader():
-                if start is None:
-                    start = time.perf_counter()
-                    continue
-                samples += len(x)
-            rates[w].append(samples / (time.perf_counter() - start))
-    for w, r in rates.items():
-        print(f"imagefolder, {w} workers: {statistics.median(r):,.0f} images/s")
-    return {
-        "image_size": cfg.data.image_size,
-        "source_size": [320, 240],
-        "images_per_s": {str(w): r for w, r in rates.items()},
+            for name, make in loaders.items():
+                rate, nbytes = images_per_s(make(w), batches)
+                rates[name][w].append(rate)
+                sizes[name] = nbytes
+    per_core = {
+        name: {str(w): statistics.median(r) / w for w, r in by_workers.items()}
+        for name, by_workers in rates.items()
     }
+    reference, ours = "torchvision ImageFolder + PIL", "template, decode=workers"
+    return {
+        "images": images,
+        "source_sizes": [list(s) for s in SOURCE_SIZES],
+        "image_size": size,
+        "batch_size": batch,
+        "images_per_s": {n: {str(w): r for w, r in by_w.items()} for n, by_w in rates.items()},
+        "per_core": per_core,
+        "batch_bytes": sizes,
+        "ratio_per_core": {w: per_core[ours][w] / per_core[reference][w] for w in per_core[ours]},
+        "bytes_ratio": sizes[ours] / sizes[reference],
+    }
+
+
+def markdown(result: dict) -> str:
+    sizes = ", ".join(f"{w}x{h}" for w, h in result["source_sizes"])
+    workers = list(result["ratio_per_core"])
+    lines = [
+        f"{result['images']} JPEGs ({sizes}, quality 90) to {result['image_size']} px training "
+        f"batches of {result['batch_size']}: images/s per worker core (median), each loader "
+        "through its DataLoader workers after its first batch.",
+        "",
+        "| loader | "
+        + " | ".join(f"{w} worker(s), per core" for w in workers)
+        + " | batch bytes |",
+        "| --- | " + " | ".join("---" for _ in workers) + " | --- |",
+    ]
+    for name, per_core in result["per_core"].items():
+        rates = " | ".join(f"{per_core[w]:,.0f}" for w in workers)
+        lines.append(f"| {name} | {rates} | {result['batch_bytes'][name] / 2**20:.1f} MiB |")
+    ratios = ", ".join(f"{r:.2f}x ({w} worker(s))" for w, r in result["ratio_per_core"].items())
+    lines += [
+        "",
+        f"Template (decode=workers) per core vs torchvision ImageFolder + PIL: {ratios}; bytes per "
+        f"batch: {result['bytes_ratio']:.2f}x.",
+    ]
+    return "\n".join(lines) + "\n"

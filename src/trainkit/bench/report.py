@@ -398,6 +398,7 @@ def write_tensorboard(logdir: Path, report: dict) -> None:
 DOCS_START, DOCS_END = "<!-- bench:results:start -->", "<!-- bench:results:end -->"
 # `--memory` runs' own section of the page, so that neither run's tables replace the other's
 MEMORY_DOCS = ("<!-- bench:memory:start -->", "<!-- bench:memory:end -->")
+LOADING_DOCS = ("<!-- bench:loading:start -->", "<!-- bench:loading:end -->")
 
 
 def write_docs(
@@ -406,13 +407,18 @@ def write_docs(
     """The results, as ``markdown`` writes them, between the page's two ``markers``: the
     published figures are the benchmark's own, never pasted by hand. ``how`` says which run they
     are."""
+    replace_between(page, markers, f"{how}\n\n{markdown(report)}")
+
+
+def replace_between(page: Path, markers: tuple[str, str], text: str) -> None:
+    """``text`` between the page's two ``markers``, in place of what was there."""
     start, end = markers
-    text = page.read_text()
-    if text.count(start) != 1 or text.count(end) != 1:
+    content = page.read_text()
+    if content.count(start) != 1 or content.count(end) != 1:
         raise ValueError(f"{page} needs one {start} and one {end}")
-    before, rest = text.split(start)
+    before, rest = content.split(start)
     after = rest.split(end)[1]
-    page.write_text(f"{before}{start}\n{how}\n\n{markdown(report)}\n{end}{after}")
+    page.write_text(f"{before}{start}\n{text}\n{end}{after}")
 
 
 def write_all(run_dir: Path, report: dict) -> list[Path]:

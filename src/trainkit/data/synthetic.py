@@ -6,6 +6,7 @@ For offline smoke runs, the benchmark and the tests: MNIST and CIFAR-10 cannot a
 import gzip
 import pickle
 import struct
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -85,16 +86,22 @@ def write_cifar10(root: Path, n_per_batch: int, n_test: int, seed: int = 0) -> P
 
 
 def write_imagefolder(
-    root: Path, classes: int, per_class: int, size: tuple[int, int] = (64, 48), seed: int = 0
+    root: Path,
+    classes: int,
+    per_class: int,
+    size: tuple[int, int] = (64, 48),
+    seed: int = 0,
+    sizes: Sequence[tuple[int, int]] = (),
 ) -> Path:
-    """``<root>/<class>/<i>.jpg``: RGB JPEGs (quality 90) that compress and resize like photos:
-    smooth colour gradients in random directions, a few discs, light sensor noise."""
+    """``<root>/class_<c>/<i>.jpg``: RGB JPEGs (quality 90) that compress and resize like photos:
+    smooth colour gradients in random directions, a few discs, light sensor noise. ``(width,
+    height)``: ``size``, or class ``c`` takes ``sizes[c % len(sizes)]``."""
     from PIL import Image
 
     rng = np.random.default_rng(seed)
-    width, height = size
-    yy, xx = np.mgrid[0:height, 0:width].astype(np.float32)
     for c in range(classes):
+        width, height = sizes[c % len(sizes)] if sizes else size
+        yy, xx = np.mgrid[0:height, 0:width].astype(np.float32)
         folder = root / f"class_{c}"
         folder.mkdir(parents=True, exist_ok=True)
         for i in range(per_class):
