@@ -2,6 +2,7 @@
 their goals, the default matrix, per-process batches; its refused arguments. Real cells in real
 processes are in e2e/test_bench.py."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -313,3 +314,29 @@ def test_the_transformer_memory_cell_composes_on_the_text_it_writes(tmp_path: Pa
     assert blocks.vocab_size == cfg.model.vocab_size
     steps = work.warmup + work.steps
     assert len(blocks) - 16 >= steps * work.batch_size  # every step's blocks, none wrapped
+
+
+def test_the_gpu_matrix_is_its_own_and_its_imagefolder_cells_share_their_images(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """``--gpu`` (the default with CUDA) lists the GPU cells only; the ImageFolder upper bound is
+    the plain loop on the same JPEGs, decoded once, on the device, in bf16."""
+    import json
+
+    from trainkit.bench.cells import GPU_MATRIX, IMAGEFOLDER_ON_DEVICE, Settings, plain_command
+
+    assert bench_main(["--gpu", "--list", "--out", str(tmp_path / "out")]) == 0
+    assert capsys.readouterr().out.split() == [c.name for c in GPU_MATRIX]
+    assert not set(GPU_MATRIX) & (set(DEFAULT_MATRIX) | set(MEMORY_MATRIX))
+
+    work = dataclasses.replace(WORKLOADS["imagefolder_gpu"], batch_size=8, warmup=1, steps=1)
+    root = work.write_data(tmp_path / "data")
+    assert len(list(Path(root).rglob("*.jpg"))) >= work.batch_size * 2 + 200
+    settings = Settings(threads=1, data_roots={"imagefolder_gpu": root})
+    cell_dir = tmp_path / "cell"
+    cell_dir.mkdir()
+    plain_command(IMAGEFOLDER_ON_DEVICE, work, settings, cell_dir)
+    spec = json.loads((cell_dir / "plain_spec.json").read_text())
+    assert spec["data"]["on_device"] and spec["data"]["image_size"] == 224
+    assert spec["precision"] == "bf16-mixed" and spec["net"]["channels_last"] is True
+    assert spec["data"]["mean"] == [0.485, 0.456, 0.406]

@@ -4,6 +4,7 @@ import os
 from pathlib import Path
 
 import torch
+from lightning.fabric.utilities.data import suggested_max_num_workers
 from torch.utils.data import DataLoader, Dataset, Subset
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS
@@ -15,7 +16,6 @@ from trainkit.data.images import (
     BadImageError,
     DeviceBatch,
     DeviceCrops,
-    auto_workers,
     collate_planned,
     crop_batch,
     decode_batch,
@@ -115,6 +115,8 @@ class ImageFolderDataModule(ShardedDataModule):
     or with ``bad_files=skip`` is left out and listed. ``check_images`` decodes every image at
     setup to find truncated files up front (``bad_files=skip`` implies it).
     """
+
+    mean, std = IMAGENET_MEAN, IMAGENET_STD  # the defaults; ``mean``/``std`` set each one's
 
     def __init__(
         self,
@@ -260,11 +262,12 @@ class ImageFolderDataModule(ShardedDataModule):
         )
 
     def workers(self) -> int:
-        """``num_workers``, or for ``auto`` this node's usable cores shared by its processes."""
+        """``num_workers``, or for ``auto`` Lightning's rule: this node's usable cores, less one per
+        process for its main thread, shared by its processes."""
         if self.num_workers != "auto":
             return self.num_workers
         trainer = self.trainer
-        return auto_workers(trainer.world_size // trainer.num_nodes if trainer else 1)
+        return suggested_max_num_workers(trainer.world_size // trainer.num_nodes if trainer else 1)
 
     # --- on the device --------------------------------------------------------------------------
 

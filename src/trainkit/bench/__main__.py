@@ -29,6 +29,7 @@ from trainkit.bench import cells as matrix
 from trainkit.bench.report import (
     DOCS_END,
     DOCS_START,
+    GPU_DOCS,
     LOADING_DOCS,
     MEMORY_DOCS,
     add_scaling,
@@ -73,11 +74,16 @@ def machine() -> dict[str, object]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    names = [c.name for c in (*matrix.DEFAULT_MATRIX, *matrix.MEMORY_MATRIX)]
+    names = [c.name for c in (*matrix.DEFAULT_MATRIX, *matrix.MEMORY_MATRIX, *matrix.GPU_MATRIX)]
     parser.add_argument("--workloads", nargs="+", choices=list(matrix.WORKLOADS))
     parser.add_argument("--cells", nargs="+", metavar="CELL", help="cells of either matrix")
     parser.add_argument(
         "--memory", action="store_true", help="the memory cells instead of the default matrix"
+    )
+    parser.add_argument(
+        "--gpu",
+        action="store_true",
+        help="the GPU-sized cells (the default where CUDA is present), into their own section",
     )
     parser.add_argument("--list", action="store_true", help="print the cells' names and exit")
     parser.add_argument("--repeats", type=int, help="timed epochs per cell (default: per model)")
@@ -96,6 +102,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--docs", type=Path, help="also write the results into this page (docs/performance.md)"
     )
     args = parser.parse_args(argv)
+    args.gpu = args.gpu or (torch.cuda.is_available() and not (args.memory or args.loading))
     unknown = sorted(set(args.cells or ()) - set(names))
     if unknown:
         parser.error(f"unknown cell(s) {unknown}: see --list for the names")
@@ -112,9 +119,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def selected(args: argparse.Namespace) -> list[matrix.Cell]:
     if args.cells:
-        pool = (*matrix.DEFAULT_MATRIX, *matrix.MEMORY_MATRIX)
+        pool = (*matrix.DEFAULT_MATRIX, *matrix.MEMORY_MATRIX, *matrix.GPU_MATRIX)
+    elif args.memory:
+        pool = matrix.MEMORY_MATRIX
     else:
-        pool = matrix.MEMORY_MATRIX if args.memory else matrix.DEFAULT_MATRIX
+        pool = matrix.GPU_MATRIX if args.gpu else matrix.DEFAULT_MATRIX
     chosen = [
         c
         for c in pool
@@ -178,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
             f"One run of `{command}` at commit {report['machine'].get('commit', '?')}, "
             f"{minutes} min {seconds} s, written here by the benchmark:"
         )
-        write_docs(args.docs, report, how, MEMORY_DOCS if args.memory else (DOCS_START, DOCS_END))
+        section = MEMORY_DOCS if args.memory else GPU_DOCS if args.gpu else (DOCS_START, DOCS_END)
+        write_docs(args.docs, report, how, section)
         paths.append(args.docs)
     print(markdown(report))
     print("Wrote " + ", ".join(str(p) for p in paths))

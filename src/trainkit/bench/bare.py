@@ -51,7 +51,7 @@ class Bare(L.LightningModule):
 
     def train_dataloader(self):
         data = self.spec["data"]
-        images, labels = READERS[data["datamodule"]](Path(data["root"]))
+        images, labels = READERS[data["datamodule"]](Path(data["root"]), data)
         return Batches(images, labels, self.spec, self.global_rank)
 
     def on_after_batch_transfer(self, batch, dataloader_idx: int):

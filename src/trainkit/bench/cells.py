@@ -19,12 +19,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hydra.utils import get_class
+from hydra.utils import get_class, instantiate
 from omegaconf import OmegaConf
 
 from trainkit.bench.clock import PHASES
 from trainkit.config import ROOT_DIR, compose_config
-from trainkit.data.synthetic import write_cifar10, write_mnist, write_wikitext
+from trainkit.data.synthetic import write_cifar10, write_imagefolder, write_mnist, write_wikitext
 from trainkit.runtime import free_port
 
 # Strategies whose processes each take their own share of the batch: data.batch_size is per process.
@@ -52,6 +52,10 @@ class Workload:
         n = self.batch_size * (self.warmup + self.steps) + 200
         if "data=cifar10" in self.overrides:
             return str(write_cifar10(root / self.name, -(-n // 5), 200))
+        if "data=imagefolder" in self.overrides:  # photo-sized JPEGs, in 10 class folders
+            from trainkit.bench.loading import SOURCE_SIZES
+
+            return str(write_imagefolder(root / self.name, 10, -(-n // 10), sizes=SOURCE_SIZES))
         if "data=bench_wikitext" in self.overrides:  # blocks of 35 tokens, lines of 8-15 words
             lines = max(3 * (n + 16), TEXT_WORDS)  # a line starts at each word: all are used
             write_wikitext(root / self.name, lines=lines, words=TEXT_WORDS)
@@ -111,6 +115,12 @@ WIDE_TRANSFORMER = (
     "data=bench_wikitext",
     *("callbacks=none", "monitor=val_loss", "monitor_mode=min"),
 )
+RESNET_GPU = (*RESNET_OVERRIDES, "model.net.cifar_stem=true")
+# experiment=imagefolder_resnet50's model and data on JPEGs of ImageNet's sizes, at 224 px
+IMAGEFOLDER_GPU = (
+    *("model=resnet50", "model.net.channels_last=true"),
+    *("data=imagefolder", "data.image_size=224", "data.val_size=200"),
+)
 WORKLOADS = {
     w.name: w
     for w in (
@@ -123,6 +133,10 @@ WORKLOADS = {
         Workload("mlp_wide", (*WIDE_MLP, *MEMORY_OVERRIDES), 64, 1, 2, 1, 1, memory=True),
         # 8 blocks of 35 tokens a step
         Workload("transformer_wide", WIDE_TRANSFORMER, 8, 1, 2, 1, 1, memory=True),
+        # the GPU matrix's: sized so that a step is not a few milliseconds of launch overhead
+        Workload("mlp_gpu", ("model=mlp", "data=mnist", "data.val_size=200"), 256, 60, 300, 2, 2),
+        Workload("resnet50_gpu", RESNET_GPU, 256, warmup=15, steps=60, repeats=2, rounds=1),
+        Workload("imagefolder_gpu", IMAGEFOLDER_GPU, 128, warmup=5, steps=20, repeats=1, rounds=1),
     )
 }
 
@@ -193,6 +207,41 @@ MEMORY_MATRIX: tuple[Cell, ...] = (
 )
 
 
+# With CUDA present, `make bench` runs these instead of DEFAULT_MATRIX (--gpu picks them anywhere):
+# the framework's cost on a small step, ResNet-50's precisions and layouts, and the ImageFolder
+# input path against the same model on data already on the device (goal: >= 0.9x).
+BF16 = "bf16-mixed"
+CHANNELS_LAST = ("model.net.channels_last=true",)
+IMAGEFOLDER_ON_DEVICE = Cell("imagefolder_gpu", "plain", precision=BF16, variant="data on device")
+IMAGEFOLDER_TEMPLATE = Cell("imagefolder_gpu", "template", precision=BF16)
+IMAGEFOLDER_DECODE_DEVICE = Cell(
+    "imagefolder_gpu",
+    "template",
+    precision=BF16,
+    extra=("data.decode=device", "data.num_workers=4"),
+    variant="decode=device 4 workers",
+)
+GPU_MATRIX: tuple[Cell, ...] = (
+    Cell("mlp_gpu", "plain"),
+    Cell("mlp_gpu", "lightning"),
+    Cell("mlp_gpu", "template"),
+    Cell("resnet50_gpu", "plain"),
+    Cell("resnet50_gpu", "template"),
+    Cell("resnet50_gpu", "template", precision=BF16),
+    Cell("resnet50_gpu", "template", precision=BF16, extra=CHANNELS_LAST, variant="channels_last"),
+    Cell(
+        "resnet50_gpu",
+        "template",
+        precision=BF16,
+        extra=(*CHANNELS_LAST, "compile=true"),
+        variant="channels_last compile",
+    ),
+    IMAGEFOLDER_ON_DEVICE,
+    IMAGEFOLDER_TEMPLATE,
+    IMAGEFOLDER_DECODE_DEVICE,
+)
+
+
 @dataclass
 class Settings:
     threads: int  # torch threads per process
@@ -230,7 +279,11 @@ def plain_command(cell: Cell, work: Workload, s: Settings, cell_dir: Path) -> li
         "train", cell_dir / "config", [*work.overrides, f"data.root='{s.data_roots[work.name]}'"]
     )
     datamodule = get_class(cfg.data._target_)
-    cfg.model.num_classes = datamodule.num_classes
+    cfg.model.num_classes = (
+        datamodule.num_classes  # a class attribute, or the folders' count (ImageFolder)
+        if isinstance(datamodule.num_classes, int)
+        else instantiate(cfg.data).num_classes
+    )
     cfg.data.batch_size = cell.per_process_batch(work.batch_size)
     augment = cfg.data.get("augment", False)  # CIFAR-10: random crop and flip
     spec = {
@@ -238,7 +291,10 @@ def plain_command(cell: Cell, work: Workload, s: Settings, cell_dir: Path) -> li
             **{"datamodule": datamodule.__name__, "root": cfg.data.root},
             **{"mean": datamodule.mean, "std": datamodule.std},
             "crop_padding": cfg.data.crop_padding if augment else None,
+            "image_size": cfg.data.get("image_size"),
+            "on_device": cell.variant == "data on device",
         },
+        "precision": cell.precision,
         "net": OmegaConf.to_container(cfg.model.net, resolve=True),
         "optimizer": OmegaConf.to_container(cfg.model.optimizer, resolve=True),
         "batch_size": cfg.data.batch_size,

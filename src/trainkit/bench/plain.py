@@ -12,6 +12,7 @@ import importlib
 import json
 import os
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -20,12 +21,15 @@ import torch.nn.functional as F
 
 from trainkit.bench.clock import StepClock, write_record
 from trainkit.data.decode import normalize_images, random_crop_flip, read_cifar10, read_mnist
+from trainkit.data.images import read_folder
 from trainkit.runtime import tune_malloc
 
-# The training images of each datamodule's files, as the datamodule reads them.
+# The training images of each datamodule's files, as the datamodule reads them (ImageFolder: its
+# evaluation crop of each, decoded once: what the model would get from data already in memory).
 READERS = {
-    "MNISTDataModule": lambda root: read_mnist(root, train=True),
-    "CIFAR10DataModule": lambda root: read_cifar10(root / "cifar-10-batches-py", train=True),
+    "MNISTDataModule": lambda root, data: read_mnist(root, train=True),
+    "CIFAR10DataModule": lambda root, data: read_cifar10(root / "cifar-10-batches-py", train=True),
+    "ImageFolderDataModule": lambda root, data: read_folder(root, data["image_size"]),
 }
 
 
@@ -46,7 +50,10 @@ def train(rank: int, spec: dict) -> None:
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, rank=rank, world_size=world)
     data = spec["data"]
-    images, labels = READERS[data["datamodule"]](Path(data["root"]))
+    images, labels = READERS[data["datamodule"]](Path(data["root"]), data)
+    if data.get("on_device"):  # the input path's upper bound: no loading at all
+        images, labels = images.to(device), labels.to(device)
+    bf16 = spec.get("precision") == "bf16-mixed"
 
     torch.manual_seed(spec["seed"])
     model = build(spec["net"]).to(device)
@@ -57,6 +64,7 @@ def train(rank: int, spec: dict) -> None:
     clock = StepClock(spec["warmup"], spec["steps"])
     for epoch in range(spec["epochs"]):
         order = torch.randperm(len(images), generator=torch.Generator().manual_seed(epoch))
+        order = order.to(images.device)  # indices where the data is
         batches = order[rank::world].split(spec["batch_size"])[: spec["warmup"] + spec["steps"]]
         for step, idx in enumerate(batches):
             x, y = images[idx].to(device), labels[idx].to(device)
@@ -64,7 +72,8 @@ def train(rank: int, spec: dict) -> None:
                 x = random_crop_flip(x, data["crop_padding"])
             x = normalize_images(x, data["mean"], data["std"])
             clock.step_start(step)  # as Lightning's on_train_batch_start: the batch is ready
-            loss = F.cross_entropy(model(x), y)
+            with torch.autocast(device.type, torch.bfloat16) if bf16 else nullcontext():
+                loss = F.cross_entropy(model(x), y)
             clock.mark("forward")
             loss.backward()
             clock.mark("backward")

@@ -6,6 +6,9 @@ import json
 from pathlib import Path
 
 from trainkit.bench.cells import (
+    IMAGEFOLDER_DECODE_DEVICE,
+    IMAGEFOLDER_ON_DEVICE,
+    IMAGEFOLDER_TEMPLATE,
     LOGGING_OFF,
     MEMORY_BASELINE,
     MEMORY_ONE_DEVICE,
@@ -74,6 +77,37 @@ RATIOS: tuple[tuple[str, Cell, Cell, float | None], ...] = (
         pipeline("resnet50_b256", 4, "interleaved"),
         pipeline("resnet50_b256", 1),
         1.4,
+    ),
+    # the GPU matrix
+    (
+        "template vs plain loop, mlp_gpu",
+        Cell("mlp_gpu", "template"),
+        Cell("mlp_gpu", "plain"),
+        None,
+    ),
+    (
+        "template vs bare Lightning, mlp_gpu",
+        Cell("mlp_gpu", "template"),
+        Cell("mlp_gpu", "lightning"),
+        None,
+    ),
+    (
+        "template vs plain loop, resnet50_gpu",
+        Cell("resnet50_gpu", "template"),
+        Cell("resnet50_gpu", "plain"),
+        0.95,
+    ),
+    (
+        "ImageFolder (default) vs data on device, bf16 channels_last",
+        IMAGEFOLDER_TEMPLATE,
+        IMAGEFOLDER_ON_DEVICE,
+        0.9,
+    ),
+    (
+        "ImageFolder decode=device vs data on device, bf16 channels_last",
+        IMAGEFOLDER_DECODE_DEVICE,
+        IMAGEFOLDER_ON_DEVICE,
+        0.9,
     ),
 )
 
@@ -398,6 +432,7 @@ def write_tensorboard(logdir: Path, report: dict) -> None:
 DOCS_START, DOCS_END = "<!-- bench:results:start -->", "<!-- bench:results:end -->"
 # `--memory` runs' own section of the page, so that neither run's tables replace the other's
 MEMORY_DOCS = ("<!-- bench:memory:start -->", "<!-- bench:memory:end -->")
+GPU_DOCS = ("<!-- bench:gpu:start -->", "<!-- bench:gpu:end -->")
 LOADING_DOCS = ("<!-- bench:loading:start -->", "<!-- bench:loading:end -->")
 
 

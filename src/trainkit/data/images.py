@@ -2,6 +2,7 @@
 batch on the training device (nvjpeg on a GPU), with torchvision's RandomResizedCrop done there as
 one ``roi_align`` over the batch.
 
+No Lightning here (as in ``decode.py``): the benchmark's plain loop reads images with it too.
 Batches stay uint8 until the device: 4x fewer bytes to collate, pin and copy than float32, and the
 conversion and normalisation (``decode.normalize_images``) are free work for a GPU.
 """
@@ -9,13 +10,14 @@ conversion and normalisation (``decode.normalize_images``) are free work for a G
 import logging
 import math
 from collections.abc import Sequence
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from lightning.fabric.utilities.data import suggested_max_num_workers
 from PIL import Image, UnidentifiedImageError
 from torch import Tensor
+from torchvision.datasets import ImageFolder
 from torchvision.io import ImageReadMode, decode_image, decode_jpeg, read_file
 from torchvision.ops import roi_align
 from torchvision.transforms import v2
@@ -64,10 +66,12 @@ def eval_transform(size: int, resize_ratio: float) -> v2.Compose:
     return v2.Compose([v2.Resize(round(size / resize_ratio), antialias=True), v2.CenterCrop(size)])
 
 
-def auto_workers(processes_per_node: int) -> int:
-    """DataLoader workers per process from this node's usable cores (Lightning's rule: the
-    cores, less one per process for its main thread)."""
-    return suggested_max_num_workers(processes_per_node)
+def read_folder(root: Path, size: int, resize_ratio: float = 0.875) -> tuple[Tensor, Tensor]:
+    """Every image of an ImageFolder tree through ``eval_transform``: (N, 3, size, size) uint8 and
+    (N,) labels, in ImageFolder's order (the benchmark's data already on the device)."""
+    folder = ImageFolder(str(root), loader=decode_rgb, transform=eval_transform(size, resize_ratio))
+    images, labels = zip(*folder, strict=True)
+    return torch.stack(images), torch.tensor(labels)
 
 
 # --- decoding on the device -----------------------------------------------------------------------
