@@ -72,6 +72,10 @@ def image_roots(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 RECIPES = {  # ResNet-50 steps: a short epoch of 18 batches of 2 (36 of 40 CIFAR images)
     "cifar": ("experiment=cifar10_resnet50", "data.download=false", "data.val_size=4"),
     "imagefolder": ("experiment=imagefolder_resnet50", "data.image_size=32", "data.num_workers=1"),
+    "imagefolder_decoded_on_the_device": (
+        *("experiment=imagefolder_resnet50", "data.image_size=32", "data.num_workers=1"),
+        "data.decode=device",
+    ),
 }
 
 
@@ -79,7 +83,7 @@ RECIPES = {  # ResNet-50 steps: a short epoch of 18 batches of 2 (36 of 40 CIFAR
 def test_the_image_recipes_read_and_upload_nothing_between_logging_steps(
     run_here: Callable[..., Path], image_roots: dict[str, Path], recipe: str
 ) -> None:
-    root = image_roots[recipe]
+    root = image_roots[recipe.split("_")[0]]
     extra = (*RECIPES[recipe], f"data.root={root}", "data.batch_size=2", "accelerator=cpu")
     traffic = traffic_per_step(run_here, (), 6, *extra, "trainer.limit_val_batches=1")
     steps = 18
