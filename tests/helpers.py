@@ -338,8 +338,8 @@ class SaveWeights(L.Callback):
 
 # What reads a tensor's value on the host: on a GPU each one waits for the device.
 TENSOR_READS = ("item", "tolist", "numpy", "__float__", "__int__", "__bool__", "__index__")
-# What makes a tensor of host values: with ``device=`` a GPU, a blocking host-to-device copy.
-FROM_HOST = ("tensor", "as_tensor", "asarray", "from_numpy")
+# What makes a tensor of host values: given a ``device=``, on a GPU a blocking host-to-device copy.
+FROM_HOST = ("tensor", "as_tensor", "asarray")
 # Where a step may read or upload: torch's optimizers keep their ``step`` counts on the host
 # (unless ``capturable``/``fused``), and Lightning moves the batch (pinned: asynchronously).
 ALLOWED_CALLERS = (
@@ -358,9 +358,11 @@ def _moves_to_a_device(args: tuple, kwargs: dict) -> bool:
 
 class HostTraffic:
     """While active, counts the calls that read a tensor's value on the host (``TENSOR_READS``)
-    and those that upload host values to a device (``FROM_HOST`` of anything but a tensor,
-    ``Tensor.to(<device>)``, ``Tensor.cuda``), by patching torch; on a CPU they cost nothing, and
-    on a GPU each one is a synchronisation. ``where`` lists the callers' ``file:line``."""
+    and those that upload host values to a device (``FROM_HOST`` given a ``device``,
+    ``Tensor.new_tensor``, ``Tensor.to(<device>)``, ``Tensor.cuda``), by patching torch; on a CPU
+    they cost nothing, and on a GPU each one is a synchronisation. ``where`` lists the callers'
+    ``file:line``. Not seen: calls through names bound before (``from torch import tensor``),
+    ``copy_`` from a host tensor, indexing with a Python list."""
 
     def __init__(self) -> None:
         self.reads, self.uploads, self.where = 0, 0, []
@@ -375,7 +377,8 @@ class HostTraffic:
     def __enter__(self) -> "HostTraffic":
         self._patched = [(torch.Tensor, n, getattr(torch.Tensor, n)) for n in TENSOR_READS]
         self._patched += [(torch, n, getattr(torch, n)) for n in FROM_HOST]
-        self._patched += [(torch.Tensor, n, getattr(torch.Tensor, n)) for n in ("to", "cuda")]
+        moves = ("to", "cuda", "new_tensor")
+        self._patched += [(torch.Tensor, n, getattr(torch.Tensor, n)) for n in moves]
         for owner, name, original in self._patched:
             setattr(owner, name, self._counted(owner, name, original))
         return self
@@ -392,9 +395,9 @@ class HostTraffic:
 
     @staticmethod
     def _uploads(owner, name: str, args: tuple, kwargs: dict) -> bool:
-        if owner is torch:  # torch.tensor(<host values>) and kin; of a tensor, no copy
-            return not isinstance(args[0] if args else None, torch.Tensor)
-        return name == "cuda" or _moves_to_a_device(args[1:], kwargs)
+        if owner is torch:  # torch.tensor(..., device=...) and kin; without one, a host tensor
+            return "device" in kwargs or len(args) > 2
+        return name in ("cuda", "new_tensor") or _moves_to_a_device(args[1:], kwargs)
 
     def __exit__(self, *exc) -> None:
         for owner, name, original in self._patched:

@@ -279,3 +279,13 @@ def test_normalize_images_uploads_nothing_once_its_constants_are_on_the_device()
     with HostTraffic() as traffic:
         normalize_images(images, [0.5, 0.0, 1.0], [0.5, 0.25, 2.0])
     assert (traffic.uploads, traffic.reads) == (0, 0), traffic.where
+
+
+def test_normalize_images_first_called_in_inference_mode_serves_a_training_step() -> None:
+    """Lightning's sanity check validates (in inference mode) before the first training step."""
+    images = torch.zeros((1, 3, 2, 2), dtype=torch.uint8)
+    with torch.inference_mode():
+        normalize_images(images, (0.25, 0.5, 0.75), (0.1, 0.2, 0.3))
+    x = images.float().requires_grad_()  # an augmentation a user differentiates through
+    normalize_images(x, (0.25, 0.5, 0.75), (0.1, 0.2, 0.3)).sum().backward()
+    assert x.grad is not None

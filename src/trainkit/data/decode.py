@@ -103,7 +103,10 @@ def normalize_images(images: Tensor, mean: Sequence[float], std: Sequence[float]
 def _standardising(
     mean: tuple[float, ...], std: tuple[float, ...], device: torch.device
 ) -> tuple[Tensor, Tensor]:
-    """``(x / 255 - mean) / std`` as ``x * scale + shift``, (1, C, 1, 1) each; once per device."""
-    m = torch.tensor(mean, dtype=torch.float64).view(1, -1, 1, 1)
-    s = torch.tensor(std, dtype=torch.float64).view(1, -1, 1, 1)
-    return (1 / (255 * s)).float().to(device), (-m / s).float().to(device)
+    """``(x / 255 - mean) / std`` as ``x * scale + shift``, (1, C, 1, 1) each; once per device.
+    Normal tensors even when first asked for in inference mode (Lightning's sanity check), so
+    that a training step may save them for backward."""
+    with torch.inference_mode(False):
+        m = torch.tensor(mean, dtype=torch.float64).view(1, -1, 1, 1)
+        s = torch.tensor(std, dtype=torch.float64).view(1, -1, 1, 1)
+        return (1 / (255 * s)).float().to(device), (-m / s).float().to(device)

@@ -7,8 +7,8 @@ Batches stay uint8 until the device: 4x fewer bytes to collate, pin and copy tha
 conversion and normalisation (``decode.normalize_images``) are free work for a GPU.
 """
 
-import logging
 import math
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -21,8 +21,6 @@ from torchvision.datasets import ImageFolder
 from torchvision.io import ImageReadMode, decode_image, decode_jpeg, read_file
 from torchvision.ops import roi_align
 from torchvision.transforms import v2
-
-log = logging.getLogger(__name__)
 
 SKIP_HINT = "or set data.bad_files=skip to leave such files out (they are listed in the log)"
 DECODES = ("workers", "device")
@@ -37,13 +35,15 @@ def bad_image(path: str, err: Exception) -> BadImageError:
 
 
 def decode_rgb(path: str) -> Tensor:
-    """(3, H, W) uint8 RGB: grayscale expanded, alpha dropped, 16-bit scaled to 8. libjpeg-turbo,
-    libpng and libwebp through ``torchvision.io`` (pixel for pixel what PIL gives, at twice its
-    speed); PIL for the formats those lack (BMP, TIFF, PPM...)."""
+    """(3, H, W) uint8 RGB: grayscale expanded, alpha dropped, 16-bit scaled to 8, an animation's
+    first frame. libjpeg-turbo, libpng and libwebp through ``torchvision.io`` (pixel for pixel
+    what PIL gives, at twice its speed); PIL for the formats those lack (BMP, TIFF, PPM...)."""
     try:
         image = decode_image(read_file(path), mode=ImageReadMode.RGB)
     except RuntimeError:
         return _decode_with_pil(path)
+    if image.dim() == 4:  # (frames, 3, H, W): a GIF, or an animated WebP
+        image = image[0]
     return v2.functional.to_dtype(image, torch.uint8, scale=True)
 
 
@@ -86,6 +86,9 @@ class Planned(NamedTuple):
     size: tuple[int, int]  # height, width
     box: tuple[float, float, float, float]  # top, left, height, width in the source's pixels
     flip: bool
+    # RandomResizedCrop crops, then resizes (the edge of the box is the image's edge); the eval
+    # transform resizes the whole image, then crops (pixels beyond the box are neighbours)
+    crop_first: bool
 
 
 class DeviceCrops:
@@ -107,12 +110,14 @@ class DeviceCrops:
         on_device = kind == "JPEG" and mode in ("RGB", "L")
         payload = read_file(path) if on_device else decode_rgb(path)
         if not self.train:
-            return Planned(payload, path, (height, width), self.center_box(height, width), False)
+            box = self.center_box(height, width)
+            return Planned(payload, path, (height, width), box, False, crop_first=False)
         # torchvision's own sampler of RandomResizedCrop's scale and ratio: it needs only a size
         shape_only = torch.empty(1, dtype=torch.uint8).expand(3, height, width)
         p = self.random_crop.make_params([shape_only])
         box = (p["top"], p["left"], p["height"], p["width"])
-        return Planned(payload, path, (height, width), box, bool(torch.rand(()) < 0.5))
+        flip = bool(torch.rand(()) < 0.5)
+        return Planned(payload, path, (height, width), box, flip, crop_first=True)
 
     def center_box(self, height: int, width: int) -> tuple[float, float, float, float]:
         """``eval_transform``'s resize then center crop, as a box in the source's pixels."""
@@ -140,17 +145,19 @@ class DeviceBatch(NamedTuple):
 
 def collate_planned(samples: Sequence[tuple[Planned, int]]) -> DeviceBatch:
     """The JPEGs' bytes as views of one tensor (a worker hands over one buffer, not one per image:
-    ``read_file``'s own cannot be shared). Each crop box widened by a pixel (its bilinear
-    neighbours) and clipped to its image: only that region is copied into the batch on the
-    device."""
+    ``read_file``'s own cannot be shared). Only each image's region is copied into the batch on
+    the device: its crop box, widened by a pixel (the bilinear neighbours) where the whole image
+    is resized before the crop, and clipped to the image."""
     encoded = [p.payload for p, _ in samples if p.payload.dim() == 1]
     views = iter(torch.cat(encoded).split([len(e) for e in encoded]) if encoded else ())
     payloads = [next(views) if p.payload.dim() == 1 else p.payload for p, _ in samples]
     regions, rois = [], []
     for i, (planned, _) in enumerate(samples):
         (height, width), (top, left, h, w) = planned.size, planned.box
-        t0, l0 = max(0, math.floor(top) - 1), max(0, math.floor(left) - 1)
-        t1, l1 = min(height, math.ceil(top + h) + 1), min(width, math.ceil(left + w) + 1)
+        margin = 0 if planned.crop_first else 1
+        t0, l0 = max(0, math.floor(top) - margin), max(0, math.floor(left) - margin)
+        t1 = min(height, math.ceil(top + h) + margin)
+        l1 = min(width, math.ceil(left + w) + margin)
         regions.append((t0, l0, t1 - t0, l1 - l0))
         rois.append((i, left - l0, top - t0, left + w - l0, top + h - t0))
     return DeviceBatch(
@@ -165,39 +172,75 @@ def collate_planned(samples: Sequence[tuple[Planned, int]]) -> DeviceBatch:
 
 def decode_batch(batch: DeviceBatch, device: torch.device) -> list[Tensor]:
     """The batch's JPEG bytes decoded on ``device`` in one call (nvjpeg on a GPU); the images the
-    workers decoded are left as they are. A batch the device refuses is decoded one by one, on the
-    CPU where the device cannot, so that a bad file is named."""
+    workers decoded are left as they are. A batch the device refuses is decoded on the host,
+    which names a file that does not decode; where the host succeeds the device is at fault (a
+    build without nvjpeg), and a warning says so."""
     images = list(batch.payloads)
     encoded = [i for i, p in enumerate(images) if p.dim() == 1]
     if not encoded:
         return images
     try:
         decoded = decode_jpeg([images[i] for i in encoded], mode=ImageReadMode.RGB, device=device)
-    except RuntimeError:
-        decoded = [_decode_one(images[i], batch.paths[i], device) for i in encoded]
+    except RuntimeError as err:
+        decoded = [_decode_on_host(images[i], batch.paths[i]) for i in encoded]
+        warnings.warn(
+            f"{device} could not decode a batch of JPEGs ({err}); the training process decoded "
+            f"them. Set data.decode=workers to decode them in the DataLoader workers.",
+            stacklevel=2,
+        )
     for i, image in zip(encoded, decoded, strict=True):
         images[i] = image
     return images
 
 
-def _decode_one(data: Tensor, path: str, device: torch.device) -> Tensor:
+def _decode_on_host(data: Tensor, path: str) -> Tensor:
     try:
-        return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
-    except RuntimeError:
-        log.warning("%s: decoded on the CPU, the device could not", path)
-        return decode_rgb(path)
+        return decode_jpeg(data, mode=ImageReadMode.RGB)
+    except RuntimeError as err:
+        raise bad_image(path, err) from err
+
+
+# Elements of one crop canvas: beyond, a batch is cropped in parts (roi_align's CUDA kernel
+# indexes its input with 32-bit ints; 2**27 float32 elements are 512 MiB)
+CANVAS_ELEMENTS = 2**27
 
 
 def crop_batch(batch: DeviceBatch, images: list[Tensor], size: int) -> Tensor:
-    """(B, 3, size, size) float in [0, 255]: each image's region in one canvas, its last row and
-    column repeated (the edge, as a resize samples it); then one ``roi_align`` resizes every crop
-    (bilinear; an adaptive grid of samples per output pixel antialiases a downscale) and the
-    flips are applied as one ``where``."""
-    height = max(h for _, _, h, _ in batch.regions) + 1
-    width = max(w for _, _, _, w in batch.regions) + 1
+    """(B, 3, size, size) float in [0, 255]: each image's region in a canvas, its last row and
+    column repeated (the edge, as a resize clamps there); one ``roi_align`` resizes every crop of
+    a canvas (bilinear, ``aligned=True`` samples where ``interpolate(align_corners=False)`` does;
+    an adaptive grid of samples per output pixel antialiases a downscale), and the flips are one
+    ``where``. Batches of large photos take several canvases of at most ``CANVAS_ELEMENTS``."""
+    crops, start = [], 0
+    for end in _canvas_ends(batch.regions):
+        canvas = _canvas(images[start:end], batch.regions[start:end])
+        rois = batch.rois[start:end]
+        if start:  # indices into this canvas (a scalar subtraction: nothing from the host)
+            rois = rois.clone()
+            rois[:, 0] -= start
+        crops.append(roi_align(canvas, rois, output_size=size, sampling_ratio=-1, aligned=True))
+        start = end
+    crops = torch.cat(crops) if len(crops) > 1 else crops[0]
+    return torch.where(batch.flips.view(-1, 1, 1, 1), crops.flip(-1), crops)
+
+
+def _canvas_ends(regions: list[tuple[int, int, int, int]]) -> list[int]:
+    """Where each canvas's images end: as many as fit ``CANVAS_ELEMENTS``, at least one."""
+    ends, height, width, count = [], 0, 0, 0
+    for i, (_, _, h, w) in enumerate(regions):
+        grown = (max(height, h + 1), max(width, w + 1))
+        if count and (count + 1) * 3 * grown[0] * grown[1] > CANVAS_ELEMENTS:
+            ends.append(i)
+            grown, count = (h + 1, w + 1), 0
+        (height, width), count = grown, count + 1
+    return [*ends, len(regions)]
+
+
+def _canvas(images: list[Tensor], regions: list[tuple[int, int, int, int]]) -> Tensor:
+    height = max(h for _, _, h, _ in regions) + 1
+    width = max(w for _, _, _, w in regions) + 1
     canvas = images[0].new_zeros((len(images), 3, height, width), dtype=torch.float32)
-    for i, (image, (top, left, h, w)) in enumerate(zip(images, batch.regions, strict=True)):
+    for i, (image, (top, left, h, w)) in enumerate(zip(images, regions, strict=True)):
         region = image[None, :, top : top + h, left : left + w].float()
         canvas[i, :, : h + 1, : w + 1] = F.pad(region, (0, 1, 0, 1), mode="replicate")[0]
-    crops = roi_align(canvas, batch.rois, output_size=size, sampling_ratio=-1, aligned=True)
-    return torch.where(batch.flips.view(-1, 1, 1, 1), crops.flip(-1), crops)
+    return canvas
