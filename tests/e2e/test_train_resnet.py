@@ -185,15 +185,20 @@ def test_eval_on_other_class_folders_fails_clearly(
     assert not list((tmp_path / "logs").rglob("metrics.json"))
 
 
-def test_a_checkpoint_evaluates_alike_with_the_images_decoded_on_the_device(
-    imagefolder_run: Path, run_here: Callable[..., Path]
+def test_a_trained_checkpoint_evaluates_alike_with_the_images_decoded_on_the_device(
+    imagefolder_root: Path, run_here: Callable[..., Path], log_dir: Path
 ) -> None:
-    """Trained with the workers decoding; evaluated with ``data.decode=device``: the same labels
-    and predictions, the loss within 2% (roi_align's resize differs from torchvision's by about a
-    level of 255 per pixel)."""
-    best = best_checkpoint(imagefolder_run)
+    """A model that learned the classes (their grey levels), trained with the workers decoding,
+    evaluated with ``data.decode=device``: the same accuracy, the loss within 1% (0.07% when
+    written: roi_align's resize is about a level of 255 per pixel from torchvision's)."""
+    trained = run_here(
+        "train.py", "data=imagefolder", f"data.root={imagefolder_root}", "data.image_size=16",
+        "model=mlp", "model.net.in_features=768", "data.batch_size=3", "data.num_workers=0",
+        "trainer.max_epochs=8", "accelerator=cpu", "seed=0", log_dir=log_dir,
+    )  # fmt: skip
+    best = best_checkpoint(trained)
     evaluated = run_here("eval.py", f"ckpt_path={best}", "accelerator=cpu", "data.decode=device")
-    on_device, trained = read_metrics(evaluated)["test"], read_metrics(imagefolder_run)["test"]
-    assert on_device["test/acc"] == trained["test/acc"]
-    assert on_device["test/loss"] == pytest.approx(trained["test/loss"], rel=0.02)
-    assert OmegaConf.load(evaluated / "config.yaml").data.decode == "device"
+    on_device, on_workers = read_metrics(evaluated)["test"], read_metrics(trained)["test"]
+    assert on_workers["test/acc"] == 1.0  # it learned
+    assert on_device["test/acc"] == on_workers["test/acc"]
+    assert on_device["test/loss"] == pytest.approx(on_workers["test/loss"], rel=0.01)

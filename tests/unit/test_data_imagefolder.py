@@ -7,6 +7,7 @@ import os
 import re
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 from PIL import Image
@@ -444,3 +445,18 @@ def test_device_decoding_through_a_worker_process(tree) -> None:
         dm.batches = list(device_batches(dm, dm.val_dataloader()))
     for (x, y), (x0, y0) in zip(through_worker.batches, in_process.batches, strict=True):
         assert torch.equal(x, x0) and torch.equal(y, y0)
+
+
+@pytest.mark.parametrize(("devices", "num_nodes"), [(2, 1), (3, 2)])
+def test_num_workers_auto_shares_the_cores_among_this_nodes_processes(
+    tree, devices: int, num_nodes: int
+) -> None:
+    """The processes of this node are the trainer's ranks over its nodes (Lightning's rule, with
+    at least one worker each); a real Trainer, not started."""
+    root, _ = tree
+    dm = make(root, num_workers="auto")
+    dm.trainer = L.Trainer(
+        accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy="ddp", logger=False
+    )
+    cores = len(os.sched_getaffinity(0))
+    assert dm.workers() == max(1, cores // devices - 1)
