@@ -15,7 +15,7 @@ import pytest
 from omegaconf import DictConfig
 
 import trainkit.startup  # noqa: F401  first: before Lightning imports torchmetrics
-from helpers import LAUNCHER_ENV, ROOT, TRAINED_RUN, in_process_state, run_python
+from helpers import LAUNCHER_ENV, OFFLINE_ENV, ROOT, TRAINED_RUN, in_process_state, run_python
 from trainkit import evaluate, runtime, train
 from trainkit.config import compose_config
 from trainkit.data.synthetic import write_mnist
@@ -186,3 +186,10 @@ def launched_by(monkeypatch: pytest.MonkeyPatch) -> Callable[[dict[str, str]], N
             monkeypatch.setenv(key, value)
 
     return launch
+
+
+@pytest.fixture
+def offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process without internet (``helpers.OFFLINE_ENV``)."""
+    for name, value in OFFLINE_ENV.items():
+        monkeypatch.setenv(name, value)

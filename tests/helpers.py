@@ -336,6 +336,13 @@ class SaveWeights(L.Callback):
         )
 
 
+# No internet: every download goes to a closed local port and is refused at once.
+OFFLINE_ENV = {
+    **{name: "http://127.0.0.1:9" for name in ("https_proxy", "http_proxy")},
+    **{name: "http://127.0.0.1:9" for name in ("HTTPS_PROXY", "HTTP_PROXY")},
+    **{"no_proxy": "", "NO_PROXY": ""},
+}
+
 # What reads a tensor's value on the host: on a GPU each one waits for the device.
 TENSOR_READS = ("item", "tolist", "numpy", "__float__", "__int__", "__bool__", "__index__")
 # What makes a tensor of host values: given a ``device=``, on a GPU a blocking host-to-device copy.

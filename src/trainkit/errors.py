@@ -13,3 +13,23 @@ class ConfigError(CompactHydraException, ValueError):
 class DiskFullError(CompactHydraException, OSError):
     """A save found no space left: where, how much it needed, and that the previous file is whole
     (one line on the console, as a ConfigError)."""
+
+
+class DataNotFoundError(CompactHydraException, FileNotFoundError):
+    """A dataset that is neither on disk nor downloadable: where it looked, why the download did
+    not happen, and the commands that write a synthetic one (one line, as a ConfigError)."""
+
+
+def offline_hint(dataset: str, out: str = "data/synthetic") -> str:
+    """How to run with no internet: the tool that writes ``dataset`` in its real format, and the
+    overrides that train on it."""
+    tool = "python -m trainkit.data.synthetic" + ("" if dataset == "mnist" else f" {dataset}")
+    return (
+        f"Without internet: `{tool} --out {out}` writes a small learnable one, and "
+        f"`python train.py data.root={out} data.val_size=1000` trains on it"
+    )
+
+
+def first_line(err: BaseException) -> str:
+    """An exception's message as one line (torchvision's download errors span several)."""
+    return " ".join(str(err).split())

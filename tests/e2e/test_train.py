@@ -14,7 +14,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from helpers import TRAINED_RUN, shares_trained_run
+from helpers import OFFLINE_ENV, ROOT, TRAINED_RUN, run_python, shares_trained_run
 from trainkit.errors import ConfigError
 from trainkit.resume import resolve_ckpt_path
 
@@ -217,3 +217,23 @@ def test_last_picks_the_newest_earlier_run(compose, trained_run: Path) -> None:
         log_dir.glob("train/runs/*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime
     )
     assert resolve_ckpt_path(cfg) == str(newest)
+
+
+def test_offline_the_quickstart_on_a_fresh_data_dir_ends_in_one_line_naming_the_fix(
+    tmp_path: Path,
+) -> None:
+    """`make train` without internet, on a data/ with nothing in it: exit code 1, no traceback,
+    and a line naming the README's own offline commands."""
+    proc = run_python(
+        "train.py", f"paths.data_dir={tmp_path / 'data'}", "accelerator=cpu",
+        log_dir=tmp_path / "logs", env=OFFLINE_ENV,
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stdout + proc.stderr
+    (line,) = [ln for ln in proc.stderr.splitlines() if "MNIST files not found" in ln]
+    readme = (ROOT / "README.md").read_text()
+    for command in (
+        "python -m trainkit.data.synthetic --out data/synthetic",
+        "data.root=data/synthetic data.val_size=1000",
+    ):
+        assert command in line and command in readme

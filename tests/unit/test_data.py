@@ -15,6 +15,7 @@ from trainkit.data.decode import normalize_images
 from trainkit.data.in_memory import InMemoryLoader
 from trainkit.data.sharding import ShardSampler
 from trainkit.data.synthetic import write_mnist
+from trainkit.errors import DataNotFoundError
 
 N_TRAIN, N_TEST = 120, 30
 
@@ -289,3 +290,17 @@ def test_normalize_images_first_called_in_inference_mode_serves_a_training_step(
     x = images.float().requires_grad_()  # an augmentation a user differentiates through
     normalize_images(x, (0.25, 0.5, 0.75), (0.1, 0.2, 0.3)).sum().backward()
     assert x.grad is not None
+
+
+def test_offline_a_missing_mnist_is_one_line_naming_the_synthetic_data(
+    tmp_path: Path, offline: None
+) -> None:
+    dm = MNISTDataModule(str(tmp_path), download=True)
+    with pytest.raises(DataNotFoundError) as info:
+        dm.prepare_data()
+    message = str(info.value)
+    assert "\n" not in message  # the console shows it as one line
+    assert "the download failed (" in message and "Connection refused" in message
+    assert "`python -m trainkit.data.synthetic --out data/synthetic`" in message
+    assert "`python train.py data.root=data/synthetic data.val_size=1000`" in message
+    assert str(tmp_path / "MNIST" / "raw") in message

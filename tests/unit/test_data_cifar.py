@@ -16,6 +16,7 @@ from helpers import quiet_trainer
 from myproject.data import CIFAR10DataModule
 from trainkit.data.decode import TEST_BATCH, TRAIN_BATCHES, random_crop_flip, read_batch
 from trainkit.data.synthetic import write_cifar10
+from trainkit.errors import DataNotFoundError
 
 N_PER_BATCH, N_TEST, VAL_SIZE = 12, 10, 8
 # The official archive's label names, in label order.
@@ -377,3 +378,13 @@ def test_fit_augments_training_batches_only(
     [val_batch] = seen["val"]
     expected = normalised(dm.splits["val"][0][: len(val_batch)])
     torch.testing.assert_close(val_batch.double(), expected, rtol=0, atol=1e-5)
+
+
+def test_offline_a_missing_cifar10_is_one_line_naming_the_synthetic_data(
+    tmp_path: Path, offline: None
+) -> None:
+    with pytest.raises(DataNotFoundError) as err:
+        CIFAR10DataModule(str(tmp_path), download=True).prepare_data()
+    message = str(err.value)
+    assert "\n" not in message and "the download failed (" in message
+    assert "`python -m trainkit.data.synthetic cifar10 --out data/synthetic`" in message

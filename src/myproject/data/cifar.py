@@ -11,6 +11,7 @@ from trainkit.data.decode import (
     read_label_names,
 )
 from trainkit.data.in_memory import InMemoryDataModule
+from trainkit.errors import DataNotFoundError, first_line, offline_hint
 
 
 class CIFAR10DataModule(InMemoryDataModule):
@@ -67,12 +68,12 @@ class CIFAR10DataModule(InMemoryDataModule):
                 CIFAR10(str(self.root), train=True, download=True)
                 return
             except Exception as err:  # URLError, RuntimeError (md5), OSError variants
-                why = f"the download failed: {err}"
-        raise FileNotFoundError(
+                why = f"the download failed ({first_line(err)})"
+        raise DataNotFoundError(
             f"CIFAR-10 files missing in {self.batch_dir}: {', '.join(p.name for p in missing)}; "
-            f"{why}.\nExtract cifar-10-python.tar.gz so that {self.batch_dir} holds "
-            f"data_batch_1..5, test_batch and batches.meta, or point data.root at the directory "
-            f"that holds cifar-10-batches-py/."
+            f"{why}. {offline_hint('cifar10')}; or extract cifar-10-python.tar.gz so that "
+            f"{self.batch_dir} holds data_batch_1..5, test_batch and batches.meta, or point "
+            f"data.root at the directory that holds cifar-10-batches-py/."
         )
 
     def setup(self, stage: str | None = None) -> None:

@@ -5,6 +5,7 @@ from torchvision.datasets import MNIST
 
 from trainkit.data.decode import read_mnist
 from trainkit.data.in_memory import InMemoryDataModule
+from trainkit.errors import DataNotFoundError, first_line, offline_hint
 
 MNIST_FILES = (
     "train-images-idx3-ubyte",
@@ -52,14 +53,14 @@ class MNISTDataModule(InMemoryDataModule):
                 MNIST(str(self.root), train=train, download=self.download)
             except Exception as err:  # torchvision raises RuntimeError/URLError/OSError variants
                 how = (
-                    "the download failed"
+                    f"the download failed ({first_line(err)})"
                     if self.download
                     else "download is off (data.download=false)"
                 )
-                raise FileNotFoundError(
-                    f"MNIST files not found in {self.raw_dir} and {how}: {err}\n"
-                    f"Put {', '.join(MNIST_FILES)} (or the same names with .gz) in {self.raw_dir}, "
-                    f"or point data.root at a directory that holds MNIST/raw/."
+                raise DataNotFoundError(
+                    f"MNIST files not found in {self.raw_dir} and {how}. {offline_hint('mnist')}; "
+                    f"or put {', '.join(MNIST_FILES)} (or the same names with .gz) in "
+                    f"{self.raw_dir}, or point data.root at a directory that holds MNIST/raw/."
                 ) from err
 
     def unpack_gz(self) -> None:

@@ -143,10 +143,14 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
 
     parser = argparse.ArgumentParser(
-        description="Write a small learnable MNIST (real idx files) for offline runs: "
-        "python train.py data.root=<out>"
+        description="Write a small learnable dataset in its real on-disk format, for runs without "
+        "internet: mnist (idx files; python train.py data.root=<out> data.val_size=1000) or "
+        "cifar10 (python-pickle batches; python train.py experiment=cifar10_resnet50 "
+        "data.root=<out> data.download=false)."
     )
-    parser.add_argument("dataset", nargs="?", choices=("mnist", "cifar10"), default="mnist")
+    parser.add_argument(
+        "dataset", nargs="?", choices=("mnist", "cifar10"), default="mnist", help="default: mnist"
+    )
     parser.add_argument("--out", type=Path, default=Path("data/synthetic"))
     parser.add_argument("--train", type=int, default=6000, help="training images (val included)")
     parser.add_argument("--test", type=int, default=1000)
