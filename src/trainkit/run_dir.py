@@ -1,7 +1,8 @@
 """A run directory belongs to exactly one run: claimed before anything is written into it.
 
 The claim is an exclusive lock on ``<dir>/.run.lock``, held by the run's first process while it
-runs (the kernel drops it when that process ends, however it ends). Under the lock the directory
+runs (the kernel drops it when that process ends, however it ends); a run that ends, finished or
+refused, removes the file (one killed leaves it, unlocked). Under the lock the directory
 is checked (``check_new_output_dir``) and only then written: Hydra's own record (``.hydra/``, which
 conf/hydra/default.yaml tells Hydra not to write itself) and everything after. So two runs
 started at once into one ``hydra.run.dir`` cannot both pass the check, and a refused run leaves
@@ -99,6 +100,17 @@ def owning_run_dir(cfg: DictConfig) -> Iterator[None]:
     path.mkdir(parents=True, exist_ok=True)
     with open(path / LOCK_FILE, "a+") as handle:  # closing it drops the lock
         _lock(handle, path)
-        if not check_new_output_dir(output_dir, ckpt_path):  # again: the run may have started
-            write_hydra_record(path, cfg)  # (a run that goes on keeps how it was started)
-        yield
+        try:
+            if not check_new_output_dir(output_dir, ckpt_path):  # again: the run may have started
+                write_hydra_record(path, cfg)  # (a run that goes on keeps how it was started)
+            yield
+        finally:  # the run is over: its lock file goes, while it still holds the lock
+            _remove_own_lock_file(handle, path / LOCK_FILE)
+
+
+def _remove_own_lock_file(handle, lock_file: Path) -> None:
+    """Unlinks ``lock_file`` if it is still the file ``handle`` locked. A process that opens the
+    path afterwards locks a new file, and finds the directory as this run left it."""
+    with contextlib.suppress(FileNotFoundError):
+        if os.stat(lock_file).st_ino == os.fstat(handle.fileno()).st_ino:
+            lock_file.unlink()

@@ -47,6 +47,7 @@ def test_run_directory_holds_the_artifacts(trained_run: Path, train_log_dir: Pat
     assert (trained_run / "config.yaml").is_file()
     assert (trained_run / "metrics.json").is_file()
     assert (trained_run / ".hydra" / "overrides.yaml").is_file()
+    assert not (trained_run / ".run.lock").exists()  # the finished run removed its lock file
 
 
 def test_config_yaml_is_the_resolved_run_config(trained_run: Path, mnist_root: Path) -> None:

@@ -110,3 +110,18 @@ def test_a_directory_another_process_owns_is_refused_until_it_ends(
         owner.wait()
     with owning_run_dir(compose_config("train", run_dir, overrides)):  # nothing trained there
         pass
+
+
+def test_a_run_that_ends_leaves_no_lock_file(tmp_path: Path, overrides) -> None:
+    """Finished or failed, the run removes its lock file; the directory is free for a run that
+    continues it (or, where nothing trained there, for a new one)."""
+    run_dir = tmp_path / "run"
+    with owning_run_dir(compose_config("train", run_dir, overrides)):
+        assert (run_dir / LOCK_FILE).is_file()
+    assert not (run_dir / LOCK_FILE).exists()
+    with (
+        pytest.raises(RuntimeError, match="the run failed"),
+        owning_run_dir(compose_config("train", run_dir, overrides)),
+    ):
+        raise RuntimeError("the run failed")
+    assert not (run_dir / LOCK_FILE).exists()
