@@ -3,7 +3,8 @@ that point a run at it, and real train.py/eval.py runs. Helpers that are not fix
 helpers.py."""
 
 import os
-from collections.abc import Callable
+import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 # xdist's workers share the cores: an OpenMP thread that waits for work sleeps rather than spins on
@@ -189,7 +190,11 @@ def launched_by(monkeypatch: pytest.MonkeyPatch) -> Callable[[dict[str, str]], N
 
 
 @pytest.fixture
-def offline(monkeypatch: pytest.MonkeyPatch) -> None:
-    """This process without internet (``helpers.OFFLINE_ENV``)."""
+def offline(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """This process without internet (``helpers.OFFLINE_ENV``). urllib reads the proxies when it
+    builds its shared opener, at the first ``urlopen``: a new one is built here, and again after."""
     for name, value in OFFLINE_ENV.items():
         monkeypatch.setenv(name, value)
+    urllib.request.install_opener(None)
+    yield
+    urllib.request.install_opener(None)
