@@ -30,6 +30,6 @@ def offline_hint(dataset: str, out: str = "data/synthetic") -> str:
     )
 
 
-def first_line(err: BaseException) -> str:
-    """An exception's message as one line (torchvision's download errors span several)."""
+def one_line(err: BaseException) -> str:
+    """An exception's message on one line (torchvision's download errors span several)."""
     return " ".join(str(err).split())

@@ -172,8 +172,7 @@ def test_nvjpeg_decodes_and_crops_a_batch_as_the_workers_do(tmp_path: Path) -> N
     batch = collate_planned([(plan(p), 0) for p in paths])
     images = decode_batch(batch, torch.device("cuda"))
     assert all(image.is_cuda for image in images)
-    crops = crop_batch(
-        batch._replace(rois=batch.rois.cuda(), flips=batch.flips.cuda()), images, 224
-    )
+    on_gpu = batch._replace(payloads=images, rois=batch.rois.cuda(), flips=batch.flips.cuda())
+    crops = crop_batch(on_gpu, 224)
     reference = torch.stack([eval_transform(224, 0.875)(decode_rgb(p)) for p in paths])
     assert (crops.cpu() - reference.float()).abs().mean() < 1.5  # nvjpeg: another IDCT

@@ -106,8 +106,7 @@ def test_the_batch_decodes_and_crops_on_the_device_as_the_workers_would(
     plan = DeviceCrops(224, train=False, resize_ratio=0.875)
     batch = collate_planned([(plan(p), 0) for p in photos])
     assert all(p.dim() == 1 for p in batch.payloads)  # JPEG bytes, for the device to decode
-    images = decode_batch(batch, torch.device("cpu"))
-    on_device = crop_batch(batch, images, 224)
+    on_device = crop_batch(batch._replace(payloads=decode_batch(batch, torch.device("cpu"))), 224)
 
     reference = torch.stack([eval_transform(224, 0.875)(decode_rgb(p)) for p in photos])
     difference = (on_device - reference.float()).abs()
@@ -121,7 +120,7 @@ def test_training_crops_on_the_device_resize_the_boxes_the_workers_drew(
     torch.manual_seed(1)
     plan = DeviceCrops(96, train=True, resize_ratio=0.875)
     batch = collate_planned([(plan(p), 0) for p in photos])
-    on_device = crop_batch(batch, decode_batch(batch, torch.device("cpu")), 96)
+    on_device = crop_batch(batch._replace(payloads=decode_batch(batch, torch.device("cpu"))), 96)
     for i, path in enumerate(photos):
         top, left, h, w = (round(v) for v in batch_box(batch, i))  # RandomResizedCrop's ints
         expected = v2.functional.resized_crop(decode_rgb(path), top, left, h, w, [96, 96])
@@ -147,7 +146,7 @@ def test_formats_the_device_cannot_decode_arrive_decoded(tmp_path: Path) -> None
     plan = DeviceCrops(16, train=False, resize_ratio=0.875)
     batch = collate_planned([(plan(p), 0) for p in paths])
     assert all(p.dim() == 3 for p in batch.payloads)
-    crops = crop_batch(batch, decode_batch(batch, torch.device("cpu")), 16)
+    crops = crop_batch(batch._replace(payloads=decode_batch(batch, torch.device("cpu"))), 16)
     reference = torch.stack([eval_transform(16, 0.875)(as_pil_decodes(Path(p))) for p in paths])
     assert (crops - reference.float()).abs().mean() < 1.0
 
@@ -168,7 +167,7 @@ def test_a_batch_of_large_photos_is_cropped_in_parts_alike(
     torch.manual_seed(2)
     plan = DeviceCrops(64, train=True, resize_ratio=0.875)
     batch = collate_planned([(plan(p), 0) for p in photos])
-    images = decode_batch(batch, torch.device("cpu"))
-    whole = crop_batch(batch, images, 64)
+    batch = batch._replace(payloads=decode_batch(batch, torch.device("cpu")))
+    whole = crop_batch(batch, 64)
     monkeypatch.setattr("trainkit.data.images.CANVAS_ELEMENTS", 3 * 501 * 501 * 2)
-    assert torch.equal(crop_batch(batch, images, 64), whole)
+    assert torch.equal(crop_batch(batch, 64), whole)

@@ -11,7 +11,7 @@ from trainkit.data.decode import (
     read_label_names,
 )
 from trainkit.data.in_memory import InMemoryDataModule
-from trainkit.errors import DataNotFoundError, first_line, offline_hint
+from trainkit.errors import DataNotFoundError, offline_hint, one_line
 
 
 class CIFAR10DataModule(InMemoryDataModule):
@@ -68,7 +68,7 @@ class CIFAR10DataModule(InMemoryDataModule):
                 CIFAR10(str(self.root), train=True, download=True)
                 return
             except Exception as err:  # URLError, RuntimeError (md5), OSError variants
-                why = f"the download failed ({first_line(err)})"
+                why = f"the download failed ({one_line(err)})"
         raise DataNotFoundError(
             f"CIFAR-10 files missing in {self.batch_dir}: {', '.join(p.name for p in missing)}; "
             f"{why}. {offline_hint('cifar10')}; or extract cifar-10-python.tar.gz so that "

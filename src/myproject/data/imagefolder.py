@@ -12,6 +12,8 @@ from torchvision.datasets.folder import IMG_EXTENSIONS
 from trainkit.data.decode import normalize_images
 from trainkit.data.images import (
     DECODES,
+    IMAGENET_MEAN,
+    IMAGENET_STD,
     SKIP_HINT,
     BadImageError,
     DeviceBatch,
@@ -27,10 +29,8 @@ from trainkit.data.sharding import EvenBatches, ShardedDataModule
 
 log = logging.getLogger(__name__)
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 BAD_FILES = ("error", "skip")
-__all__ = ["BadImageError", "ImageFolderDataModule"]
+__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "BadImageError", "ImageFolderDataModule"]
 
 
 def describe(paths: list[str], limit: int = 10) -> str:
@@ -280,7 +280,7 @@ class ImageFolderDataModule(ShardedDataModule):
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
         """uint8 (or cropped on the device, float in [0, 255]) -> normalised float."""
         if isinstance(batch, DeviceBatch):
-            images, labels = crop_batch(batch, batch.payloads, self.image_size), batch.labels
+            images, labels = crop_batch(batch, self.image_size), batch.labels
         else:
             images, labels = batch
         return normalize_images(images, self.mean, self.std), labels

@@ -5,7 +5,7 @@ from torchvision.datasets import MNIST
 
 from trainkit.data.decode import read_mnist
 from trainkit.data.in_memory import InMemoryDataModule
-from trainkit.errors import DataNotFoundError, first_line, offline_hint
+from trainkit.errors import DataNotFoundError, offline_hint, one_line
 
 MNIST_FILES = (
     "train-images-idx3-ubyte",
@@ -53,7 +53,7 @@ class MNISTDataModule(InMemoryDataModule):
                 MNIST(str(self.root), train=train, download=self.download)
             except Exception as err:  # torchvision raises RuntimeError/URLError/OSError variants
                 how = (
-                    f"the download failed ({first_line(err)})"
+                    f"the download failed ({one_line(err)})"
                     if self.download
                     else "download is off (data.download=false)"
                 )

@@ -19,11 +19,11 @@ from torchvision.datasets import ImageFolder
 from torchvision.transforms import v2
 
 from trainkit.config import compose_config
+from trainkit.data.images import IMAGENET_MEAN, IMAGENET_STD
 from trainkit.data.synthetic import write_imagefolder
 
 # (width, height) of the classes' JPEGs: ImageNet's typical sizes, landscape and portrait
 SOURCE_SIZES = ((500, 375), (375, 500), (500, 333), (320, 320))
-IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 def torchvision_loader(
@@ -62,14 +62,10 @@ def images_per_s(loader: DataLoader, batches: int) -> tuple[float, int]:
     first = next(it)
     start = time.perf_counter()
     for _ in range(batches):
-        counted += batch_images(next(it))
+        counted += len(next(it)[0])  # the images, or (decode=device) the payloads
     elapsed = time.perf_counter() - start
     del it  # its workers stop (they are not persistent here, and the loader goes with it)
     return counted / elapsed, tensor_bytes(first)
-
-
-def batch_images(batch) -> int:
-    return len(batch[0]) if isinstance(batch, list | tuple) else len(batch.labels)
 
 
 def tensor_bytes(batch) -> int:

@@ -22,6 +22,8 @@ from torchvision.io import ImageReadMode, decode_image, decode_jpeg, read_file
 from torchvision.ops import roi_align
 from torchvision.transforms import v2
 
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
 SKIP_HINT = "or set data.bad_files=skip to leave such files out (they are listed in the log)"
 DECODES = ("workers", "device")
 
@@ -205,15 +207,17 @@ def _decode_on_host(data: Tensor, path: str) -> Tensor:
 CANVAS_ELEMENTS = 2**27
 
 
-def crop_batch(batch: DeviceBatch, images: list[Tensor], size: int) -> Tensor:
-    """(B, 3, size, size) float in [0, 255]: each image's region in a canvas, its last row and
-    column repeated (the edge, as a resize clamps there); one ``roi_align`` resizes every crop of
-    a canvas (bilinear, ``aligned=True`` samples where ``interpolate(align_corners=False)`` does;
-    an adaptive grid of samples per output pixel antialiases a downscale), and the flips are one
-    ``where``. Batches of large photos take several canvases of at most ``CANVAS_ELEMENTS``."""
+def crop_batch(batch: DeviceBatch, size: int) -> Tensor:
+    """(B, 3, size, size) float in [0, 255] from a batch whose payloads are decoded images on the
+    device (``decode_batch``, then Lightning's move). Each image's region goes in a canvas, its
+    last row and column repeated (the edge, as a resize clamps there); one ``roi_align`` resizes
+    every crop of a canvas (bilinear, ``aligned=True`` samples where
+    ``interpolate(align_corners=False)`` does; an adaptive grid of samples per output pixel
+    antialiases a downscale), and the flips are one ``where``. Batches of large photos take
+    several canvases of at most ``CANVAS_ELEMENTS``."""
     crops, start = [], 0
     for end in _canvas_ends(batch.regions):
-        canvas = _canvas(images[start:end], batch.regions[start:end])
+        canvas = _canvas(batch.payloads[start:end], batch.regions[start:end])
         rois = batch.rois[start:end]
         if start:  # indices into this canvas (a scalar subtraction: nothing from the host)
             rois = rois.clone()
