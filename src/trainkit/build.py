@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import os
 import re
@@ -128,7 +129,32 @@ def instantiate_config(config: DictConfig, **kwargs: Any) -> Any:
             raise
         where = re.search(r"full_key: (\S+)", str(err))
         key = where.group(1) if where else config.get("_target_", "the config")
-        raise ConfigError(f"{key}: {cause}") from err
+        raise ConfigError(f"{key}: {cause}{_closest_argument(config, key, cause)}") from err
+
+
+def _closest_argument(config: DictConfig, key: str, cause: Exception) -> str:
+    """`` (did you mean <key>.<argument>?)`` for an argument its class does not take (a typo
+    added with ``+``), naming the closest one it does."""
+    unexpected = re.search(
+        r"(\w+)\.__init__\(\) got an unexpected keyword argument '(\w+)'", str(cause)
+    )
+    if not unexpected:
+        return ""
+    name, typed = unexpected.groups()
+    try:
+        nodes = [config, *(v for v in config.values() if isinstance(v, DictConfig))]
+    except Exception:  # a value that cannot be read yet (???): the node itself only
+        nodes = [config]
+    found = [n for n in nodes if str(n.get("_target_", "")).endswith(f".{name}")]
+    target = get_object(found[0]["_target_"]) if found else None
+    takes = {  # a subclass that passes **kwargs on (our Trainer) takes its parents' arguments
+        arg
+        for cls in getattr(target, "__mro__", ())
+        if "__init__" in vars(cls)
+        for arg in arguments(f"{cls.__module__}.{cls.__qualname__}")
+    }
+    close = difflib.get_close_matches(typed, sorted(takes))
+    return f" (did you mean {key}.{close[0]}?)" if close else ""
 
 
 def build_strategy(cfg: DictConfig, dims: ParallelDims) -> Any:
@@ -166,7 +192,7 @@ def build_trainer(
 ) -> L.Trainer:
     """The Trainer of ``cfg.trainer`` with the run's strategy, loggers, callbacks
     (``cfg.callbacks``, then ``callbacks``) and plugins."""
-    return instantiate(
+    return instantiate_config(
         cfg.trainer,
         strategy=build_strategy(cfg, dims),
         logger=build_all(cfg.get("logger")) or False,

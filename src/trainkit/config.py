@@ -48,18 +48,49 @@ def compose_config(
         )
 
 
+class _HeldUntilTheRun:
+    """``sys.stderr`` that holds what is written until Hydra has composed the config (its
+    ``HydraConfig`` is set as the job starts), then writes it through: where Hydra refuses the
+    command line instead, ``did_you_mean`` says its line before Hydra's."""
+
+    def __init__(self, stream) -> None:
+        self.stream, self.held = stream, []
+
+    def write(self, text: str) -> int:
+        from hydra.core.hydra_config import HydraConfig
+
+        if self.held is not None and not HydraConfig.initialized():
+            self.held.append(text)
+            return len(text)
+        self.release()
+        return self.stream.write(text)
+
+    def release(self) -> None:
+        held, self.held = self.held, None
+        if held:
+            self.stream.write("".join(held))
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
+
 @contextlib.contextmanager
 def did_you_mean(config_name: str) -> Iterator[None]:
     """Around a script's ``main()``: where Hydra refused the run (exit 1), a line for each
-    command-line key that the config lacks, with the closest key it has (Hydra says only that the
-    key is not in the config)."""
+    command-line key that the config lacks, with the closest key it has, first (Hydra says only
+    that the key is not in the config, and to add it with ``+``)."""
+    stderr = sys.stderr
+    sys.stderr = held = _HeldUntilTheRun(stderr)
     try:
         yield
     except SystemExit as stop:
-        if stop.code:
+        if stop.code and held.held is not None:
             for line in unknown_keys(config_name, sys.argv[1:]):
-                print(line, file=sys.stderr)
+                print(line, file=stderr)
         raise
+    finally:
+        sys.stderr = stderr
+        held.release()
 
 
 def unknown_keys(config_name: str, overrides: Sequence[str]) -> list[str]:

@@ -30,6 +30,11 @@ SILENCED_WARNINGS = [
         "eval.py builds the Trainer as train.py does; it writes no checkpoint",
     ),
     (
+        r"The number of training batches \(\d+\) is smaller than the logging interval",
+        "an epoch shorter than trainer.log_every_n_steps logs once per epoch, which the run says "
+        "once (callbacks.LoggingInterval)",
+    ),
+    (
         r"Be aware that when using `ckpt_path`, callbacks used to create the checkpoint",
         "eval.py restores the weights; the checkpoint's callback states only matter to a resume, "
         "which train.py makes with every callback of the run",
@@ -38,11 +43,14 @@ SILENCED_WARNINGS = [
 # Warnings that do apply where they are printed, left as they are: each is explained in
 # docs/logging.md, "What the console says" (its text there is the pattern's)
 EXPLAINED_WARNINGS = [
-    r"The number of training batches \(\d+\) is smaller than the logging interval",
     r"You're resuming from a checkpoint that ended before the epoch ended and your dataloader is",
 ]
 SILENCED_INFO = [
     (r"💡 Tip:", "advertisements for Lightning's cloud services, on every run"),
+    (
+        r"Trainer already configured with model summary callbacks",
+        "conf/callbacks/default.yaml's ModelSummary (with FLOPs) stands in for Lightning's own",
+    ),
 ]
 
 

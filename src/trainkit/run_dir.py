@@ -1,4 +1,5 @@
-"""A run directory belongs to exactly one run: claimed before anything is written into it.
+"""A run directory belongs to exactly one run: claimed before anything is written into it, named
+in the run's first and last lines, and gone again where the run was refused.
 
 The claim is an exclusive lock on ``<dir>/.run.lock``, held by the run's first process while it
 runs (the kernel drops it when that process ends, however it ends); a run that ends, finished or
@@ -12,16 +13,21 @@ the directory as it found it (docs/reliability.md, "One run, one directory").
 import contextlib
 import errno
 import fcntl
+import logging
 import os
+import shutil
 import socket
 from collections.abc import Iterator
 from pathlib import Path
 
+from hydra.errors import CompactHydraException
 from omegaconf import DictConfig, OmegaConf
 
 from trainkit.errors import ConfigError
 from trainkit.launch import first_process
 from trainkit.resume import is_restart
+
+log = logging.getLogger(__name__)
 
 LOCK_FILE = ".run.lock"
 HYDRA_RECORD = ".hydra"  # Hydra's config.yaml, hydra.yaml and overrides.yaml of the run
@@ -87,25 +93,45 @@ def write_hydra_record(output_dir: Path, cfg: DictConfig) -> None:
     OmegaConf.save(hydra_cfg.hydra.overrides.task, record / "overrides.yaml")
 
 
+def shown(path: Path) -> str:
+    """``path`` relative to the working directory where it is under it (as the user typed it)."""
+    path = Path(path).absolute()
+    return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
+
+
 @contextlib.contextmanager
 def owning_run_dir(cfg: DictConfig) -> Iterator[None]:
     """The run's first process owns ``cfg.paths.output_dir`` for the block, or RunDirTaken is
-    raised before anything is written there. The other processes of the run share it."""
+    raised before anything is written there. The other processes of the run share it.
+
+    Its first and last lines name the directory (``run: logs/train/runs/<...>``). A run refused
+    (a ``ConfigError``, missing data: one of Hydra's compact errors) in a directory it made,
+    before it wrote anything a run leaves (``RUN_FILES``), removes it: nothing is left to find."""
     output_dir = cfg.paths.get("output_dir")
     if not output_dir or not first_process():
         yield
         return
     path, ckpt_path = Path(output_dir), cfg.get("ckpt_path")
     check_new_output_dir(output_dir, ckpt_path)  # first unlocked: a refusal creates no lock file
+    made = not path.exists() or not any(path.iterdir())  # (Hydra makes it, empty, for the run)
     path.mkdir(parents=True, exist_ok=True)
+    refused = False
     with open(path / LOCK_FILE, "a+") as handle:  # closing it drops the lock
         _lock(handle, path)
         try:
+            log.info("run: %s", shown(path))
             if not check_new_output_dir(output_dir, ckpt_path):  # again: the run may have started
                 write_hydra_record(path, cfg)  # (a run that goes on keeps how it was started)
             yield
+        except CompactHydraException:  # (a full disk too: its checkpoints stay)
+            refused = made and not any((path / name).exists() for name in RUN_FILES)
+            raise
         finally:  # the run is over: its lock file goes, while it still holds the lock
             _remove_own_lock_file(handle, path / LOCK_FILE)
+            if refused:
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                log.info("run: %s", shown(path))
 
 
 def _remove_own_lock_file(handle, lock_file: Path) -> None:

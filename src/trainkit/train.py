@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 import trainkit.resolvers  # noqa: F401  registers the resolvers that conf/ uses
 from trainkit.build import build_datamodule, build_model, build_trainer, prepare_data_once
 from trainkit.callbacks import (
+    LoggingInterval,
     MonitoredMetric,
     NonFiniteLossStop,
     Preemption,
@@ -83,6 +84,7 @@ def build(
             Preemption(str(output_dir / "checkpoints")),  # SIGTERM/SIGINT: save, then exit
             NonFiniteLossStop(check_every=cfg.trainer.log_every_n_steps),
             MonitoredMetric(cfg.monitor),  # a monitor the validation does not log: refused
+            LoggingInterval(),  # an epoch shorter than log_every_n_steps: once per epoch
             *extra_callbacks,
         ],
     )

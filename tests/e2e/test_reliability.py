@@ -523,5 +523,5 @@ def test_missing_data_is_reported_before_ddp_starts_its_processes(tmp_path: Path
     )  # fmt: skip
     assert proc.returncode != 0
     assert "MNIST files not found" in proc.stderr
-    (run,) = runs(tmp_path)
-    assert not list(run.glob("*_ddp_process_*.log"))  # no other rank was started
+    assert "Initializing distributed" not in proc.stdout + proc.stderr  # no other rank started
+    assert runs(tmp_path) == []  # refused: no run directory left

@@ -231,6 +231,7 @@ def test_offline_the_quickstart_on_a_fresh_data_dir_ends_in_one_line_naming_the_
     )  # fmt: skip
     assert proc.returncode == 1
     assert "Traceback" not in proc.stdout + proc.stderr
+    assert list((tmp_path / "logs" / "train" / "runs").iterdir()) == []  # a refused run: no dir
     (line,) = [ln for ln in proc.stderr.splitlines() if "MNIST files not found" in ln]
     readme = (ROOT / "README.md").read_text()
     for command in (

@@ -569,10 +569,11 @@ def test_an_unknown_key_is_named_with_the_closest_key_the_config_has() -> None:
     ]
 
 
-def test_a_typo_on_the_command_line_ends_with_the_suggestion_and_no_traceback() -> None:
+def test_a_typo_on_the_command_line_starts_with_the_suggestion_and_no_traceback() -> None:
+    """The suggestion comes before Hydra's own lines (which say to add the key with +)."""
     proc = run_python("train.py", "trainer.max_epoch=3")
     assert proc.returncode == 1
-    assert proc.stderr.rstrip().splitlines()[-1] == (
+    assert proc.stderr.splitlines()[0] == (
         "trainer.max_epoch: not a key of the config; did you mean trainer.max_epochs?"
     )
     assert "Traceback" not in proc.stderr

@@ -11,6 +11,7 @@ import pytest
 
 from helpers import SLURM_TASK, start_python, tree_state
 from trainkit.config import compose_config
+from trainkit.errors import ConfigError, DiskFullError
 from trainkit.resume import is_restart, record_launch, resolve_ckpt_path
 from trainkit.run_dir import LOCK_FILE, RunDirTaken, check_new_output_dir, owning_run_dir
 
@@ -76,6 +77,7 @@ def test_the_run_itself_continues_in_its_directory(
 HOLDER = """
 import sys
 from trainkit.config import compose_config
+from trainkit.errors import ConfigError, DiskFullError
 from trainkit.run_dir import owning_run_dir
 with owning_run_dir(compose_config("train", sys.argv[1], sys.argv[2:])):
     print("owned", flush=True)
@@ -125,3 +127,34 @@ def test_a_run_that_ends_leaves_no_lock_file(tmp_path: Path, overrides) -> None:
     ):
         raise RuntimeError("the run failed")
     assert not (run_dir / LOCK_FILE).exists()
+
+
+def test_a_refused_run_leaves_no_directory_and_a_stopped_one_keeps_what_it_wrote(
+    tmp_path: Path, overrides
+) -> None:
+    """Refused (a ConfigError) before it wrote what a run leaves: its directory goes. A compact
+    error after checkpoints were written (a full disk) keeps them; so does any other failure."""
+    refused = tmp_path / "refused"
+    with (
+        pytest.raises(ConfigError, match="refused"),
+        owning_run_dir(compose_config("train", refused, overrides)),
+    ):
+        assert refused.is_dir()
+        raise ConfigError("refused")
+    assert not refused.exists()
+
+    stopped = tmp_path / "stopped"
+    with (
+        pytest.raises(DiskFullError),
+        owning_run_dir(compose_config("train", stopped, overrides)),
+    ):
+        (stopped / "checkpoints").mkdir()
+        (stopped / "checkpoints" / "last.ckpt").write_bytes(b"saved")
+        raise DiskFullError("no space left")
+    assert (stopped / "checkpoints" / "last.ckpt").read_bytes() == b"saved"
+
+    failed = tmp_path / "failed"
+    with pytest.raises(RuntimeError), owning_run_dir(compose_config("train", failed, overrides)):
+        (failed / "train.log").write_text("what it said\n")
+        raise RuntimeError("a bug")
+    assert (failed / "train.log").is_file()

@@ -1,5 +1,6 @@
 """Lightning callbacks: what the run records beside the model's own metrics."""
 
+from trainkit.callbacks.logging_interval import LoggingInterval
 from trainkit.callbacks.model_checkpoint import ModelCheckpoint
 from trainkit.callbacks.model_summary import ModelSummary
 from trainkit.callbacks.monitored_metric import MonitoredMetric
@@ -16,6 +17,7 @@ from trainkit.callbacks.training_monitor import TrainingMonitor
 from trainkit.callbacks.validation_images import ValidationImages
 
 __all__ = [
+    "LoggingInterval",
     "ModelCheckpoint",
     "ModelSummary",
     "MonitoredMetric",
