@@ -197,6 +197,7 @@ def newest_intact(path: Path) -> Path:
 # --- reading a trainkit checkpoint: the config and tracker runs it carries (callbacks.RunConfig) --
 
 CONFIG_KEY = "trainkit_config"
+OVERRIDES_KEY = "trainkit_overrides"  # the run's command line: what a resume composes again
 TRACKERS_KEY = "trainkit_tracker_runs"  # loggers.tracker_run_ids
 
 

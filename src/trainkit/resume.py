@@ -5,15 +5,26 @@ every run has a new directory, where Lightning's own ``"last"`` would find nothi
 (docs/design.md, "Every run a new directory"). A start that is its launcher's restart of a run
 (torchrun's ``--max-restarts``, SLURM's requeue) continues that run, in its own directory, from its
 own ``last.ckpt``, whatever ``ckpt_path`` says (docs/design.md, "Restarts continue their run").
+Either way the run goes on with the checkpoint's run's config, with the keys typed on this command
+line changed (``resumed_config``).
 """
 
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from trainkit.checkpoint_io import CONFIG_KEY, atomic_write_text, newest_intact, read_checkpoint
+from trainkit.checkpoint_io import (
+    CONFIG_KEY,
+    OVERRIDES_KEY,
+    atomic_write_text,
+    newest_intact,
+    read_checkpoint,
+)
+from trainkit.config import settle
 from trainkit.errors import ConfigError
 from trainkit.launch import launcher_run_id
 
@@ -27,6 +38,17 @@ def job_overrides() -> list[str]:
     from hydra.core.hydra_config import HydraConfig
 
     return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
+def composing_overrides() -> list[str]:
+    """What Hydra composed this run's config from: its overrides, after the config search path
+    given on the command line (``hydra.searchpath=[...]``: where a user's groups are)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return []
+    hydra = [o for o in HydraConfig.get().overrides.hydra if o.startswith("hydra.searchpath=")]
+    return [*hydra, *job_overrides()]
 
 
 def _launch_record() -> dict | None:
@@ -59,14 +81,24 @@ def newest_last_checkpoint(runs_dir: Path, exclude: Path) -> Path | None:
     return max(found, key=lambda p: p.stat().st_mtime, default=None)
 
 
+def resume_from(cfg: DictConfig) -> tuple[str | None, DictConfig]:
+    """The checkpoint a run resumes from (None: it starts fresh) and the config it runs: the
+    checkpoint's run's, with the keys typed on this command line changed, checked against what
+    the checkpoint's state can follow."""
+    path = resolve_ckpt_path(cfg)
+    if path is None:
+        return None, cfg
+    cfg = resumed_config(cfg, Path(path))
+    check_resume_config(Path(path), cfg)
+    return path, cfg
+
+
 def resolve_ckpt_path(cfg: DictConfig) -> str | None:
     """The checkpoint file to resume from (None: start fresh); a one-line ConfigError if it is
-    missing, not a trainkit checkpoint, or trained another model."""
+    missing or not a trainkit checkpoint."""
     own = Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt"
     if own.is_file() and is_restart(cfg.paths.output_dir):
-        own = newest_intact(own)
-        check_resume_config(own, cfg)
-        return str(own)
+        return str(newest_intact(own))
     if cfg.ckpt_path is None:
         return None
     if cfg.ckpt_path == "last":
@@ -81,8 +113,148 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
         path = Path(cfg.ckpt_path).expanduser()
     if path.is_file():  # (a missing file: read_checkpoint names it)
         path = newest_intact(path)
-    check_resume_config(path, cfg)
+    read_checkpoint(path, cfg.get("weights_only", True))  # refused here if it is not one of ours
     return str(path)
+
+
+def resumed_config(cfg: DictConfig, path: Path) -> DictConfig:
+    """The config a resume runs: Hydra's composition of the checkpoint's run's command line with
+    this one's on top (a key or group typed again takes its new value), so that what follows a
+    typed key follows it (``T_max`` its ``trainer.max_epochs``, a logger its run directory). A key
+    this command line leaves alone keeps the checkpoint's value where ``conf/`` or the launch
+    directory now gives another. Logs which keys this command line changed.
+
+    A config composed outside ``@hydra.main`` (tests, notebooks) has no command line: it is run
+    as given."""
+    from hydra import compose
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return cfg
+    checkpoint = read_checkpoint(path, cfg.get("weights_only", True))
+    trained, typed = checkpoint[CONFIG_KEY], composing_overrides()
+    saved = _saved_overrides(path, checkpoint)
+    name = HydraConfig.get().job.config_name
+    resumed = compose(name, overrides=merge_overrides(saved, typed))
+    # the checkpoint's values, where its run's own command line now composes to others (not
+    # where it composes to null, which the run settles: preflight's choices, the data's sizes)
+    here, there = str(cfg.paths.output_dir), str(trained["paths"]["output_dir"])
+    kept = {k: _moved(v, there, here) for k, v in _leaves(trained).items()}
+    rebuilt = _resolved_leaves(compose(name, overrides=saved))
+    own = {_typed_key(o) for o in typed} | {"paths", "ckpt_path"}
+    drifted = {
+        key: value
+        for key, value in rebuilt.items()
+        if value is not None and key in kept and kept[key] != value and not _under(key, own)
+    }
+    for key in drifted:
+        settle(resumed, key, kept[key], "the checkpoint's")
+    changed = _changed(typed, resumed, _nested(kept))
+    log.info(
+        "Resuming from %s with its run's config%s",
+        path,
+        f"; changed on this command line: {', '.join(changed)}" if changed else "",
+    )
+    for key, value in drifted.items():
+        log.info(
+            "kept the checkpoint's %s=%s (its command line now gives %s)", key, kept[key], value
+        )
+    return resumed
+
+
+def merge_overrides(saved: list[str], typed: list[str]) -> list[str]:
+    """``saved`` less those of a key or group that ``typed`` sets again, then ``typed``."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parse = OverridesParser.create().parse_overrides
+    again = {(o.key_or_group, o.package) for o in parse(typed)}
+    pairs = zip(saved, parse(saved), strict=True)
+    kept = [s for s, o in pairs if (o.key_or_group, o.package) not in again]
+    return kept + typed
+
+
+def _saved_overrides(path: Path, checkpoint: dict) -> list[str]:
+    """The command line of the run that wrote the checkpoint; for a checkpoint of a version that
+    did not store it, Hydra's record in its run directory (none: the defaults)."""
+    if OVERRIDES_KEY in checkpoint:
+        return list(checkpoint[OVERRIDES_KEY])
+    record = path.parent.parent / ".hydra" / "overrides.yaml"
+    if record.is_file():
+        return list(yaml.safe_load(record.read_text()) or [])
+    log.warning("%s holds no command line: resuming with this one's config", path)
+    return []
+
+
+def _typed_key(override: str) -> str:
+    return override.lstrip("+~").split("=", 1)[0].split("@", 1)[0]
+
+
+def _under(key: str, roots: set[str]) -> bool:
+    return any(key == root or key.startswith(root + ".") for root in roots)
+
+
+def _leaves(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a.b": value}`` for each value of a nested dict that is not itself a dict."""
+    if not isinstance(tree, dict) or (prefix and not tree):
+        return {prefix[:-1]: tree}
+    return {k: v for key, sub in tree.items() for k, v in _leaves(sub, f"{prefix}{key}.").items()}
+
+
+def _resolved_leaves(cfg: DictConfig) -> dict[str, Any]:
+    """``_leaves`` of ``cfg`` resolved, less those not known before the run builds
+    (``model.num_classes``, ``???``, and what follows it)."""
+    leaves = {}
+    for key in _leaves(OmegaConf.to_container(cfg, resolve=False)):
+        try:
+            value = OmegaConf.select(cfg, key, throw_on_missing=True)
+        except Exception:  # missing (the data's class count), or interpolating one that is
+            continue
+        leaves[key] = OmegaConf.to_container(value) if isinstance(value, DictConfig) else value
+    return leaves
+
+
+def _moved(value: Any, there: str, here: str) -> Any:
+    """A path under the checkpoint's run directory, as the same path under this run's."""
+    if isinstance(value, str) and (value == there or value.startswith(there + "/")):
+        return here + value[len(there) :]
+    return value
+
+
+def _changed(typed: list[str], resumed: DictConfig, trained: dict) -> list[str]:
+    """``key=value (was old)`` for each key typed on this command line that changed the
+    checkpoint's config ``trained`` (its paths moved to this run's directory); a group: what it
+    chose, where the values under it changed."""
+    now = _resolved_leaves(resumed)
+    lines = []
+    for override in typed:
+        key = _typed_key(override)
+        if key == "ckpt_path" or key.startswith("hydra."):
+            continue
+        new, old = _select(_nested(now), key), _select(trained, key)
+        if new != old:
+            shown = override if isinstance(new, dict) or new is None else f"{key}={new}"
+            was = "" if isinstance(old, dict) else f" (was {old})"
+            lines.append(shown + was)
+    return lines
+
+
+def _nested(leaves: dict[str, Any]) -> dict:
+    tree: dict = {}
+    for key, value in leaves.items():
+        *parents, last = key.split(".")
+        node = tree
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return tree
+
+
+def _select(tree: dict, key: str) -> Any:
+    for part in key.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return None
+        tree = tree[part]
+    return tree
 
 
 # What a resume may change, and what it refuses (docs/reliability.md, "What a resume may
@@ -101,13 +273,9 @@ REFUSED_MID_EPOCH = {
 }
 
 
-# ...and what it logs when changed (applied: the optimizer's and scheduler's settings)
-APPLIED_ON_RESUME = ("model.optimizer", "model.scheduler", "data.batch_size", "devices")
-
-
 def check_resume_config(path: Path, cfg: DictConfig) -> None:
     """Refuses a resume whose config changes what the checkpoint's state cannot follow, naming the
-    key; logs each change that the run applies."""
+    key."""
     checkpoint = read_checkpoint(path, cfg.get("weights_only", True))
     check_same_model(path, cfg, checkpoint[CONFIG_KEY])
     trained = OmegaConf.create(checkpoint[CONFIG_KEY])
@@ -122,16 +290,6 @@ def check_resume_config(path: Path, cfg: DictConfig) -> None:
                 f"{key}={new} on resume from {path}, which was trained with {key}={old}: {why}, "
                 f"so it cannot change{when}; resume with {key}={old}, or start a new run"
             )
-    for key in APPLIED_ON_RESUME:
-        old, new = _value(trained, key), _value(cfg, key)
-        pairs = (
-            [(f"{key}.{k}", old.get(k), v) for k, v in new.items()]
-            if (isinstance(old, dict) and isinstance(new, dict))
-            else [(key, old, new)]
-        )
-        for name, was, value in pairs:
-            if value != was:
-                log.info("resuming with %s=%s (the checkpoint's run had %s)", name, value, was)
 
 
 def _value(cfg: DictConfig, key: str):

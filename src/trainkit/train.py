@@ -37,10 +37,11 @@ from trainkit.loggers import (
 from trainkit.parallel import ParallelDims
 from trainkit.preflight import check_built_run, preflight, why_cannot
 from trainkit.resume import (
+    composing_overrides,
     is_restart,
     job_overrides,
     record_launch,
-    resolve_ckpt_path,
+    resume_from,
 )
 from trainkit.run_dir import owning_run_dir
 from trainkit.runtime import tune_malloc
@@ -78,7 +79,7 @@ def build(
         dims,
         callbacks=[
             # built here, not in conf/callbacks: every run needs them, and they take run facts
-            RunConfig(resolved),  # the config in checkpoints
+            RunConfig(resolved, composing_overrides()),  # the config in checkpoints
             ResumeChanges(resolved),  # what a resume changes in the checkpoint's state
             ProcessInfo(job_overrides(), cfg.paths.output_dir, cfg.task_name),
             Preemption(str(output_dir / "checkpoints")),  # SIGTERM/SIGINT: save, then exit
@@ -101,15 +102,13 @@ def run(cfg: DictConfig) -> float | None:
 
 
 def _train_and_test(cfg: DictConfig) -> float | None:
+    ckpt_path, cfg = resume_from(cfg)  # a resume runs its checkpoint's config
     dims = preflight(cfg)
-    ckpt_path = resolve_ckpt_path(cfg)
     restart = bool(ckpt_path) and is_restart(cfg.paths.output_dir)  # before record_launch
     if first_process():
         record_launch(cfg.paths.output_dir)  # so that the launcher's restarts resume this run
         for stale in remove_stale_temp_files(Path(cfg.paths.output_dir) / "checkpoints"):
             log.info("removed %s, left by a save that was killed", stale)
-    if ckpt_path:
-        log.info("Resuming from %s", ckpt_path)
     # A resumed run logs on into its tracker runs, except a sweep's jobs that all start from one
     # checkpoint: each gets runs of its own
     if ckpt_path and (restart or not in_multirun()):

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
-from helpers import alive, run_python, start_python, tree_state, zero_block
+from helpers import OFFLINE_ENV, ROOT, alive, run_python, start_python, tree_state, zero_block
 from trainkit.checkpoint_io import damage, remove_stale_temp_files
 
 pytestmark = pytest.mark.slow  # long end-to-end runs: CI's `slow` job
@@ -328,9 +329,9 @@ def test_a_mid_epoch_resume_with_other_ranks_or_batches_trains_each_sample_once(
     lr = 5e-4 if "model.optimizer.lr=5e-4" in change else 1e-3
     assert [g["lr"] for g in saved["optimizer_states"][0]["param_groups"]] == [lr]
     if lr != 1e-3:
-        assert "resuming with model.optimizer.lr=0.0005 (the checkpoint's run had 0.001)" in (
-            proc.stdout + proc.stderr
-        )
+        output = proc.stdout + proc.stderr
+        assert "changed on this command line: data.batch_size=48 (was 16), " in output
+        assert "model.optimizer.lr=0.0005 (was 0.001)" in output
 
 
 @pytest.mark.parametrize(
@@ -353,6 +354,50 @@ def test_a_resume_that_cannot_follow_its_config_is_refused_before_it_starts(
     assert proc.returncode == 1 and re.search(message, proc.stderr), proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert not list(tmp_path.rglob("*.ckpt")) and not list(tmp_path.rglob("events.out.*"))
+
+
+def test_a_resume_continues_its_runs_config_with_the_keys_typed_changed(
+    mnist_root: Path, tmp_path: Path
+) -> None:
+    """``ckpt_path=last`` after a run with its own data (from ``TRAINKIT_DATA_DIR``), logger,
+    epochs and lr: the resume, without that variable and offline (the default data would need a
+    download), and a sweep job resuming the same checkpoint go on with them, changing only what
+    their command lines type, which the first line after the run's names."""
+    first = ("logger=csv", "trainer.max_epochs=1", "model.optimizer.lr=0.002", "threads=1")
+    data = ("data.val_size=200", "data.download=false", "accelerator=cpu")
+    proc = train(tmp_path, *data, *first, env={"TRAINKIT_DATA_DIR": str(mnist_root)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (trained,) = runs(tmp_path)
+    last = trained / "checkpoints" / "last.ckpt"
+
+    proc = train(tmp_path, "ckpt_path=last", "trainer.max_epochs=2", env=OFFLINE_ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = runs(tmp_path)[-1]
+    lines = [line.split(" - ", 1)[-1] for line in proc.stdout.splitlines()]
+    assert lines[1:3] == [
+        f"Resuming from {last} with its run's config; changed on this command line: "
+        "trainer.max_epochs=2 (was 1)",
+        f"kept the checkpoint's data.root={mnist_root} (its command line now gives "
+        f"{ROOT / 'data'})",
+    ], lines[:4]
+    sweep = run_python(
+        "train.py", "-m", f"ckpt_path={last}", "model.optimizer.lr=0.001",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}", log_dir=tmp_path, env=OFFLINE_ENV,
+    )  # fmt: skip
+    assert sweep.returncode == 0, sweep.stderr[-3000:]
+    assert "changed on this command line: model.optimizer.lr=0.001 (was 0.002)" in sweep.stdout
+    (job,) = [d for d in (tmp_path / "sweep").iterdir() if d.is_dir()]
+
+    kept = yaml.safe_load((trained / "config.yaml").read_text())
+    for run_dir, epochs, lr in ((resumed, 2, 0.002), (job, 1, 0.001)):
+        config = yaml.safe_load((run_dir / "config.yaml").read_text())
+        assert config["data"] == kept["data"]  # the run's own MNIST, never the default root
+        assert list(config["logger"]) == ["csv"] and (run_dir / "csv" / "metrics.csv").is_file()
+        assert not (run_dir / "tensorboard").exists()
+        assert config["logger"]["csv"]["save_dir"] == str(run_dir)  # this run's, not the first's
+        assert config["trainer"]["max_epochs"] == epochs
+        assert config["model"]["optimizer"]["lr"] == lr
+    assert torch.load(resumed / "checkpoints" / "last.ckpt", weights_only=True)["epoch"] == 1
 
 
 @shares_ddp_reference

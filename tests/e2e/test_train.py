@@ -16,7 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from helpers import OFFLINE_ENV, ROOT, TRAINED_RUN, run_python, shares_trained_run
 from trainkit.errors import ConfigError
-from trainkit.resume import resolve_ckpt_path
+from trainkit.resume import resolve_ckpt_path, resume_from
 
 # Most tests read conftest's trained_run (and the repeat of its command below): one worker.
 pytestmark = shares_trained_run
@@ -208,7 +208,7 @@ def test_foreign_and_other_model_checkpoints(compose, trained_run: Path, tmp_pat
     ours = trained_run / "checkpoints" / "last.ckpt"
     assert resolve_ckpt_path(compose(f"ckpt_path={ours}")) == str(ours)
     with pytest.raises(ConfigError, match=r"holds a different model: model\.net=.*hidden"):
-        resolve_ckpt_path(compose(f"ckpt_path={ours}", "model.net.hidden=[64]"))
+        resume_from(compose(f"ckpt_path={ours}", "model.net.hidden=[64]"))
 
 
 def test_last_picks_the_newest_earlier_run(compose, trained_run: Path) -> None:

@@ -4,13 +4,14 @@ import lightning as L
 import yaml
 
 from trainkit.callbacks.step_hooks import step_hooks
-from trainkit.checkpoint_io import CONFIG_KEY, TRACKERS_KEY, readable_hparams
+from trainkit.checkpoint_io import CONFIG_KEY, OVERRIDES_KEY, TRACKERS_KEY, readable_hparams
 from trainkit.loggers import tracker_run_ids
 
 
 @step_hooks()
 class RunConfig(L.Callback):
-    """Stores the run's resolved config in every checkpoint, as plain containers, with the ids of
+    """Stores the run's resolved config in every checkpoint, as plain containers, with its
+    command-line ``overrides`` (from which a resume composes the run's config again) and the ids of
     its tracker runs (which a resumed run continues), and shows it in TensorBoard's Text tab
     (``config``).
 
@@ -22,8 +23,9 @@ class RunConfig(L.Callback):
     (``checkpoint_io.readable_hparams``), unless ``weights_only=false`` trusts pickled files.
     """
 
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], overrides: list[str]) -> None:
         self.config = config
+        self.overrides = overrides
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.is_global_zero:
@@ -37,6 +39,7 @@ class RunConfig(L.Callback):
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
         checkpoint[CONFIG_KEY] = self.config
+        checkpoint[OVERRIDES_KEY] = self.overrides
         checkpoint[TRACKERS_KEY] = tracker_run_ids(trainer.loggers)
         if not self.config.get("weights_only", True):
             return
