@@ -61,8 +61,8 @@ screenshots: $(STAMP)  ## TensorBoard pages as PNGs (headless Chromium): make sc
 bench: $(STAMP)  ## strategy benchmark matrix (about 11 min on 2 cores), into docs/performance.md: make bench [ARGS="--workloads mlp"]
 	$(BIN)/python -m trainkit.bench --docs docs/performance.md $(ARGS)
 
-rename:  ## rename the project's package src/myproject (never src/trainkit): make rename NAME=acme
-	@test -n "$(NAME)" || { echo "make rename: give the new name, e.g. make rename NAME=myproject" >&2; exit 2; }
+rename:  ## rename the project's package under src/ (never src/trainkit): make rename NAME=acme
+	@test -n "$(NAME)" || { echo "make rename: give the new name, e.g. make rename NAME=acme" >&2; exit 2; }
 	$(PYTHON) tools/rename.py $(NAME)
 
 clean:  ## remove the virtualenv, caches and logs

@@ -1,10 +1,12 @@
 """Rename the project's own package in a fork: ``make rename NAME=acme``.
 
-The project's package (``src/myproject/``: its models, datamodules and task) moves to
-``src/<name>/`` and every text file that names it (imports, ``_target_`` paths in ``conf/``,
-tests, docs) has the name replaced as a whole word. The library, ``src/trainkit/``, is left byte
-for byte as it is, so that the fork takes upstream's changes to it with a plain ``git merge``
-(docs/fork.md). ``.trainkit-upstream`` records the upstream version the fork came from.
+The project's package (the one under ``src/`` beside the library: its models, datamodules and
+task) moves to ``src/<name>/``, and every text file of the project that names it (imports and
+``_target_`` paths in ``conf/``, ``train.py``, ``eval.py``, the tests, the README) has the name
+replaced as a whole word. The library's files (``LIBRARY_PATHS``: ``src/trainkit/``, ``tools/``,
+``docs/``, ``CHANGELOG.md``, the Makefile, CI) are left byte for byte as they are, so that the
+fork takes upstream's changes to them with a plain ``git merge`` (docs/fork.md).
+``.trainkit-upstream`` records the upstream version the fork came from.
 
 Standard library only: it runs before anything is installed. The name is checked before any
 file is touched; then every new text is computed before the first is written, so a file that
@@ -25,7 +27,12 @@ ROOT = Path(__file__).resolve().parents[1]
 SKIP_DIRS = {".git", ".venv", ".venv-servers", "venv", "node_modules", "__pycache__"}
 SKIP_SUFFIXES = (".egg-info", "_cache")
 SKIP_TOP_LEVEL = {"data", "logs", "outputs", "multirun"}
-LIBRARY = ("trainkit", "hydra_plugins")  # under src/: never renamed, never rewritten
+LIBRARY = ("trainkit", "hydra_plugins")  # under src/: never renamed
+# The library's files, relative to the root: never rewritten (upstream's, updated by a merge)
+LIBRARY_PATHS = {
+    *(f"src/{name}" for name in LIBRARY), "tools", "docs", ".github", ".ci", "CHANGELOG.md",
+    "Makefile", "pyproject.toml", "constraints.txt",
+}  # fmt: skip
 RECORD = ".trainkit-upstream"
 TEXT_SUFFIXES = {".py", ".yaml", ".yml", ".toml", ".md", ".txt", ".cfg", ".ini", ".json", ".sh"}
 TEXT_NAMES = {"Makefile", "run", ".gitignore", ".pre-commit-config.yaml"}
@@ -80,19 +87,21 @@ def project_files(root: Path) -> list[Path]:
     """The project's text files: what the rename rewrites. Skipped folders are not entered."""
     files = []
     for directory, dirs, names in os.walk(root):
-        top = Path(directory) == root
-        if Path(directory) == root / "src":
-            dirs[:] = [d for d in dirs if d not in LIBRARY]
+        here = Path(directory)
+        top = here == root
         dirs[:] = sorted(
             d
             for d in dirs
             if d not in SKIP_DIRS
             and not d.endswith(SKIP_SUFFIXES)
             and not (top and d in SKIP_TOP_LEVEL)
+            and (here / d).relative_to(root).as_posix() not in LIBRARY_PATHS
         )
         for n in sorted(names):
-            if Path(n).suffix in TEXT_SUFFIXES or n in TEXT_NAMES:
-                files.append(Path(directory) / n)
+            if (Path(n).suffix in TEXT_SUFFIXES or n in TEXT_NAMES) and not (
+                top and n in LIBRARY_PATHS
+            ):
+                files.append(here / n)
     return files
 
 
@@ -132,7 +141,7 @@ def upstream_version(root: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("name", help="the new package name, e.g. myproject")
+    parser.add_argument("name", help="the new package name, e.g. acme")
     parser.add_argument("--root", type=Path, default=ROOT, help="the project to rename")
     args = parser.parse_args(argv)
     try:

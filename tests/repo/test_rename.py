@@ -79,14 +79,38 @@ def test_a_refused_name_changes_nothing(project: Path, name: str, message: str) 
 
 
 def test_renamed_project_passes_its_tests(project: Path, mnist_root: Path, tmp_path: Path) -> None:
-    library = {k: v for k, v in snapshot(project).items() if k.startswith("src/trainkit/")}
+    before = snapshot(project)
     proc = make_rename(project, NEW)
     assert proc.returncode == 0, proc.stderr
+    after = snapshot(project)
     assert (project / "src" / NEW / "__init__.py").is_file()
     assert not (project / "src" / OLD).exists()
-    assert files_mentioning(project, OLD) == []
-    assert {k: v for k, v in snapshot(project).items() if k.startswith("src/trainkit/")} == library
+
+    # exactly the project's files change: its package moves, and of conf/, train.py, eval.py,
+    # tests/ and the README, those that named it, which now name the new one
+    changed = {k for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
+    moved = {k for k in changed if k.startswith((f"src/{OLD}/", f"src/{NEW}/"))}
+    assert {k.replace(f"src/{NEW}/", f"src/{OLD}/") for k in moved} == {
+        k for k in before if k.startswith(f"src/{OLD}/")
+    }
+    rewritten = changed - moved - {".trainkit-upstream"}
+    assert {k.split("/")[0] for k in rewritten} == {"conf", "tests", "README.md"}
+    assert {"conf/model/mlp.yaml", "conf/data/mnist.yaml", "README.md"} <= rewritten
+    word = re.compile(rf"\b{OLD}\b".encode())
+    for key in rewritten:
+        assert word.search(before[key]) and not word.search(after[key]), key
+        assert after[key] == word.sub(NEW.encode(), before[key]), key
+    project_areas = ("src/", "conf/", "tests/", "train.py", "eval.py", "README.md")
+    assert not [k for k in before if not k.startswith(project_areas) and k in changed]
     assert (project / ".trainkit-upstream").read_text().startswith("trainkit ")
+
+    # and what it says of itself still reads right
+    readme = (project / "README.md").read_text()
+    assert f"src/{NEW}/" in readme and f"src/{NEW} -> " not in readme
+    assert "the package under src/ becomes src/acme" in readme
+    shown = subprocess.run(["make", "--no-print-directory", "help"], cwd=project, text=True,
+                           capture_output=True, check=True).stdout  # fmt: skip
+    assert "rename the project's package under src/ (never src/trainkit)" in shown
 
     # the copy's src/ is first on PYTHONPATH, and no file of it names the old package: whatever
     # the tests import is the renamed one

@@ -1,5 +1,6 @@
 """docs/add_a_*.md, followed as written in a copy of the project: their files added, their
-commands run (on the test data, for a few steps), and the result checked."""
+commands run (on the test data, for a few steps), and the result checked. In a renamed fork the
+docs (the library's, never renamed) still name the example package: the fork reads its own."""
 
 import json
 import re
@@ -10,10 +11,21 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+import myproject
 from helpers import FAST, ROOT, copy_project, run_in, run_weights
 
 FILE_BLOCK = re.compile(r"<!-- file: (\S+) -->\n```\w*\n(.*?)```", re.S)
 RUN_BLOCK = re.compile(r"<!-- run -->\n```bash\n(.*?)```", re.S)
+PACKAGE = myproject.__name__  # this project's package, whatever a rename called it
+
+
+def read_doc(doc: str) -> str:
+    """The walkthrough as this project reads it: the package its paths name, as ours."""
+    text = (ROOT / "docs" / doc).read_text()
+    named = {name for name in re.findall(r"src/(\w+)/", text) if name != "trainkit"}
+    for name in named:
+        text = re.sub(rf"\b{name}\b", PACKAGE, text)
+    return text
 
 
 @pytest.fixture(scope="module")
@@ -23,8 +35,7 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def add_files(project: Path, doc: str) -> list[str]:
     """Write the walkthrough's files; each is new (adding a part edits nothing that exists)."""
-    text = (ROOT / "docs" / doc).read_text()
-    files = FILE_BLOCK.findall(text)
+    files = FILE_BLOCK.findall(read_doc(doc))
     assert files, f"{doc} has no <!-- file: ... --> blocks"
     for path, content in files:
         assert not (project / path).exists(), f"{doc} would overwrite {path}"
@@ -35,7 +46,7 @@ def add_files(project: Path, doc: str) -> list[str]:
 
 def commands(doc: str) -> list[list[str]]:
     """The ``python train.py ...`` lines of the walkthrough's <!-- run --> block."""
-    block = RUN_BLOCK.search((ROOT / "docs" / doc).read_text()).group(1)
+    block = RUN_BLOCK.search(read_doc(doc)).group(1)
     argvs = [shlex.split(line) for line in block.splitlines() if line.strip()]
     assert all(argv[:2] == ["python", "train.py"] for argv in argvs), block
     return argvs
