@@ -13,6 +13,9 @@ PYTEST_ARGS ?= -n 3 --dist loadgroup --durations=20
 LOGDIR ?= logs
 PORT   ?= 6006
 OUT    ?= docs/img
+# Where torch and torchvision come from: PyPI by default (with CUDA's libraries on Linux, 4.1 GB
+# of the 6 GB install); make install TORCH_INDEX=https://download.pytorch.org/whl/cpu for CPU-only
+TORCH_INDEX ?=
 
 .DEFAULT_GOAL := help
 .PHONY: help install servers train eval test lint format tensorboard screenshots bench rename clean
@@ -24,10 +27,11 @@ $(STAMP): pyproject.toml constraints.txt
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "trainkit needs Python 3.10+; run make PYTHON=python3.X")'
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(if $(TORCH_INDEX),$(BIN)/python -m pip install --quiet -c constraints.txt --index-url $(TORCH_INDEX) torch torchvision)
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev,loggers]"
 	@touch $(STAMP)
 
-install: $(STAMP)  ## create .venv with the pinned, tested set
+install: $(STAMP)  ## create .venv with the pinned, tested set (CPU-only torch: TORCH_INDEX=<PyTorch's CPU index>)
 
 $(SERVERS_STAMP): constraints.txt
 	$(PYTHON) -m venv $(SERVERS)

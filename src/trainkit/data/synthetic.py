@@ -28,25 +28,40 @@ def write_idx(path: Path, array: np.ndarray, compress: bool = False) -> Path:
     return path
 
 
-def learnable_images(labels: np.ndarray, rng: np.random.Generator, size: int = 28) -> np.ndarray:
-    """Noise plus a bright patch whose position encodes the label: easy to learn, not trivial."""
+def learnable_images(
+    labels: np.ndarray, rng: np.random.Generator, size: int = 28, hard: bool = False
+) -> np.ndarray:
+    """Noise plus a bright patch whose position encodes the label: learnt in a few steps (the
+    tests' data). ``hard``: the patch faint and moved by up to 2 pixels, so that accuracy rises
+    over epochs (the demo's)."""
     images = rng.integers(0, 96, size=(len(labels), size, size), dtype=np.uint8)
     for i, label in enumerate(labels):
         row, col = divmod(int(label), 4)
-        images[i, 2 + 7 * row : 2 + 7 * row + 6, 1 + 7 * col : 1 + 7 * col + 6] = 255
+        top, left = 2 + 7 * row, 1 + 7 * col
+        if not hard:
+            images[i, top : top + 6, left : left + 6] = 255
+            continue
+        top, left = (max(0, v + int(rng.integers(-2, 3))) for v in (top, left))
+        patch = images[i, top : top + 5, left : left + 5].astype(np.int16) + HARD_CONTRAST
+        images[i, top : top + 5, left : left + 5] = patch.clip(0, 255)
     return images
 
 
+HARD_CONTRAST = 24  # the hard patch's brightness over the noise (0-95)
+
+
 def write_mnist(
-    root: Path, n_train: int, n_test: int, seed: int = 0, compress: bool = False
+    root: Path, n_train: int, n_test: int, seed: int = 0, compress: bool = False, hard: bool = False
 ) -> Path:
-    """``<root>/MNIST/raw`` with the four idx files torchvision.datasets.MNIST reads."""
+    """``<root>/MNIST/raw`` with the four idx files torchvision.datasets.MNIST reads (``hard``:
+    ``learnable_images``)."""
     raw = root / "MNIST" / "raw"
     raw.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     for prefix, n in (("train", n_train), ("t10k", n_test)):
         labels = rng.integers(0, 10, size=n, dtype=np.uint8)
-        write_idx(raw / f"{prefix}-images-idx3-ubyte", learnable_images(labels, rng), compress)
+        images = learnable_images(labels, rng, hard=hard)
+        write_idx(raw / f"{prefix}-images-idx3-ubyte", images, compress)
         write_idx(raw / f"{prefix}-labels-idx1-ubyte", labels, compress)
     return root
 
@@ -56,9 +71,12 @@ CIFAR10_CLASSES = (
 )  # fmt: skip
 
 
-def write_cifar10(root: Path, n_per_batch: int, n_test: int, seed: int = 0) -> Path:
+def write_cifar10(
+    root: Path, n_per_batch: int, n_test: int, seed: int = 0, hard: bool = False
+) -> Path:
     """``<root>/cifar-10-batches-py``: five training batches, the test batch and batches.meta, as
-    the python-pickle dicts of the official archive (protocol 2, as Python 2's cPickle wrote)."""
+    the python-pickle dicts of the official archive (protocol 2, as Python 2's cPickle wrote);
+    ``hard``: ``learnable_images``."""
     out = root / "cifar-10-batches-py"
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -66,7 +84,7 @@ def write_cifar10(root: Path, n_per_batch: int, n_test: int, seed: int = 0) -> P
     for name in names:
         n = n_test if name == "test_batch" else n_per_batch
         labels = rng.integers(0, 10, size=n)
-        gray = learnable_images(labels, rng, size=32)
+        gray = learnable_images(labels, rng, size=32, hard=hard)
         tint = rng.integers(0, 40, size=(n, 3, 1, 1), dtype=np.uint8)
         images = np.clip(gray[:, None].astype(np.int16) + tint, 0, 255).astype(np.uint8)
         entry = {
@@ -157,9 +175,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.dataset == "mnist":
-        write_mnist(args.out, args.train, args.test, seed=args.seed)
+        write_mnist(args.out, args.train, args.test, seed=args.seed, hard=True)
     else:
-        write_cifar10(args.out, -(-args.train // 5), args.test, seed=args.seed)
+        write_cifar10(args.out, -(-args.train // 5), args.test, seed=args.seed, hard=True)
     print(f"wrote {args.dataset}: {args.train} + {args.test} images under {args.out}")
 
 
