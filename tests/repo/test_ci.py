@@ -1,13 +1,17 @@
 """The GitHub workflow and the pre-commit config name things that exist: make targets, pytest
-markers, hooks. GitHub cannot run here, so what can be checked offline is checked."""
+markers, hooks; and each job's commands run: the rename for real in a copy of the project, the
+others as make plans them (``make -n``). GitHub cannot run here, so what can be run offline is."""
 
 import re
 import shlex
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import yaml
 
-from helpers import ROOT
+from helpers import ROOT, copy_project
 
 try:
     import tomllib
@@ -67,6 +71,21 @@ def test_test_jobs_select_by_declared_markers() -> None:
 
 def test_the_rename_job_renames_before_testing() -> None:
     assert [argv[1] for argv in run_lines("rename")] == ["rename", "test"]
+
+
+def test_every_jobs_commands_run_in_a_copy_of_the_project(tmp_path: Path) -> None:
+    """In the order of the workflow: ``make rename`` really (a name it refuses fails the job at
+    its first step), every other command as ``make -n`` (the recipe make would run, without
+    running the suite itself here)."""
+    project = copy_project(tmp_path / "project")
+    for job in WORKFLOW["jobs"]:
+        for argv in run_lines(job):
+            dry = [] if argv[1] == "rename" else ["-n"]
+            proc = subprocess.run(
+                [argv[0], "--no-print-directory", *dry, *argv[1:], f"PYTHON={sys.executable}"],
+                cwd=project, capture_output=True, text=True, timeout=300,
+            )  # fmt: skip
+            assert proc.returncode == 0, f"{job}: {shlex.join(argv)}\n{proc.stderr[-2000:]}"
 
 
 def test_pre_commit_hooks_exist_in_the_virtualenv_layout() -> None:
