@@ -24,7 +24,7 @@ from trainkit.launch import isolated_job
 from trainkit.loggers import ending_tracker_runs
 from trainkit.preflight import check_built_run, preflight, why_cannot
 from trainkit.run_dir import owning_run_dir
-from trainkit.train import as_floats, write_config, write_json
+from trainkit.run_files import as_floats, write_config, write_json
 
 log = logging.getLogger(__name__)
 

@@ -1,14 +1,11 @@
 """The training recipe: build every object from the config, fit, test the best checkpoint."""
 
-import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import lightning as L
 from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 import trainkit.resolvers  # noqa: F401  registers the resolvers that conf/ uses
@@ -44,25 +41,10 @@ from trainkit.resume import (
     resume_from,
 )
 from trainkit.run_dir import owning_run_dir
+from trainkit.run_files import as_floats, write_config, write_json
 from trainkit.runtime import tune_malloc
 
 log = logging.getLogger(__name__)
-
-
-@rank_zero_only
-def write_json(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-
-
-@rank_zero_only
-def write_config(path: Path, cfg: DictConfig) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(cfg, path, resolve=True)
-
-
-def as_floats(metrics: dict[str, Any]) -> dict[str, float]:
-    return {k: float(v) for k, v in metrics.items()}
 
 
 def build(

@@ -24,6 +24,7 @@ from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from trainkit.data.sharding import shard_dataloader, shards_itself
+from trainkit.logging_step import logging_step  # noqa: F401  (where tasks have imported it from)
 from trainkit.parallel import data_parallel_group, data_shard
 
 
@@ -152,13 +153,6 @@ def _on_every_rank(keys: list[str]) -> list[str]:
             f"process to get the value over all of them, or with rank_zero_only=True"
         )
     return [key for key in keys if key in common]
-
-
-def logging_step(trainer: L.Trainer, step: int | None = None) -> bool:
-    """Whether ``step`` (by default ``trainer.global_step``) is one of the steps that log: every
-    ``trainer.log_every_n_steps``-th. The one rule for the task, the monitors and the progress
-    bar, so that what one writes at a step another reads at the same step."""
-    return (trainer.global_step if step is None else step) % trainer.log_every_n_steps == 0
 
 
 class NoProfiler(PassThroughProfiler):

@@ -7,8 +7,8 @@ from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
+from trainkit.logging_step import logging_step
 from trainkit.tasks.base import OptimizerFactory, SchedulerFactory, Task
-from trainkit.trainer import logging_step
 
 
 def sample_mean(batch_mean: Tensor, n: int) -> Tensor:

@@ -24,7 +24,7 @@ import torch
 from lightning.pytorch.callbacks import RichProgressBar
 
 from trainkit.callbacks.step_hooks import step_hooks
-from trainkit.trainer import logging_step
+from trainkit.logging_step import logging_step
 
 
 @step_hooks("on_train_batch_end")

@@ -9,8 +9,8 @@ import lightning as L
 import torch
 
 from trainkit.callbacks.step_hooks import step_hooks
+from trainkit.logging_step import logging_step
 from trainkit.parallel import data_shard
-from trainkit.trainer import logging_step
 
 log = logging.getLogger(__name__)
 
