@@ -488,6 +488,18 @@ class BreakWeightsAt(L.Callback):
                 next(pl_module.parameters()).fill_(float("inf"))
 
 
+class HugeWeightsAt(BreakWeightsAt):
+    """Scales every parameter by 1e37 after the optimizer step of global step ``step``, as one
+    step at an enormous learning rate would: the weights stay finite (a save passes its check),
+    and the next forward overflows, so the next loss is not."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if trainer.global_step == self.step:
+            with torch.no_grad():
+                for parameter in pl_module.parameters():
+                    parameter.mul_(1e37)
+
+
 def sample_digest(sample: torch.Tensor) -> str:
     """One training sample's identity across processes: the hash of its bytes."""
     return hashlib.sha1(sample.detach().cpu().contiguous().numpy().tobytes()).hexdigest()

@@ -48,12 +48,15 @@ def asks_for(model: DictConfig, key: str) -> bool:
     return given or key in arguments(model.get("_target_"))
 
 
-def model_config(cfg: DictConfig, datamodule: L.LightningDataModule) -> DictConfig:
+def model_config(
+    cfg: DictConfig, datamodule: L.LightningDataModule, trained: bool = False
+) -> DictConfig:
     """``cfg.model`` completed with the data facts it asks for (``DATA_FACTS``: where its config
     has the key or its class takes the argument), from the datamodule's attributes of those names,
     and with this run's top-level ``compile`` (a choice of the run, not of the weights) where the
     model's config has the key or compile=true asks for it. A model of any other kind gets nothing
-    it did not ask for."""
+    it did not ask for. ``trained``: the model config is a checkpoint's (eval.py), so a data fact
+    that disagrees with it is the data's to change."""
     model = cfg.model
     for key in DATA_FACTS:
         if not asks_for(model, key):
@@ -66,10 +69,15 @@ def model_config(cfg: DictConfig, datamodule: L.LightningDataModule) -> DictConf
                 OmegaConf.to_object(model[key]) if OmegaConf.is_config(model[key]) else model[key]
             )
             if value is not None and mine is not None and mine != value:
+                fix = (
+                    f"the checkpoint's model was trained with {key}={mine}: evaluate it on data "
+                    f"that has the same"
+                    if trained
+                    else f"leave model.{key} out, or set it to ???, to take the data's"
+                )
                 raise ConfigError(
                     f"model.{key}={mine} but {type(datamodule).__name__} has {key}={value}: the "
-                    f"model and the data disagree (leave model.{key} out, or ???, to take the "
-                    f"data's)"
+                    f"model and the data disagree ({fix})"
                 )
         elif value is not None:
             settle(cfg, f"model.{key}", value, f"{type(datamodule).__name__}.{key}")
@@ -93,12 +101,14 @@ def build_datamodule(cfg: DictConfig) -> L.LightningDataModule:
     return instantiate_config(cfg.data, _convert_=cfg.data.get("_convert_", "all"))
 
 
-def build_model(cfg: DictConfig, datamodule: L.LightningDataModule) -> L.LightningModule:
+def build_model(
+    cfg: DictConfig, datamodule: L.LightningDataModule, trained: bool = False
+) -> L.LightningModule:
     """The task of ``cfg.model``, given plain lists and dicts (as ``build_datamodule``). Under a
     strategy that materialises each process's own blocks (``materialises_blocks``), a net that can
     initialise one block alone (``BlockSequence``) is built on the meta device: no process ever
     holds the whole model."""
-    model = model_config(cfg, datamodule)
+    model = model_config(cfg, datamodule, trained)
     convert = model.get("_convert_", "all")
     if not capabilities(cfg.strategy).materialises_blocks:
         return instantiate_config(model, _convert_=convert)

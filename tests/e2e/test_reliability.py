@@ -21,6 +21,7 @@ import yaml
 
 from helpers import OFFLINE_ENV, ROOT, alive, run_python, start_python, tree_state, zero_block
 from trainkit.checkpoint_io import damage, remove_stale_temp_files
+from trainkit.data.synthetic import write_mnist
 
 pytestmark = pytest.mark.slow  # long end-to-end runs: CI's `slow` job
 STEPS_PER_EPOCH = 50  # 800 training images of the test MNIST, batch 16
@@ -558,6 +559,44 @@ def test_weights_broken_by_a_step_with_a_finite_loss_are_never_saved(
         assert all(torch.isfinite(t).all() for t in state["state_dict"].values()), ckpt
 
 
+def test_finite_weights_whose_next_loss_is_not_are_set_aside(
+    base, run_here, tmp_path: Path
+) -> None:
+    """Step 8 leaves finite but huge weights, which epoch 1's save writes; step 9's loss is NaN.
+    Every checkpoint saved from step 8 on is renamed ``<name>.diverged``, ``last.ckpt`` is the
+    newest one left (epoch 0's), the message names only those, and ``ckpt_path=last`` resumes
+    from it and trains on to finite weights."""
+    with pytest.raises(FloatingPointError) as raised:
+        run_here(
+            "train.py",
+            *base,
+            "data.batch_size=200",
+            "+callbacks.huge._target_=helpers.HugeWeightsAt",
+            "+callbacks.huge.step=8",
+            log_dir=tmp_path,
+        )  # fmt: skip  (800 training images in batches of 200: steps 1-4, 5-8, 9-12)
+    message = str(raised.value)
+    assert message.startswith("training loss is nan at step 9")
+    (run,) = runs(tmp_path)
+    checkpoints = run / "checkpoints"
+    aside = sorted(checkpoints.glob("*.diverged"))
+    assert checkpoints / "last.ckpt.diverged" in aside
+    for path in aside:
+        assert torch.load(path, weights_only=True)["global_step"] == 8
+    good = sorted(checkpoints.glob("*.ckpt"))
+    named = message.split("last good checkpoint: ")[1].split(". ")[0].split(", ")
+    assert sorted(named) == sorted(map(str, good)) and checkpoints / "last.ckpt" in good
+    for path in good:
+        state = torch.load(path, weights_only=True)
+        assert state["global_step"] == 4
+        assert all(torch.isfinite(t).all() and t.abs().max() < 1e6 for t in weights(path).values())
+
+    resumed = run_here("train.py", *base, "data.batch_size=200", "ckpt_path=last", log_dir=tmp_path)
+    final = torch.load(resumed / "checkpoints" / "last.ckpt", weights_only=True)
+    assert final["global_step"] == 12
+    assert all(torch.isfinite(t).all() for t in final["state_dict"].values())
+
+
 # --- bad input: refused before any process starts, nothing overwritten -----------------------
 
 
@@ -570,3 +609,28 @@ def test_missing_data_is_reported_before_ddp_starts_its_processes(tmp_path: Path
     assert "MNIST files not found" in proc.stderr
     assert "Initializing distributed" not in proc.stdout + proc.stderr  # no other rank started
     assert runs(tmp_path) == []  # refused: no run directory left
+
+
+def test_a_validation_split_larger_than_the_data_is_one_line(overrides, tmp_path: Path) -> None:
+    proc = train(tmp_path, *overrides, "data.val_size=999999")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert (
+        "data.val_size=999999 leaves no training data: the training set has 1000 samples"
+    ) in proc.stderr
+
+
+def test_eval_of_a_checkpoint_whose_data_moved_away_is_one_line(tmp_path: Path) -> None:
+    """Offline, the checkpoint's MNIST gone: one line naming where it looked, no traceback, and
+    no eval directory left."""
+    data = write_mnist(tmp_path / "mnist", 300, 100)
+    proc = train(
+        tmp_path, f"data.root={data}", "data.val_size=100", "trainer.max_epochs=1",
+        "trainer.limit_train_batches=2", "accelerator=cpu", "logger=none",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (best,) = tmp_path.glob("train/runs/*/checkpoints/best.ckpt")
+    shutil.rmtree(data)
+    proc = run_python("eval.py", f"ckpt_path={best}", log_dir=tmp_path, env=OFFLINE_ENV)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"MNIST files not found in {data / 'MNIST' / 'raw'}" in proc.stderr
+    assert not list(tmp_path.glob("eval/runs/*"))

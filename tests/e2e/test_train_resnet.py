@@ -18,7 +18,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from helpers import write_tree
+from helpers import run_python, write_tree
 from trainkit.data.synthetic import write_cifar10
 
 # Every test reads the module's ResNet-50 runs: one worker makes them.
@@ -202,3 +202,18 @@ def test_a_trained_checkpoint_evaluates_alike_with_the_images_decoded_on_the_dev
     assert on_workers["test/acc"] == 1.0  # it learned
     assert on_device["test/acc"] == on_workers["test/acc"]
     assert on_device["test/loss"] == pytest.approx(on_workers["test/loss"], rel=0.01)
+
+    # the same checkpoint on a tree of four classes: one line that names the data as the fix
+    fruits = ("apple", "banana", "cherry", "durian")
+    four = write_tree(log_dir / "four", {"train": 1, "val": 1, "test": 1}, classes=fruits)
+    proc = run_python(
+        "eval.py", f"ckpt_path={best}", "accelerator=cpu", f"data.root={log_dir / 'four'}",
+        log_dir=log_dir / "eval-four",
+    )  # fmt: skip
+    assert four and proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert (
+        "model.num_classes=3 but ImageFolderDataModule has num_classes=4: the model and the data "
+        "disagree (the checkpoint's model was trained with num_classes=3: evaluate it on data that "
+        "has the same)"
+    ) in proc.stderr
+    assert "???" not in proc.stderr

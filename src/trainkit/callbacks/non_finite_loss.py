@@ -1,3 +1,5 @@
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +80,8 @@ class NonFiniteLossStop(L.Callback):
             return
         self._active = False
         fix = "Lower model.optimizer.lr, or clip gradients with trainer.gradient_clip_val=1.0"
+        if bad and trainer.is_global_zero:  # (rank 0 writes the checkpoints)
+            set_aside_checkpoints_from(trainer, pending[bad[0]][0] - 1)
         kept = f"last good checkpoint: {good_checkpoints(trainer)}"
         if bad:
             step, epoch, batch_idx, loss = pending[bad[0]]
@@ -101,6 +105,41 @@ def finite(tensors: Any) -> bool:
         if isinstance(t, torch.Tensor) and t.is_floating_point() and t.element_size() > 1:
             verdicts.setdefault(t.device, []).append(torch.isfinite(t).all())
     return all(bool(torch.stack(found).all()) for found in verdicts.values())
+
+
+DIVERGED = ".diverged"  # appended to a checkpoint whose weights gave a non-finite loss
+
+
+def set_aside_checkpoints_from(trainer, step: int) -> None:
+    """Every checkpoint of the run saved at ``step`` or later holds weights whose next loss was
+    not finite (finite weights can be huge): each is renamed ``<name>.diverged`` (kept, never
+    resumed or named good), and ``last.ckpt`` becomes a copy of the newest one left, so that
+    ``ckpt_path=last`` resumes from weights whose next loss was finite."""
+    paths = {
+        Path(p)
+        for cb in trainer.checkpoint_callbacks
+        for p in (cb.last_model_path, cb.best_model_path)
+        if p and Path(p).is_file()
+    }
+    steps = {p: _global_step(p) for p in paths}
+    diverged = {p for p, saved in steps.items() if saved is None or saved >= step}
+    for path in diverged:
+        os.replace(path, path.with_name(path.name + DIVERGED))
+    left = sorted(set(paths) - diverged, key=lambda p: steps[p])
+    lasts = [p for p in diverged if p.name == "last.ckpt"]
+    if lasts and left:  # written beside it first, then moved over the name: never half a file
+        partial = lasts[0].with_name("last.ckpt.partial")
+        shutil.copyfile(left[-1], partial)
+        os.replace(partial, lasts[0])
+
+
+def _global_step(path: Path) -> int | None:
+    try:
+        return int(
+            torch.load(path, map_location="cpu", mmap=True, weights_only=True)["global_step"]
+        )
+    except Exception:  # unreadable: not one to resume from
+        return None
 
 
 def good_checkpoints(trainer) -> str:

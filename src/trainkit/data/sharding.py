@@ -153,12 +153,12 @@ class EvenBatches(BatchSampler):
 def seeded_split(n: int, n_val: int, seed: int) -> tuple[Tensor, Tensor]:
     """(train indices, val indices): a fixed random split of ``range(n)``."""
     if n_val <= 0:
-        raise ValueError(
+        raise ConfigError(
             f"data.val_size gives {n_val} validation samples of {n}: use a larger count or "
             f"fraction."
         )
     if n_val >= n:
-        raise ValueError(
+        raise ConfigError(
             f"data.val_size={n_val} leaves no training data: the training set has {n} samples. "
             f"Use a smaller count or a fraction such as 0.1."
         )
@@ -169,7 +169,7 @@ def seeded_split(n: int, n_val: int, seed: int) -> tuple[Tensor, Tensor]:
 def val_count(val_size: int | float, n: int) -> int:
     """``val_size`` as a count: an int is a count, a float in (0, 1) a fraction of ``n``."""
     if val_size <= 0 or (isinstance(val_size, float) and val_size >= 1):
-        raise ValueError(
+        raise ConfigError(
             f"data.val_size must be a positive count or a fraction in (0, 1), got {val_size}"
         )
     return round(val_size * n) if isinstance(val_size, float) else int(val_size)
@@ -193,7 +193,7 @@ class ShardedDataModule(L.LightningDataModule):
     ) -> None:
         super().__init__()
         if batch_size <= 0 or (eval_batch_size is not None and eval_batch_size <= 0):
-            raise ValueError(
+            raise ConfigError(
                 f"data.batch_size and data.eval_batch_size must be positive, "
                 f"got {batch_size} and {eval_batch_size}"
             )
