@@ -1,27 +1,17 @@
-"""Lightning's Trainer with six changes: no collective at every training step under ddp
-(docs/design.md, "SIGTERM and Lightning's stop path"), every DataLoader sharded exactly over
-the data-parallel replicas (docs/design.md, "Any DataLoader, sharded without padding"), every
-epoch value a module logs computed over all ranks ("An epoch's logged values over every rank"),
-and,
-for a step's cost ("What a step costs"), batch hooks looked up once per call, hooks called
-without a profiler's bookkeeping when no profiler is asked for, and the library's
-ModelCheckpoint replaced by a module's as Lightning's own would be."""
-
-import contextlib
-from dataclasses import dataclass, field
+"""Lightning's Trainer with three changes, each for correctness: no collective at every training
+step under ddp (docs/design.md, "SIGTERM and Lightning's stop path"), every DataLoader sharded
+exactly over the data-parallel replicas (docs/design.md, "Any DataLoader, sharded without
+padding"), and every epoch value a module logs computed over all ranks ("An epoch's logged values
+over every rank"). Changes that bought only speed were measured and removed (docs/design.md,
+"What a step costs")."""
 
 import lightning as L
 import torch.distributed as dist
-from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
-from lightning.pytorch.profilers import PassThroughProfiler
-from lightning.pytorch.trainer.connectors.callback_connector import (
-    _CallbackConnector as LightningCallbackConnector,
-)
-from lightning.pytorch.trainer.connectors.data_connector import _DataConnector, _DataHookSelector
+from lightning.pytorch.trainer.connectors.data_connector import _DataConnector
 from lightning.pytorch.trainer.connectors.logger_connector import _LoggerConnector
 from lightning.pytorch.trainer.states import RunningStage
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from trainkit.data.sharding import shard_dataloader, shards_itself
 from trainkit.logging_step import logging_step  # noqa: F401  (where tasks have imported it from)
@@ -37,33 +27,11 @@ class _EpochLoop(_TrainingEpochLoop):
         pass
 
 
-@dataclass
-class _HookChoice(_DataHookSelector):
-    """Lightning's choice between the module and the datamodule for each batch hook, made at the
-    first batch of each fit, validate, test or predict call instead of at every batch: with a
-    datamodule, Lightning checks which of the two overrides each of three hooks
-    (``is_overridden``, twice each) before every batch, about 10 us a step out of the loop and
-    several times that in it (docs/design.md, "What a step costs"). The same choice unless a
-    batch hook is replaced on either object while the call runs."""
-
-    _chosen: dict[str, object] = field(default_factory=dict, init=False, compare=False)
-
-    def get_instance(self, hook_name: str):
-        if hook_name not in self._chosen:
-            self._chosen[hook_name] = super().get_instance(hook_name)
-        return self._chosen[hook_name]
-
-
 class _ShardingDataConnector(_DataConnector):
     """Where Lightning would give a distributed run's DataLoaders its own ``DistributedSampler``
     (padding evaluation with repeated samples), ``shard_dataloader`` gives each replica its part:
     Lightning's sampler to train, every sample exactly once to evaluate and predict.
-    With ``use_distributed_sampler=false`` the loaders are left as they are, as in Lightning.
-    Its batch hooks are chosen once per attach (``_HookChoice``)."""
-
-    def attach_datamodule(self, model: L.LightningModule, datamodule=None) -> None:
-        super().attach_datamodule(model, datamodule)
-        self._datahook_selector = _HookChoice(model, datamodule)
+    With ``use_distributed_sampler=false`` the loaders are left as they are, as in Lightning."""
 
     def _prepare_dataloader(self, dataloader: object, shuffle: bool, mode: RunningStage) -> object:
         trainer = self.trainer
@@ -74,30 +42,6 @@ class _ShardingDataConnector(_DataConnector):
         declared = shards_itself(trainer.datamodule)
         overfit = trainer.overfit_batches
         return shard_dataloader(dataloader, mode, replica, replicas, overfit, declared)
-
-
-class _CallbackConnector(LightningCallbackConnector):
-    """Lightning's, except that a module's ``configure_callbacks`` returning a ModelCheckpoint
-    (Lightning's or a subclass) replaces the trainer's ``trainkit.callbacks.ModelCheckpoint``s as
-    it replaces Lightning's: Lightning replaces a trainer callback only by one of its class or a
-    subclass, and ours is a subclass of Lightning's, so a module written as Lightning's docs
-    show would save a third checkpoint beside the template's two."""
-
-    def _attach_model_callbacks(self) -> None:
-        from trainkit.callbacks import ModelCheckpoint  # (the callbacks import this module)
-
-        trainer = self.trainer
-        given = {id(c) for c in trainer.callbacks}
-        super()._attach_model_callbacks()
-        theirs = [c for c in trainer.callbacks if id(c) not in given]  # the module's
-        if not any(isinstance(c, LightningModelCheckpoint) for c in theirs):
-            return
-        ours = {id(c) for c in trainer.callbacks if type(c) is ModelCheckpoint} & given
-        if ours:
-            rank_zero_info(
-                "The module's ModelCheckpoint (configure_callbacks) replaces the trainer's"
-            )
-            trainer.callbacks = [c for c in trainer.callbacks if id(c) not in ours]
 
 
 class _EpochValuesOverAllRanks(_LoggerConnector):
@@ -155,27 +99,13 @@ def _on_every_rank(keys: list[str]) -> list[str]:
     return [key for key in keys if key in common]
 
 
-class NoProfiler(PassThroughProfiler):
-    """Lightning's profiler when none is asked for, without the cost: Lightning times each hook of
-    each callback, of the module and of the strategy in a profiler context (six a step for each
-    callback); ``PassThroughProfiler`` enters a generator-made context for each that does nothing
-    (about 1 us each, in a small model's 10 ms step: docs/design.md, "What a step costs"). This one
-    hands out one context that does nothing, and does nothing faster."""
-
-    _nothing = contextlib.nullcontext()
-
-    def profile(self, action_name: str) -> contextlib.nullcontext:
-        return self._nothing
-
-
 class Trainer(L.Trainer):
     """``conf/trainer``'s target: Lightning's Trainer whose fit loop runs ``_EpochLoop``, whose
-    loaders are prepared by ``_ShardingDataConnector``, whose module callbacks are attached by
-    ``_CallbackConnector``, whose epoch values are computed by ``_EpochValuesOverAllRanks``, and
-    whose profiler is ``NoProfiler`` unless one is given (``trainer.profiler=simple``)."""
+    loaders are prepared by ``_ShardingDataConnector``, and whose epoch values are computed by
+    ``_EpochValuesOverAllRanks``."""
 
-    def __init__(self, *args, profiler=None, **kwargs) -> None:
-        super().__init__(*args, profiler=profiler or NoProfiler(), **kwargs)
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
         steps = self.fit_loop.epoch_loop
         # the same construction as Lightning's own __init__, with our loop class
         self.fit_loop.epoch_loop = _EpochLoop(
@@ -183,9 +113,6 @@ class Trainer(L.Trainer):
         )
         # as Lightning's __init__ builds its own; its on_trainer_init set only the trainer's state
         self._data_connector = _ShardingDataConnector(self)
-        callbacks = _CallbackConnector(self)
-        vars(callbacks).update(vars(self._callback_connector))  # what its on_trainer_init noted
-        self._callback_connector = callbacks
         connector = _EpochValuesOverAllRanks(self)
         vars(connector).update(vars(self._logger_connector))  # the loggers on_trainer_init set
         self._logger_connector = connector

@@ -7,16 +7,13 @@ from pathlib import Path
 import lightning as L
 import pytest
 import rich.progress
-from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
 from lightning.pytorch.callbacks.progress.rich_progress import CustomProgress
 from torch.utils.data import DataLoader
 
 import lightning_docs
 from helpers import quiet_trainer
-from trainkit import callbacks
-from trainkit.callbacks import ModelCheckpoint, MonitoredMetric, ProgressBar
+from trainkit.callbacks import MonitoredMetric, ProgressBar
 from trainkit.callbacks.prediction_writer import shard_indices
-from trainkit.callbacks.step_hooks import STEP_HOOKS, step_hooks
 from trainkit.data.sharding import ShardSampler
 from trainkit.errors import ConfigError
 
@@ -182,71 +179,3 @@ def test_the_bar_is_built_for_redraws_only_where_they_are_shown(
         assert redraws.asked == redraws.built == 0
     steps = trainer.num_training_batches
     assert "Epoch 0/0 " in out.getvalue() and f" {steps}/{steps} " in out.getvalue()
-
-
-@pytest.mark.parametrize("every_n_train_steps", [None, 3])
-def test_the_checkpoint_saves_what_lightnings_saves_under_the_same_state_key(
-    mnist_root: Path, tmp_path: Path, every_n_train_steps: int | None
-) -> None:
-    """Ours is called at a step only at its end; it writes the same files as Lightning's, by
-    steps or at each validation, and its state resumes in Lightning's and back."""
-    saved = {}
-    for cls in (LightningModelCheckpoint, ModelCheckpoint):
-        out = tmp_path / cls.__module__
-        kwargs = {"dirpath": out, "every_n_train_steps": every_n_train_steps, "save_top_k": -1}
-        checkpoint = cls(**kwargs, filename="{epoch}-{step}")
-        fit_docs_module(
-            mnist_root,
-            callbacks=[checkpoint],
-            enable_checkpointing=True,
-            max_epochs=2,
-            limit_train_batches=7,
-            limit_val_batches=1,
-        )
-        saved[cls] = {p.name for p in out.iterdir()}
-        assert checkpoint.state_key == LightningModelCheckpoint(**kwargs).state_key
-    assert saved[ModelCheckpoint] == saved[LightningModelCheckpoint]
-    steps = {3, 6, 9, 12} if every_n_train_steps else {7, 14}  # by steps, or at each validation
-    assert saved[ModelCheckpoint] == {f"epoch={(s - 1) // 7}-step={s}.ckpt" for s in steps}
-
-
-def test_lightning_calls_only_the_step_hooks_a_callback_declares(mnist_root: Path) -> None:
-    """A callback's undeclared step hooks are None, and Lightning calls none of them; the declared
-    ones run, in a real fit."""
-    calls = []
-
-    @step_hooks("on_train_batch_end")
-    class Counting(L.Callback):
-        def on_train_batch_end(self, *args) -> None:
-            calls.append("on_train_batch_end")
-
-    assert all(getattr(Counting, h) is None for h in STEP_HOOKS if h != "on_train_batch_end")
-    fit_docs_module(mnist_root, callbacks=[Counting()], max_epochs=1, limit_train_batches=2)
-    assert calls == ["on_train_batch_end"] * 2
-
-
-def test_step_hooks_drop_nothing_that_works() -> None:
-    with pytest.raises(TypeError, match="Quiet names on_after_backward in step_hooks but does not"):
-
-        @step_hooks("on_after_backward")
-        class Quiet(L.Callback):
-            pass
-
-    with pytest.raises(TypeError, match="Busy defines on_before_zero_grad: name it in step_hooks"):
-
-        @step_hooks()
-        class Busy(L.Callback):
-            def on_before_zero_grad(self, *args) -> None:
-                pass
-
-    with pytest.raises(ValueError, match=r"not step hooks: \['on_fit_start'\]"):
-        step_hooks("on_fit_start")
-
-
-def test_every_callback_of_ours_declares_its_step_hooks() -> None:
-    """Each of the library's callbacks is called at a step only where it works (the prediction
-    writer runs outside training, as Lightning's own BasePredictionWriter)."""
-    for name in set(callbacks.__all__) - {"PredictionWriter"}:
-        cls = getattr(callbacks, name)
-        used = [h for h in STEP_HOOKS if callable(getattr(cls, h))]
-        assert all(getattr(cls, h) is not getattr(L.Callback, h) for h in used), name

@@ -25,7 +25,6 @@ from helpers import SLURM_TASK, TORCHRUN_WORKER, run_python
 from myproject.data import MNISTDataModule
 from myproject.models import MLP
 from myproject.tasks import ImageClassifier
-from trainkit import callbacks
 from trainkit.callbacks import ProfileSteps, RunConfig, StartupTime
 from trainkit.config import CONF_DIR, LIBRARY_CONF_DIR, compose_config, settle, unknown_keys
 from trainkit.errors import ConfigError
@@ -239,7 +238,7 @@ def test_a_module_checkpoint_replaces_the_templates_as_it_replaces_lightnings(
         "monitor=val_acc", "trainer.max_epochs=1", "trainer.limit_val_batches=1"
     )
     ours = trainer.checkpoint_callbacks
-    assert [type(c) for c in ours] == [callbacks.ModelCheckpoint] * 2  # not Lightning's own
+    assert [type(c) for c in ours] == [ModelCheckpoint] * 2
     module = OwnCallbacks([theirs(monitor="val_loss")])
     trainer.fit(module, datamodule=lightning_docs.MNISTDataModule(str(mnist_root), download=False))
     expected = module.own if theirs is ModelCheckpoint else ours

@@ -1,7 +1,6 @@
 """Lightning callbacks: what the run records beside the model's own metrics."""
 
 from trainkit.callbacks.logging_interval import LoggingInterval
-from trainkit.callbacks.model_checkpoint import ModelCheckpoint
 from trainkit.callbacks.model_summary import ModelSummary
 from trainkit.callbacks.monitored_metric import MonitoredMetric
 from trainkit.callbacks.non_finite_loss import NonFiniteLossStop
@@ -18,7 +17,6 @@ from trainkit.callbacks.validation_images import ValidationImages
 
 __all__ = [
     "LoggingInterval",
-    "ModelCheckpoint",
     "ModelSummary",
     "MonitoredMetric",
     "NonFiniteLossStop",

@@ -10,12 +10,9 @@ import logging
 
 import lightning as L
 
-from trainkit.callbacks.step_hooks import step_hooks
-
 log = logging.getLogger(__name__)
 
 
-@step_hooks()
 class LoggingInterval(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         steps = int(trainer.num_training_batches // trainer.accumulate_grad_batches) or 1

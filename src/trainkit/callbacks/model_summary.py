@@ -13,7 +13,6 @@ import torch
 from lightning.pytorch.callbacks import RichModelSummary
 from torch import nn
 
-from trainkit.callbacks.step_hooks import step_hooks
 from trainkit.strategies.pipeline import block_flops
 
 
@@ -30,7 +29,6 @@ def sample_flops(module: nn.Module) -> int:
     return sum(block_flops(list(net), example))
 
 
-@step_hooks()
 class ModelSummary(RichModelSummary):
     def on_fit_start(self, trainer, pl_module) -> None:
         self._flops = sample_flops(pl_module) if trainer.is_global_zero else 0

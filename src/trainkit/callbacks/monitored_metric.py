@@ -2,11 +2,9 @@
 
 import lightning as L
 
-from trainkit.callbacks.step_hooks import step_hooks
 from trainkit.errors import ConfigError
 
 
-@step_hooks()
 class MonitoredMetric(L.Callback):
     """Refuses a ``monitor`` that the task's validation does not log, at the end of the sanity
     check: before the first training step, where Lightning's ModelCheckpoint would refuse it only

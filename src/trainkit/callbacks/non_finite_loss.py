@@ -8,10 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
-from trainkit.callbacks.step_hooks import step_hooks
 
-
-@step_hooks("on_train_batch_end")
 class NonFiniteLossStop(L.Callback):
     """Stops training at the first non-finite loss, naming its step, before any checkpoint holds
     the broken weights: the last checkpoint on disk stays the last good one.

@@ -12,7 +12,6 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
-from trainkit.callbacks.step_hooks import step_hooks
 from trainkit.launch import slurm_job_id, under_slurm
 
 log = logging.getLogger(__name__)
@@ -26,7 +25,6 @@ class Preempted(Exception):
         self.signum = signum
 
 
-@step_hooks("on_train_batch_end")
 class Preemption(L.Callback):
     """SIGTERM (a scheduler's preemption) and SIGINT (Ctrl-C) stop training at the end of a step
     with ``<dirpath>/last.ckpt`` saved, mid-epoch included, on every rank at the same step. Under

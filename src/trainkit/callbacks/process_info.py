@@ -7,13 +7,10 @@ from pathlib import Path
 import lightning as L
 import torch.distributed as dist
 
-from trainkit.callbacks.step_hooks import step_hooks
-
 log = logging.getLogger(__name__)
 LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's file format
 
 
-@step_hooks()
 class ProcessInfo(L.Callback):
     """Each rank logs who it is and what it runs, once its process group exists.
 

@@ -7,10 +7,7 @@ import lightning as L
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from trainkit.callbacks.step_hooks import step_hooks
 
-
-@step_hooks("on_train_batch_start", "on_train_batch_end")
 class ProfileSteps(L.Callback):
     """A ``torch.profiler`` trace of ``steps`` training steps after ``skip`` warm-up steps,
     written by rank 0 as ``<dirpath>/train_steps.pt.trace.json`` (chrome://tracing,

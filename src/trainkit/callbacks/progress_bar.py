@@ -23,11 +23,9 @@ from typing import Any
 import torch
 from lightning.pytorch.callbacks import RichProgressBar
 
-from trainkit.callbacks.step_hooks import step_hooks
 from trainkit.logging_step import logging_step
 
 
-@step_hooks("on_train_batch_end")
 class ProgressBar(RichProgressBar):
     def __init__(self, step_metrics: Sequence[str] = (), **kwargs: Any) -> None:
         super().__init__(**kwargs)

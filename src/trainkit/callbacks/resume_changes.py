@@ -13,7 +13,6 @@ from typing import Any
 
 import lightning as L
 
-from trainkit.callbacks.step_hooks import step_hooks
 from trainkit.checkpoint_io import CONFIG_KEY
 from trainkit.data.in_memory import InMemoryDataModule, InMemoryLoader
 
@@ -89,7 +88,6 @@ def restate_position(checkpoint: dict, loader: InMemoryLoader) -> None:
         )
 
 
-@step_hooks()
 class ResumeChanges(L.Callback):
     """Restates a checkpoint that training resumes from for the run's ``config``."""
 

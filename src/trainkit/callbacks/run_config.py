@@ -3,12 +3,10 @@ from typing import Any
 import lightning as L
 import yaml
 
-from trainkit.callbacks.step_hooks import step_hooks
 from trainkit.checkpoint_io import CONFIG_KEY, OVERRIDES_KEY, TRACKERS_KEY, readable_hparams
 from trainkit.loggers import tracker_run_ids
 
 
-@step_hooks()
 class RunConfig(L.Callback):
     """Stores the run's resolved config in every checkpoint, as plain containers, with its
     command-line ``overrides`` (from which a resume composes the run's config again) and the ids of

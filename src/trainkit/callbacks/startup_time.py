@@ -5,8 +5,6 @@ from pathlib import Path
 
 import lightning as L
 
-from trainkit.callbacks.step_hooks import step_hooks
-
 log = logging.getLogger(__name__)
 
 _IMPORTED_AT = time.time()
@@ -22,7 +20,6 @@ def process_start_time() -> float:
         return _IMPORTED_AT
 
 
-@step_hooks("on_train_batch_start")
 class StartupTime(L.Callback):
     """Logs ``time/startup_s``: seconds from process start to the first training step.
 

@@ -8,7 +8,6 @@ from typing import Any
 import lightning as L
 import torch
 
-from trainkit.callbacks.step_hooks import step_hooks
 from trainkit.logging_step import logging_step
 from trainkit.parallel import data_shard
 
@@ -24,7 +23,6 @@ def rss_mb() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-@step_hooks("on_train_batch_start", "on_before_optimizer_step", "on_train_batch_end")
 class TrainingMonitor(L.Callback):
     """The scalars that say how fast and how big a run is, at almost no cost.
 

@@ -5,7 +5,6 @@ from PIL import Image, ImageDraw
 from torch import Tensor
 from torchmetrics.classification import MulticlassConfusionMatrix
 
-from trainkit.callbacks.step_hooks import step_hooks
 from trainkit.loggers import IMAGE_LOGGERS, log_image
 
 
@@ -69,7 +68,6 @@ def has_logits(outputs: object) -> bool:
     return isinstance(outputs, dict) and "logits" in outputs and "target" in outputs
 
 
-@step_hooks()
 class ValidationImages(L.Callback):
     """Images for every logger that keeps them (``loggers.log_image``), at the end of each
     validation (not the sanity check): ``val/samples`` (the first ``samples`` validation images

@@ -169,7 +169,7 @@ def seeded_split(n: int, n_val: int, seed: int) -> tuple[Tensor, Tensor]:
 def val_count(val_size: int | float, n: int) -> int:
     """``val_size`` as a count: an int is a count, a float in (0, 1) a fraction of ``n``."""
     if val_size <= 0 or (isinstance(val_size, float) and val_size >= 1):
-        raise ConfigError(
+        raise ValueError(
             f"data.val_size must be a positive count or a fraction in (0, 1), got {val_size}"
         )
     return round(val_size * n) if isinstance(val_size, float) else int(val_size)
@@ -193,7 +193,7 @@ class ShardedDataModule(L.LightningDataModule):
     ) -> None:
         super().__init__()
         if batch_size <= 0 or (eval_batch_size is not None and eval_batch_size <= 0):
-            raise ConfigError(
+            raise ValueError(
                 f"data.batch_size and data.eval_batch_size must be positive, "
                 f"got {batch_size} and {eval_batch_size}"
             )
