@@ -11,6 +11,7 @@ from typing import Any
 
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 import trainkit.resolvers  # noqa: F401  registers the resolvers that conf/ uses
@@ -57,8 +58,6 @@ class _HeldUntilTheRun:
         self.stream, self.held = stream, []
 
     def write(self, text: str) -> int:
-        from hydra.core.hydra_config import HydraConfig
-
         if self.held is not None and not HydraConfig.initialized():
             self.held.append(text)
             return len(text)

@@ -88,14 +88,16 @@ def resume_from(cfg: DictConfig) -> tuple[str | None, DictConfig]:
     path = resolve_ckpt_path(cfg)
     if path is None:
         return None, cfg
-    cfg = resumed_config(cfg, Path(path))
-    check_resume_config(Path(path), cfg)
+    # read once (memory-mapped); a one-line ConfigError where it is missing or not one of ours
+    checkpoint = read_checkpoint(path, cfg.get("weights_only", True))
+    cfg = resumed_config(cfg, Path(path), checkpoint)
+    check_resume_config(Path(path), cfg, checkpoint)
     return path, cfg
 
 
 def resolve_ckpt_path(cfg: DictConfig) -> str | None:
-    """The checkpoint file to resume from (None: start fresh); a one-line ConfigError if it is
-    missing or not a trainkit checkpoint."""
+    """The checkpoint file to resume from (None: start fresh); a one-line ConfigError where
+    ``ckpt_path=last`` finds none (``resume_from`` reads the file)."""
     own = Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt"
     if own.is_file() and is_restart(cfg.paths.output_dir):
         return str(newest_intact(own))
@@ -113,11 +115,10 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
         path = Path(cfg.ckpt_path).expanduser()
     if path.is_file():  # (a missing file: read_checkpoint names it)
         path = newest_intact(path)
-    read_checkpoint(path, cfg.get("weights_only", True))  # refused here if it is not one of ours
     return str(path)
 
 
-def resumed_config(cfg: DictConfig, path: Path) -> DictConfig:
+def resumed_config(cfg: DictConfig, path: Path, checkpoint: dict) -> DictConfig:
     """The config a resume runs: Hydra's composition of the checkpoint's run's command line with
     this one's on top (a key or group typed again takes its new value), so that what follows a
     typed key follows it (``T_max`` its ``trainer.max_epochs``, a logger its run directory). A key
@@ -131,7 +132,6 @@ def resumed_config(cfg: DictConfig, path: Path) -> DictConfig:
 
     if not HydraConfig.initialized():
         return cfg
-    checkpoint = read_checkpoint(path, cfg.get("weights_only", True))
     trained, typed = checkpoint[CONFIG_KEY], composing_overrides()
     saved = _saved_overrides(path, checkpoint)
     name = HydraConfig.get().job.config_name
@@ -224,13 +224,13 @@ def _changed(typed: list[str], resumed: DictConfig, trained: dict) -> list[str]:
     """``key=value (was old)`` for each key typed on this command line that changed the
     checkpoint's config ``trained`` (its paths moved to this run's directory); a group: what it
     chose, where the values under it changed."""
-    now = _resolved_leaves(resumed)
+    now = _nested(_resolved_leaves(resumed))
     lines = []
     for override in typed:
         key = _typed_key(override)
         if key == "ckpt_path" or key.startswith("hydra."):
             continue
-        new, old = _select(_nested(now), key), _select(trained, key)
+        new, old = _select(now, key), _select(trained, key)
         if new != old:
             shown = override if isinstance(new, dict) or new is None else f"{key}={new}"
             was = "" if isinstance(old, dict) else f" (was {old})"
@@ -273,10 +273,9 @@ REFUSED_MID_EPOCH = {
 }
 
 
-def check_resume_config(path: Path, cfg: DictConfig) -> None:
+def check_resume_config(path: Path, cfg: DictConfig, checkpoint: dict) -> None:
     """Refuses a resume whose config changes what the checkpoint's state cannot follow, naming the
     key."""
-    checkpoint = read_checkpoint(path, cfg.get("weights_only", True))
     check_same_model(path, cfg, checkpoint[CONFIG_KEY])
     trained = OmegaConf.create(checkpoint[CONFIG_KEY])
     states = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})

@@ -204,7 +204,7 @@ def test_foreign_and_other_model_checkpoints(compose, trained_run: Path, tmp_pat
     foreign = tmp_path / "foreign.ckpt"
     torch.save({"state_dict": {"w": torch.zeros(2)}}, foreign)
     with pytest.raises(ConfigError, match=r"was not written by trainkit's train\.py"):
-        resolve_ckpt_path(compose(f"ckpt_path={foreign}"))
+        resume_from(compose(f"ckpt_path={foreign}"))
     ours = trained_run / "checkpoints" / "last.ckpt"
     assert resolve_ckpt_path(compose(f"ckpt_path={ours}")) == str(ours)
     with pytest.raises(ConfigError, match=r"holds a different model: model\.net=.*hidden"):

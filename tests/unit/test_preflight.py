@@ -37,7 +37,7 @@ from trainkit.preflight import (
     step_side_effects,
     why_cannot,
 )
-from trainkit.resume import resolve_ckpt_path
+from trainkit.resume import resolve_ckpt_path, resume_from
 from trainkit.runtime import cpu_flags, has_bf16_units, usable_cores
 from trainkit.strategies.dp import DataParallelStrategy
 from trainkit.train import build
@@ -125,7 +125,7 @@ def test_unknown_group_option_lists_the_options(compose) -> None:
 
 def test_missing_checkpoint(compose, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"ckpt_path=.*nope\.ckpt does not exist.*ckpt_path=last"):
-        resolve_ckpt_path(compose(f"ckpt_path={tmp_path / 'nope.ckpt'}"))
+        resume_from(compose(f"ckpt_path={tmp_path / 'nope.ckpt'}"))
 
 
 def test_last_without_an_earlier_run(compose, tmp_path: Path) -> None:
