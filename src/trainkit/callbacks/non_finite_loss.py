@@ -112,17 +112,12 @@ def set_aside_checkpoints_from(trainer, step: int) -> None:
     not finite (finite weights can be huge): each is renamed ``<name>.diverged`` (kept, never
     resumed or named good), and ``last.ckpt`` becomes a copy of the newest one left, so that
     ``ckpt_path=last`` resumes from weights whose next loss was finite."""
-    paths = {
-        Path(p)
-        for cb in trainer.checkpoint_callbacks
-        for p in (cb.last_model_path, cb.best_model_path)
-        if p and Path(p).is_file()
-    }
+    paths = checkpoints_on_disk(trainer)
     steps = {p: _global_step(p) for p in paths}
     diverged = {p for p, saved in steps.items() if saved is None or saved >= step}
     for path in diverged:
         os.replace(path, path.with_name(path.name + DIVERGED))
-    left = sorted(set(paths) - diverged, key=lambda p: steps[p])
+    left = sorted(paths - diverged, key=lambda p: steps[p])
     lasts = [p for p in diverged if p.name == "last.ckpt"]
     if lasts and left:  # written beside it first, then moved over the name: never half a file
         partial = lasts[0].with_name("last.ckpt.partial")
@@ -139,13 +134,16 @@ def _global_step(path: Path) -> int | None:
         return None
 
 
-def good_checkpoints(trainer) -> str:
-    """The checkpoints the run has on disk (a callback may name one whose save was stopped)."""
-    saved = {
-        path
+def checkpoints_on_disk(trainer) -> set[Path]:
+    """The run's checkpoint files that exist (a callback may name one whose save was stopped)."""
+    return {
+        Path(p)
         for cb in trainer.checkpoint_callbacks
-        for path in (cb.last_model_path, cb.best_model_path)
+        for p in (cb.last_model_path, cb.best_model_path)
+        if p and Path(p).is_file()
     }
-    return ", ".join(sorted(p for p in saved if p and Path(p).is_file())) or (
-        "none was saved before it"
-    )
+
+
+def good_checkpoints(trainer) -> str:
+    """The checkpoints the run has on disk, for its message."""
+    return ", ".join(sorted(map(str, checkpoints_on_disk(trainer)))) or "none was saved before it"
