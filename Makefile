@@ -18,7 +18,7 @@ OUT    ?= docs/img
 TORCH_INDEX ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install servers train eval test lint format tensorboard screenshots bench rename clean
+.PHONY: help install servers train plan eval test lint format tensorboard screenshots bench rename clean
 
 help:  ## list the targets
 	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -42,6 +42,9 @@ servers: $(SERVERS_STAMP)  ## the tracking server the tests start: MLflow, in .v
 
 train: $(STAMP)  ## train: make train ARGS="strategy=ddp devices=2"
 	$(BIN)/python train.py $(ARGS)
+
+plan: $(STAMP)  ## the memory plan of a run, and which strategy fits: make plan ARGS="devices=2"
+	$(BIN)/python train.py plan=true $(ARGS)
 
 eval: $(STAMP)  ## evaluate a checkpoint: make eval ARGS="ckpt_path=..."
 	$(BIN)/python eval.py $(ARGS)

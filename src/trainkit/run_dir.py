@@ -134,6 +134,19 @@ def owning_run_dir(cfg: DictConfig) -> Iterator[None]:
                 log.info("run: %s", shown(path))
 
 
+@contextlib.contextmanager
+def left_unused(output_dir: str | None) -> Iterator[None]:
+    """For a command that runs nothing (``plan=true``): the run directory Hydra made for it,
+    empty, is removed afterwards; one that held anything is left as it was."""
+    path = Path(output_dir) if output_dir else None
+    made = path is not None and (not path.exists() or not any(path.iterdir()))
+    try:
+        yield
+    finally:
+        if made:
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def _remove_own_lock_file(handle, lock_file: Path) -> None:
     """Unlinks ``lock_file`` if it is still the file ``handle`` locked. A process that opens the
     path afterwards locks a new file, and finds the directory as this run left it."""

@@ -32,6 +32,7 @@ from trainkit.loggers import (
     run_tags,
 )
 from trainkit.parallel import ParallelDims
+from trainkit.plan import Settings, check_fits, table
 from trainkit.preflight import check_built_run, preflight, why_cannot
 from trainkit.resume import (
     composing_overrides,
@@ -40,7 +41,7 @@ from trainkit.resume import (
     record_launch,
     resume_from,
 )
-from trainkit.run_dir import owning_run_dir
+from trainkit.run_dir import left_unused, owning_run_dir
 from trainkit.run_files import as_floats, write_config, write_json
 from trainkit.runtime import tune_malloc
 
@@ -79,13 +80,25 @@ def run(cfg: DictConfig) -> float | None:
 
     One job of a sweep leaves nothing behind for the next: see ``isolated_job``."""
     quiet()  # Lightning's messages that do not apply to this run
+    if Settings.from_config(cfg).show:
+        return show_plan(cfg)
     with isolated_job(), owning_run_dir(cfg):
         return _train_and_test(cfg)
+
+
+def show_plan(cfg: DictConfig) -> None:
+    """``plan=true``: the memory plan of the run these overrides compose (a resume's: its
+    checkpoint's config), printed; nothing is trained, and no run directory is left."""
+    with left_unused(cfg.paths.get("output_dir")):
+        _, cfg = resume_from(cfg)
+        print(table(cfg, preflight(cfg), Settings.from_config(cfg)))
 
 
 def _train_and_test(cfg: DictConfig) -> float | None:
     ckpt_path, cfg = resume_from(cfg)  # a resume runs its checkpoint's config
     dims = preflight(cfg)
+    if first_process():
+        check_fits(cfg, dims)  # a run planned not to fit is refused before its processes start
     restart = bool(ckpt_path) and is_restart(cfg.paths.output_dir)  # before record_launch
     if first_process():
         record_launch(cfg.paths.output_dir)  # so that the launcher's restarts resume this run

@@ -20,7 +20,9 @@ import pytest
 import torch
 
 from helpers import start_python
+from trainkit.config import compose_config
 from trainkit.data.synthetic import write_mnist
+from trainkit.plan import footprint, pipelined
 
 # long end-to-end runs (CI's `slow` job); every test reads the module's runs: one worker makes them
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group(name="pipeline_memory_runs")]
@@ -59,7 +61,8 @@ def train(out: Path, *overrides: str, cap: int | None = None) -> tuple[int, str]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, tuple[int, str, Path]]:
+def runs(tmp_path_factory) -> dict:
+    """Each run's exit code, output and directory; ``"common"``: the overrides all share."""
     root = tmp_path_factory.mktemp("memory")
     data = write_mnist(root / "data", 1000, 100)
     common = (
@@ -75,7 +78,7 @@ def runs(tmp_path_factory) -> dict[str, tuple[int, str, Path]]:
         "trainer.num_sanity_val_steps=0",
         "callbacks=none",  # no checkpoint: 3.3 GB a file, and the writer holds all of it
     )
-    out: dict[str, tuple[int, str, Path]] = {}
+    out: dict = {"common": common}
     for name, extra in (("small", ()), ("one", (WIDE,))):
         out[name] = (*train(root / name, *common, *extra), root / name)
         assert out[name][0] == 0, out[name][1][-3000:]
@@ -107,3 +110,17 @@ def test_each_stage_needs_at_most_six_tenths_of_one_device(runs: dict) -> None:
     stages = [h["train_peak_rss"] - base for h in peaks(runs["pipe_capped"][2], 2)]
     assert one > 4 * 2**30  # weights, gradients and Adam's two moments of 275M float32s
     assert max(stages) <= 0.6 * one, [s / one for s in stages]
+
+
+def test_the_plan_estimates_each_peak_within_a_fifth(runs: dict, tmp_path: Path) -> None:
+    """The memory plan (trainkit/plan.py, from fake tensors) of one device and of the 2 stages,
+    against what the runs measured: each above the small MLP, estimated and measured alike."""
+    base = peaks(runs["small"][2], 1)[0]["train_peak_rss"]
+    one = peaks(runs["one"][2], 1)[0]["train_peak_rss"] - base
+    stages = [h["train_peak_rss"] - base for h in peaks(runs["pipe_capped"][2], 2)]
+    small = footprint(compose_config("train", tmp_path / "small", list(runs["common"]))).total
+    wide = footprint(compose_config("train", tmp_path / "wide", [*runs["common"], WIDE]))
+    estimated_one = wide.total - small
+    estimated_stage = pipelined(wide, 2, microbatches=4, schedule="gpipe").total - small
+    assert estimated_one == pytest.approx(one, rel=0.2), (estimated_one, one)
+    assert estimated_stage == pytest.approx(max(stages), rel=0.2), (estimated_stage, stages)

@@ -317,6 +317,17 @@ def import_torch_seconds() -> float:
     return time.perf_counter() - start
 
 
+def planned_peak_mb(command: list[str], cell_dir: Path) -> float:
+    """The memory plan's peak (trainkit/plan.py) of the busiest process of a template cell's
+    ``python train.py ...`` command, in MB (2**20 bytes, as the measured peaks)."""
+    from trainkit.parallel import ParallelDims
+    from trainkit.plan import configured_choice, footprint
+
+    cfg = compose_config("train", cell_dir / "plan", command[2:])
+    choice = configured_choice(cfg, ParallelDims.from_config(cfg), footprint(cfg))
+    return choice.memory.total / 2**20
+
+
 def run_cell(cell: Cell, s: Settings, cell_dir: Path) -> dict[str, object]:
     """Runs one cell in fresh processes; its figures, or the reason it failed."""
     work = WORKLOADS[cell.workload]
@@ -329,6 +340,8 @@ def run_cell(cell: Cell, s: Settings, cell_dir: Path) -> dict[str, object]:
         **{"variant": cell.variant, "batch_size": work.batch_size, "threads": s.threads},
         "commands": [command],
     }
+    if cell.runner == "template" and work.memory:  # before the run: the plan is made so
+        result["planned_mb"] = planned_peak_mb(command, cell_dir)
     launched_at = time.time()
     with open(cell_dir / "output.log", "w") as output:
         proc = subprocess.run(command, cwd=ROOT_DIR, stdout=output, stderr=subprocess.STDOUT)

@@ -159,6 +159,7 @@ def memory(cells: list[dict]) -> dict | None:
     if MEMORY_BASELINE.name not in by_name or not ones:
         return None
     base = by_name[MEMORY_BASELINE.name]["peak_mem_mb"][0]
+    planned_base = by_name[MEMORY_BASELINE.name].get("planned_mb")
     rows = []
     for workload, reference in ones.items():
         one = by_name[reference.name]["peak_mem_mb"][0] - base
@@ -167,10 +168,14 @@ def memory(cells: list[dict]) -> dict | None:
             above = [mb - base for mb in by_name[cell.name]["peak_mem_mb"]]
             largest = max(above) / one
             met = None if cell is reference else largest <= MEMORY_GOAL
+            planned = by_name[cell.name].get("planned_mb")
+            # the plan's busiest process above the plan of the baseline, as measured
+            planned = planned - planned_base if None not in (planned, planned_base) else None
             rows.append(
                 {"cell": cell.name, "label": f"{workload}: {_label(by_name[cell.name])}"}
                 | {"above_mb": above}
                 | {"vs_one_device": [mb / one for mb in above], "largest": largest, "met": met}
+                | {"planned_mb": planned}
             )
     return {"baseline_mb": base, "goal": MEMORY_GOAL, "rows": rows}
 
@@ -341,8 +346,10 @@ def markdown(report: dict) -> str:
             " MB), and against one device's; goal: every rank of a split model at most "
             f"{mem['goal']}x.",
             "",
-            "| run | " + " | ".join(f"rank {r}" for r in range(ranks)) + " | largest | goal |",
-            "| --- |" + " --- |" * (ranks + 2),
+            "| run | "
+            + " | ".join(f"rank {r}" for r in range(ranks))
+            + " | largest | goal | planned (busiest rank) |",
+            "| --- |" + " --- |" * (ranks + 3),
         ]
         for row in mem["rows"]:
             per_rank = [
@@ -355,10 +362,12 @@ def markdown(report: dict) -> str:
                 if row["met"] is None
                 else f"<= {mem['goal']}x ({'met' if row['met'] else 'missed'})"
             )
+            planned = row.get("planned_mb")
+            vs = f"{planned:,.0f} MB ({planned / max(row['above_mb']):.2f}x)" if planned else ""
             lines.append(
                 f"| {row['label']} | "
                 + " | ".join(per_rank)
-                + f" | **{row['largest']:.2f}x** | {goal} |"
+                + f" | **{row['largest']:.2f}x** | {goal} | {vs} |"
             )
     if report.get("compile_warmup_s") is not None:
         lines += [

@@ -1,0 +1,567 @@
+"""Will it fit, and which strategy: the memory a run holds per device, estimated before it starts.
+
+One training step of the run's model runs on fake tensors (``FakeTensorMode``: shapes and dtypes,
+no memory) under torch's ``MemTracker``, which files every tensor as parameter, gradient,
+optimizer state or activation. That one-device footprint is then laid out as each strategy lays
+out a model: whole on every rank (ddp, plus its gradient buckets), a 1/N share plus one gathered
+unit (fsdp), a contiguous group of blocks with its micro-batches' activations (pipeline).
+``python train.py plan=true ...`` prints the table; every run is checked against it before its
+processes start (``plan.check``). What it counts and what it does not: docs/plan.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from itertools import pairwise
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from trainkit.errors import ConfigError
+from trainkit.parallel import ParallelDims, capabilities
+
+log = logging.getLogger(__name__)
+
+MiB = 2**20
+GiB = 2**30
+# the strategies by their speed on the benchmark's cells (docs/performance.md): data parallel over
+# the devices, one device, then fsdp (it gathers every unit's weights each step), then the
+# pipeline (its bubble)
+SPEED_ORDER = ("ddp", "auto", "dp", "fsdp", "pipeline")
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Bytes one device holds at the peak of a training step of the whole model, by kind."""
+
+    params: int  # parameters and buffers
+    grads: int
+    optimizer: int  # the optimizer's state, kept between steps
+    activations: int  # the forward's and backward's peak above the weights; 0: not estimated
+    batch: int  # the per-process batch the activations are for
+    activations_per_sample: float = 0  # how the activations grow with the batch
+    optimizer_step: int = 0  # what the optimizer's step allocates besides its state
+    buckets: int = 0  # DDP's gradient buckets: a flat copy of the gradients, kept
+    blocks: tuple[int, ...] = ()  # parameter bytes of each block of a block sequence
+    block_costs: tuple[int, ...] = ()  # what the pipeline balances blocks by (FLOPs or params)
+    largest_unit: int = 0  # parameter bytes of the largest module fsdp gathers at once
+    note: str = ""  # what could not be estimated, and why
+
+    @property
+    def state(self) -> int:
+        """Weights, gradients and optimizer state."""
+        return self.params + self.grads + self.buckets + self.optimizer
+
+    @property
+    def total(self) -> int:
+        """The peak: weights, buckets and optimizer state are always held; the activations peak
+        in the forward and backward, before the gradients exist (Lightning zeroes them to None),
+        the gradients at the optimizer's step."""
+        held = self.params + self.buckets + self.optimizer
+        return held + max(self.activations, self.grads + self.optimizer_step)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One way to run the model: its peak per device (the busiest one), and the overrides."""
+
+    name: str
+    kind: str  # auto, ddp, fsdp, pipeline
+    processes: int
+    overrides: tuple[str, ...]
+    memory: Footprint
+    configured: bool = False
+    fits: bool | None = None
+
+
+@dataclass(frozen=True)
+class Settings:
+    """``cfg.plan``; ``plan=true`` is short for ``plan.show=true``."""
+
+    show: bool = False
+    check: bool = True
+    margin: float = 0.9  # the share of a device's memory a plan may fill
+    device_memory: float | None = None  # GiB per device; None: measured
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig) -> Settings:
+        plan = cfg.get("plan")
+        if plan is None or isinstance(plan, bool):
+            return cls(show=bool(plan))
+        unknown = set(plan) - {"show", "check", "margin", "device_memory"}
+        if unknown:
+            raise ConfigError(
+                f"plan.{sorted(unknown)[0]}: plan takes show, check, margin and device_memory"
+            )
+        settings = cls(**OmegaConf.to_container(plan))
+        if not 0 < settings.margin <= 1:
+            raise ConfigError(f"plan.margin={settings.margin}: give a share in (0, 1]")
+        return settings
+
+
+# ---- the one-device footprint ----------------------------------------------------------------
+
+
+def footprint(cfg: DictConfig) -> Footprint:
+    """The whole model's footprint on one device at the run's per-process batch: a forward and
+    backward, then two optimizer steps (the second with the state the first made), on fake
+    tensors. The model is built on the meta device: nothing of its size is allocated."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    model, datamodule = meta_model(cfg)
+    shape = input_shape(model, datamodule)
+    batch = int(OmegaConf.select(cfg, "data.batch_size", default=0) or 0) or 1
+    dtype = _weights_dtype(str(cfg.precision))
+    if dtype != torch.float32:  # bf16-true, 64-true: weights of that type
+        model.to(dtype)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cpu")
+        optimizer = first_optimizer(model)
+        activations = per_sample = 0
+        if shape is not None:  # at the batch and at twice it: a part of them does not grow
+            at = [_forward_backward(model, (b, *shape), dtype, cfg) for b in (batch, 2 * batch)]
+            activations, per_sample = at[0], (at[1] - at[0]) / batch
+        for p in model.parameters():  # the gradients as a backward leaves them
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+        grads = _bytes(p.grad for p in model.parameters() if p.grad is not None)
+        state = step = 0
+        if optimizer is not None:  # two steps: the second with the state the first made
+            tracker = MemTracker()
+            tracker.track_external(model, optimizer)
+            with tracker:
+                for _ in range(2):
+                    optimizer.step()
+            state = _by_kind(tracker.get_tracker_snapshot("current"))["opt"]
+            step = _by_kind(tracker.get_tracker_snapshot("peak"))["opt"] - state
+    notes = []
+    if shape is None:
+        notes.append(
+            "activations not estimated: the data has no input_shape and the module no "
+            "example_input_array"
+        )
+    if optimizer is None:
+        notes.append("optimizer state not estimated: configure_optimizers needs a Trainer")
+    blocks = _block_sequence(model, cfg)
+    return Footprint(
+        params=_bytes((*model.parameters(), *model.buffers())),
+        grads=grads,
+        optimizer=state,
+        optimizer_step=step,
+        activations=activations,
+        activations_per_sample=per_sample,
+        batch=batch,
+        blocks=tuple(_param_bytes(b) for b in blocks),
+        block_costs=tuple(_block_costs(blocks, shape, cfg)),
+        largest_unit=_largest_unit(model),
+        note="; ".join(notes),
+    )
+
+
+def _forward_backward(model: nn.Module, shape: tuple, dtype: torch.dtype, cfg: DictConfig) -> int:
+    """The peak bytes a forward and backward of a fake batch of ``shape`` hold above the weights:
+    the activations saved for the backward and the temporaries of both."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker, _autocast(str(cfg.precision)):
+        _first_tensor(model(torch.randn(*shape, dtype=dtype))).float().sum().backward()
+    model.zero_grad(set_to_none=True)
+    peak = _by_kind(tracker.get_tracker_snapshot("peak"))
+    return peak["act"] + peak["temp"] + peak["oth"]
+
+
+def input_shape(model: nn.Module, datamodule: object) -> tuple[int, ...] | None:
+    """One sample's shape: the datamodule's or the task's ``input_shape``, or the shape of the
+    module's ``example_input_array`` without its batch dimension."""
+    for owner in (datamodule, model):
+        shape = getattr(owner, "input_shape", None)
+        if shape:
+            return tuple(int(s) for s in shape)
+    example = getattr(model, "example_input_array", None)
+    return tuple(example.shape[1:]) if isinstance(example, torch.Tensor) else None
+
+
+def first_optimizer(model: nn.Module) -> torch.optim.Optimizer | None:
+    """The first optimizer ``configure_optimizers`` returns, in any of the forms Lightning takes;
+    None where it cannot be called without a Trainer."""
+    try:
+        conf = model.configure_optimizers()
+    except Exception:  # a schedule sized by trainer.estimated_stepping_batches, ...
+        return None
+    for found in _walk(conf):
+        if isinstance(found, torch.optim.Optimizer):
+            return found
+    return None
+
+
+def _by_kind(snapshot: dict) -> dict[str, int]:
+    """A MemTracker snapshot of the one device, by kind: param, buffer, grad, act, temp, opt, oth
+    (from ``_MemRefType.ACT`` and the like)."""
+    kinds = dict.fromkeys(("param", "buffer", "grad", "act", "temp", "opt", "oth"), 0)
+    for device_snapshot in snapshot.values():
+        for kind, n in device_snapshot.items():
+            kinds[str(kind).rsplit(".", 1)[-1].lower()] = n
+    return kinds
+
+
+def _walk(value: object) -> Iterator[object]:
+    if isinstance(value, dict):
+        for v in value.values():
+            yield from _walk(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _walk(v)
+    else:
+        yield value
+
+
+def _first_tensor(out: object) -> torch.Tensor:
+    return next(v for v in _walk(out) if isinstance(v, torch.Tensor))
+
+
+def _weights_dtype(precision: str) -> torch.dtype:
+    if precision.startswith("bf16-true"):
+        return torch.bfloat16
+    if precision.startswith("16-true"):
+        return torch.float16
+    if precision.startswith("64"):
+        return torch.float64
+    return torch.float32
+
+
+def _autocast(precision: str) -> torch.autocast:
+    mixed = {"bf16-mixed": torch.bfloat16, "bf16": torch.bfloat16, "16-mixed": torch.float16}
+    dtype = mixed.get(precision)
+    return torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None)
+
+
+def _bytes(tensors: object) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _param_bytes(module: nn.Module) -> int:
+    return _bytes(module.parameters())
+
+
+def _block_sequence(model: nn.Module, cfg: DictConfig) -> list[nn.Module]:
+    """The blocks the pipeline would split: ``strategy.module`` (``net`` by default), where it is
+    an ``nn.Sequential``; none otherwise."""
+    name = OmegaConf.select(cfg, "strategy.module", default=None) or "net"
+    seq = getattr(model, name, None)
+    return list(seq.children()) if isinstance(seq, nn.Sequential) else []
+
+
+def _block_costs(blocks: list[nn.Module], shape: tuple | None, cfg: DictConfig) -> list[int]:
+    """What the pipeline balances by: each block's FLOPs on one sample (``balance=flops``, the
+    default, where the input's shape is known), else its parameter count."""
+    from trainkit.strategies.pipeline import block_flops
+
+    balance = OmegaConf.select(cfg, "strategy.balance", default="flops")
+    if blocks and balance == "flops" and shape is not None:
+        weight = next((p for b in blocks for p in b.parameters()), None)
+        dtype = weight.dtype if weight is not None else torch.float32
+        return block_flops(blocks, torch.zeros(1, *shape, dtype=dtype))
+    return [sum(p.numel() for p in b.parameters()) or 1 for b in blocks]
+
+
+def _largest_unit(model: nn.Module) -> int:
+    """Parameter bytes of the largest unit fsdp gathers at once, by its default policy: each
+    repeated block, then each child with parameters left, then the root (strategies/fsdp.py)."""
+    from trainkit.strategies.fsdp import repeated_blocks
+
+    counted: set[int] = set()
+    largest = 0
+    for unit in (*repeated_blocks(model), *model.children(), model):
+        own = [p for p in unit.parameters() if id(p) not in counted]
+        counted.update(id(p) for p in own)
+        largest = max(largest, _bytes(own))
+    return largest
+
+
+# ---- laid out by each strategy -----------------------------------------------------------------
+
+
+def data_parallel(fp: Footprint, processes: int) -> Footprint:
+    """Every rank holds the whole model; with more than one, DDP's buckets copy the gradients."""
+    return fp if processes == 1 else replace(fp, buckets=fp.grads)
+
+
+def fully_sharded(fp: Footprint, ranks: int) -> Footprint:
+    """A 1/N share of the state, plus the largest unit's weights gathered whole for its step."""
+    share = lambda n: math.ceil(n / ranks)  # noqa: E731
+    return replace(
+        fp,
+        params=share(fp.params) + fp.largest_unit,
+        grads=share(fp.grads),
+        optimizer=share(fp.optimizer),
+        optimizer_step=share(fp.optimizer_step),
+    )
+
+
+def pipelined(fp: Footprint, stages: int, microbatches: int, schedule: str) -> Footprint:
+    """The busiest stage: its blocks' share of the state (balanced as the pipeline balances them),
+    and its share of the activations for the micro-batches in flight: all of them under GPipe, at
+    most one per stage under 1F1B."""
+    from trainkit.strategies.pipeline import balanced_split
+
+    if len(fp.blocks) < stages:
+        raise ValueError(f"{len(fp.blocks)} blocks do not split into {stages} stages")
+    starts = [*balanced_split(list(fp.block_costs), stages), len(fp.blocks)]
+    total_params, total_cost = sum(fp.blocks) or 1, sum(fp.block_costs) or 1
+    in_flight = 1.0 if schedule == "gpipe" else min(stages, microbatches) / microbatches
+    stage_peaks = []
+    for first, end in pairwise(starts):
+        held = sum(fp.blocks[first:end]) / total_params
+        runs = sum(fp.block_costs[first:end]) / total_cost
+        stage_peaks.append(
+            replace(
+                fp,
+                params=round(fp.params * held),
+                grads=round(fp.grads * held),
+                optimizer=round(fp.optimizer * held),
+                optimizer_step=round(fp.optimizer_step * held),
+                activations=round(fp.activations * runs * in_flight),
+            )
+        )
+    return max(stage_peaks, key=lambda f: f.total)
+
+
+def choices(cfg: DictConfig, dims: ParallelDims, fp: Footprint) -> list[Choice]:
+    """The run as configured, and each alternative that could run this model on ``n`` devices:
+    one device, ddp, fsdp, dp (GPUs only), and the pipeline at each stage count its blocks allow.
+    ``n`` is the run's devices; for a one-device run, the machine's GPUs, or 2 processes on CPU.
+    Each at the run's global batch."""
+    n = dims.devices
+    if n == 1:
+        n = torch.cuda.device_count() if dims.accelerator == "gpu" else 2
+    global_batch = fp.batch * dims.replicas
+    per_device = lambda k: max(1, global_batch // k)  # noqa: E731
+    found = [Choice("one device", "auto", 1, ("devices=1", "strategy=auto"),
+                    at_batch(fp, global_batch))]  # fmt: skip
+    if n > 1:
+        found += [
+            Choice(f"ddp x{n}", "ddp", n, (f"devices={n}", "strategy=ddp"),
+                   data_parallel(at_batch(fp, per_device(n)), n)),
+            Choice(f"fsdp x{n}", "fsdp", n, (f"devices={n}", "strategy=fsdp"),
+                   fully_sharded(at_batch(fp, per_device(n)), n)),
+        ]  # fmt: skip
+    if n > 1 and dims.accelerator == "gpu":  # device 0 holds the state, each its batch share
+        found.append(Choice(f"dp x{n}", "dp", 1, (f"devices={n}", "strategy=dp"),
+                            at_batch(fp, per_device(n))))  # fmt: skip
+    microbatches = int(OmegaConf.select(cfg, "strategy.microbatches", default=4) or 4)
+    schedule = str(OmegaConf.select(cfg, "strategy.schedule", default="gpipe") or "gpipe")
+    if _kind(cfg) != "pipeline":  # the pipeline's defaults, where the run is not one
+        microbatches, schedule = 4, "gpipe"
+    for stages in range(2, min(n, len(fp.blocks)) + 1):
+        memory = pipelined(at_batch(fp, global_batch), stages, microbatches, schedule)
+        overrides = (f"devices={stages}", "strategy=pipeline", f"strategy.stages={stages}")
+        found.append(Choice(f"pipeline x{stages} ({schedule}, {microbatches} micro-batches)",
+                            "pipeline", stages, overrides, memory))  # fmt: skip
+    configured = configured_choice(cfg, dims, fp)
+    return [configured, *(c for c in found if c.name != configured.name)]
+
+
+def configured_choice(cfg: DictConfig, dims: ParallelDims, fp: Footprint) -> Choice:
+    """The run as its config says."""
+    kind = _kind(cfg)
+    p = dims.world_size
+    if kind == "fsdp":
+        memory, name = fully_sharded(fp, p), f"fsdp x{p}"
+    elif kind == "pipeline":
+        stages = int(cfg.strategy.stages)
+        microbatches = int(cfg.strategy.get("microbatches") or 1)
+        schedule = str(cfg.strategy.get("schedule") or "gpipe")
+        memory = pipelined(at_batch(fp, fp.batch), stages, microbatches, schedule)
+        name = f"pipeline x{stages} ({schedule}, {microbatches} micro-batches)"
+    elif kind == "dp" and dims.devices > 1:  # device 0 holds the state, each its batch share
+        memory, name = at_batch(fp, max(1, fp.batch // dims.devices)), f"dp x{dims.devices}"
+    elif p == 1:
+        memory, name, kind = fp, "one device", "auto"
+    else:
+        kind = "ddp" if kind == "auto" else kind  # Lightning's auto is DDP on several devices
+        memory, name = data_parallel(fp, p), f"{kind} x{p}"
+    return Choice(name, kind, p, (), memory, configured=True)
+
+
+def _kind(cfg: DictConfig) -> str:
+    """How the configured strategy lays out the model, from what it declares (parallel.py)."""
+    caps = capabilities(cfg.strategy)
+    if caps.materialises_blocks:
+        return "pipeline"
+    if caps.lean_host_memory:
+        return "fsdp"
+    if caps.single_process:
+        return "dp"
+    return "ddp" if cfg.strategy.get("_target_") else "auto"
+
+
+def at_batch(fp: Footprint, batch: int) -> Footprint:
+    """The activations at another batch (they grow with it, in part); the state does not."""
+    grown = fp.activations + fp.activations_per_sample * (batch - fp.batch)
+    return replace(fp, activations=max(0, round(grown)), batch=batch)
+
+
+# ---- the device, the table and the guard -------------------------------------------------------
+
+
+def device_memory(settings: Settings, dims: ParallelDims) -> int:
+    """Bytes each process may hold: ``plan.device_memory`` (GiB) where given; else each GPU's
+    free memory (the least of them), or on CPU the host's available memory shared by the node's
+    processes."""
+    if settings.device_memory is not None:
+        return int(settings.device_memory * GiB)
+    if dims.accelerator == "gpu":
+        return min(torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count()))
+    return _available_host_memory()
+
+
+def _available_host_memory() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def process_baseline(dims: ParallelDims) -> int:
+    """What a process holds besides the model on CPU: this one's resident memory now (torch,
+    Lightning and Hydra imported; every rank imports the same). On a GPU the free memory is
+    measured, so nothing is added."""
+    if dims.accelerator == "gpu":
+        return 0
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        return pages * 4096
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def room(settings: Settings, dims: ParallelDims, processes: int) -> int:
+    """Bytes each of ``processes`` processes may fill, after the margin: a device's memory, or on
+    CPU (where ``plan.device_memory`` is not given) the host's, shared by the processes."""
+    memory = int(device_memory(settings, dims) * settings.margin)
+    shared = dims.accelerator != "gpu" and settings.device_memory is None
+    return memory // processes if shared else memory
+
+
+def plan(cfg: DictConfig, dims: ParallelDims, settings: Settings) -> tuple[list[Choice], int]:
+    """The choices, each marked fits or not (its peak plus the process baseline within its room),
+    ranked: fitting first, then by expected speed; and the baseline."""
+    baseline = process_baseline(dims)
+    marked = [
+        replace(c, fits=c.memory.total + baseline <= room(settings, dims, c.processes))
+        for c in choices(cfg, dims, footprint(cfg))
+    ]
+    speed = lambda c: SPEED_ORDER.index(c.kind) if c.kind in SPEED_ORDER else 0  # noqa: E731
+    return sorted(marked, key=lambda c: (not c.fits, speed(c), c.processes)), baseline
+
+
+def table(cfg: DictConfig, dims: ParallelDims, settings: Settings) -> str:
+    """The plan as ``plan=true`` prints it."""
+    ranked, baseline = plan(cfg, dims, settings)
+    fp = next(c for c in ranked if c.configured).memory
+    model = OmegaConf.select(cfg, "model._target_", default="?")
+    if dims.accelerator == "gpu" or settings.device_memory is not None:
+        where = f"{_mib(room(settings, dims, 1))} per device"
+    else:
+        where = f"{_mib(room(settings, dims, 1))} of host memory, shared by a run's processes"
+    lines = [
+        f"Plan for {model}, batch {fp.batch} per process, precision {cfg.precision}: {where} "
+        f"after the {settings.margin:.0%} margin (plan.margin)"
+        + (f"; each process also holds {_mib(baseline)} itself (torch, Lightning)" if baseline
+           else ""),
+        "",
+        "| | choice | parameters | gradients | optimizer | activations | peak per device "
+        "| fits | overrides |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]  # fmt: skip
+    best = next((c for c in ranked if c.fits), None)
+    for c in ranked:
+        marks = ["this run"] if c.configured else []
+        marks += ["fastest that fits"] if c is best else []
+        m = c.memory
+        lines.append(
+            f"| {', '.join(marks)} | {c.name} | {_mib(m.params)} | "
+            f"{_mib(m.grads + m.buckets)} | {_mib(m.optimizer + m.optimizer_step)} | "
+            f"{_mib(m.activations)} | {_mib(m.total)} | "
+            f"{'yes' if c.fits else 'no'} | {' '.join(c.overrides)} |"
+        )
+    lines += [
+        "",
+        "Ranked: the choices that fit first, then by the speed order the benchmark measured (one "
+        "device or ddp, fsdp, the pipeline). From one training step on fake tensors: docs/plan.md "
+        "says what is counted.",
+    ]
+    if fp.note:
+        lines.append(f"Not counted: {fp.note}.")
+    return "\n".join(lines)
+
+
+def check_fits(cfg: DictConfig, dims: ParallelDims) -> None:
+    """Refuses, before any process starts, a run whose estimated peak per device does not fit,
+    naming a choice that does (``plan.check=false``: no check). Cheap for most runs: the fake
+    step runs only where the state alone (weights, gradients and two moments: 4 bytes for each
+    byte of weights) takes over half the room."""
+    settings = Settings.from_config(cfg)
+    if not settings.check:
+        return
+    try:
+        own_room = room(settings, dims, dims.processes_per_node)
+        if 4 * _meta_param_bytes(cfg) + process_baseline(dims) < own_room // 2:
+            return
+        ranked, baseline = plan(cfg, dims, settings)
+    except ConfigError:
+        raise
+    except Exception as err:  # a module the estimate cannot build or run: the run finds out
+        log.debug("no memory plan: %s", err)
+        return
+    configured = next(c for c in ranked if c.configured)
+    if configured.fits:
+        return
+    fitting = [c for c in ranked if c.fits]
+    if fitting:
+        c = fitting[0]
+        fix = f"`{' '.join(c.overrides)}` ({c.name}: {_mib(c.memory.total + baseline)})"
+    else:
+        fix = "a smaller data.batch_size or more devices: no choice fits at this batch"
+    m = configured.memory
+    raise ConfigError(
+        f"{configured.name} needs about {_mib(m.total + baseline)} per process "
+        f"({_mib(m.state)} of weights, gradients and optimizer state, {_mib(m.activations)} of "
+        f"activations, {_mib(baseline)} the process itself) but has {_mib(own_room)} "
+        f"({settings.margin:.0%} of its memory): use {fix}; `python train.py plan=true ...` "
+        f"shows every choice, plan.check=false runs anyway"
+    )
+
+
+def meta_model(cfg: DictConfig) -> tuple[nn.Module, object]:
+    """The run's task, built on the meta device (no memory), uncompiled; and its datamodule. The
+    data facts that building settles stay out of the run's config."""
+    from trainkit.build import build_datamodule, build_model
+
+    cfg = copy.deepcopy(cfg)
+    if OmegaConf.select(cfg, "model.compile"):  # the same tensors; compiling is not planned
+        cfg.model.compile = False
+    datamodule = build_datamodule(cfg)
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):  # the run's draws stay its own
+        return build_model(cfg, datamodule), datamodule
+
+
+def _meta_param_bytes(cfg: DictConfig) -> int:
+    return _param_bytes(meta_model(cfg)[0])
+
+
+def _mib(n: int) -> str:
+    return f"{n / GiB:,.1f} GiB" if n >= 10 * GiB else f"{n / MiB:,.0f} MiB"

@@ -1,0 +1,63 @@
+"""``python train.py plan=true ...`` prints the memory plan and runs nothing; a run planned not to
+fit is refused before its processes start, naming a choice that fits, and that choice runs."""
+
+from pathlib import Path
+
+from helpers import run_python
+
+# 53M parameters (four 4096-wide blocks): 1.0 GB of weights, gradients and Adam state on one device
+WIDE = ("model.net.hidden=[4096,4096,4096,4096]", "data.batch_size=64")
+# 1.65 GiB a process, 1.49 after the margin: a process's own ~0.7 GB and one device's 1.0 GB do
+# not fit, fsdp x2's 0.58 GB do (for any process baseline between 0.5 and 0.9 GB)
+SMALL_DEVICE = "plan.device_memory=1.65"
+SHORT = (
+    "trainer.max_epochs=1",
+    "trainer.limit_train_batches=2",
+    "trainer.limit_val_batches=1",
+    "trainer.limit_test_batches=1",
+    "trainer.num_sanity_val_steps=0",
+    "callbacks=none",
+    "logger=none",
+)
+
+
+def runs_in(log_dir: Path) -> list[Path]:
+    runs = log_dir / "train" / "runs"
+    return sorted(runs.iterdir()) if runs.is_dir() else []
+
+
+def test_plan_true_prints_every_choice_and_starts_nothing(overrides, tmp_path: Path) -> None:
+    proc = run_python(
+        "train.py", *overrides, *WIDE, "strategy=ddp", "devices=2", "plan=true", log_dir=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {line.split(" | ")[1]: line for line in proc.stdout.splitlines() if line.count("|") > 8}
+    assert "this run" in rows["ddp x2"]
+    assert {"one device", "fsdp x2"} <= rows.keys()
+    assert any(name.startswith("pipeline x2") for name in rows)  # the MLP is a block sequence
+    assert "Ranked:" in proc.stdout
+    # no rank was started, no run directory is left
+    assert "GLOBAL_RANK" not in proc.stdout + proc.stderr
+    assert runs_in(tmp_path) == []
+
+
+def test_a_run_planned_not_to_fit_is_refused_and_the_named_choice_runs(
+    overrides, tmp_path: Path
+) -> None:
+    refused = run_python("train.py", *overrides, *WIDE, SMALL_DEVICE, *SHORT, log_dir=tmp_path)
+    assert refused.returncode == 1, refused.stdout[-3000:] + refused.stderr[-3000:]
+    (line,) = [x for x in refused.stderr.splitlines() if "needs about" in x]
+    assert line.startswith("one device needs about") and "plan=true" in line
+    assert "Traceback" not in refused.stderr
+    assert "GLOBAL_RANK" not in refused.stdout + refused.stderr
+    assert runs_in(tmp_path) == []
+    fix = line.split("use `", 1)[1].split("`", 1)[0].split()
+    assert fix == ["devices=2", "strategy=fsdp"]
+
+    hung = "strategy.timeout.seconds=60"  # a rank that hangs fails the test soon
+    ran = run_python(
+        "train.py", *overrides, *WIDE, SMALL_DEVICE, *SHORT, *fix, hung, log_dir=tmp_path
+    )
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    (run_dir,) = runs_in(tmp_path)
+    assert (run_dir / "metrics.json").is_file()

@@ -1,0 +1,140 @@
+"""The memory plan: a model's footprint from a training step on fake tensors, laid out as each
+strategy lays it out, and the settings that show and guard it. Sizes are checked against what the
+models hold by construction (parameter counts, Adam's two moments, the dtype's bytes)."""
+
+from dataclasses import replace
+
+import pytest
+from omegaconf import OmegaConf
+
+from helpers import write_user_conf
+from trainkit.config import compose_config
+from trainkit.errors import ConfigError
+from trainkit.parallel import ParallelDims
+from trainkit.plan import (
+    Footprint,
+    Settings,
+    at_batch,
+    check_fits,
+    choices,
+    footprint,
+    fully_sharded,
+    pipelined,
+    table,
+)
+
+# model.net.hidden=[64, 32] on MNIST: 784*64+64, 64*32+32 and 32*10+10 float32s
+SMALL = "model.net.hidden=[64,32]"
+SMALL_PARAMS = [784 * 64 + 64, 64 * 32 + 32, 32 * 10 + 10]
+
+
+def test_a_footprint_counts_weights_gradients_and_adams_two_moments(compose) -> None:
+    fp = footprint(compose(SMALL, "data.batch_size=16"))
+    weights = 4 * sum(SMALL_PARAMS)
+    assert fp.params == weights and fp.grads == weights
+    # exp_avg and exp_avg_sq; the foreach step's temporaries at its peak: at most one more copy
+    assert 2 * weights <= fp.optimizer <= 3 * weights + 4096
+    assert list(fp.blocks) == [4 * n for n in SMALL_PARAMS]
+    assert fp.largest_unit == 4 * SMALL_PARAMS[0]
+    assert fp.activations > 0 and fp.note == ""
+
+
+def test_activations_grow_with_the_batch_and_the_state_does_not(compose) -> None:
+    """Measured at one batch, read at another: as a footprint measured there."""
+    small, large = (footprint(compose(SMALL, f"data.batch_size={b}")) for b in (64, 256))
+    assert small.state == large.state
+    assert large.activations > 2 * small.activations
+    assert at_batch(small, 256).activations == pytest.approx(large.activations, rel=0.01)
+
+
+def test_bf16_true_weights_take_half_the_bytes(compose) -> None:
+    fp32, bf16 = (footprint(compose(SMALL, f"precision={p}")) for p in ("32-true", "bf16-true"))
+    assert bf16.params * 2 == fp32.params
+    assert bf16.grads * 2 == fp32.grads
+
+
+def test_fsdp_holds_a_share_of_the_state_plus_one_gathered_unit() -> None:
+    fp = Footprint(params=800, grads=800, optimizer=1600, activations=100, batch=8,
+                   largest_unit=300)  # fmt: skip
+    shard = fully_sharded(fp, 4)
+    assert (shard.params, shard.grads, shard.optimizer) == (200 + 300, 200, 400)
+    assert shard.activations == 100  # each rank runs its own batch
+
+
+def test_a_pipeline_stage_holds_its_blocks_and_their_activations() -> None:
+    fp = Footprint(params=1000, grads=1000, optimizer=2000, activations=400, batch=8,
+                   blocks=(100, 100, 400, 400), block_costs=(1, 1, 1, 1))  # fmt: skip
+    two = pipelined(fp, 2, microbatches=4, schedule="gpipe")
+    # balanced by cost: blocks 0-1 and 2-3; the second stage holds 800 of the 1000 weight bytes
+    assert (two.params, two.grads, two.optimizer) == (800, 800, 1600)
+    assert two.activations == 200  # half the blocks' work, every micro-batch in flight
+    one_f_one_b = pipelined(fp, 2, microbatches=4, schedule="1f1b")
+    assert one_f_one_b.activations == 100  # 2 of the 4 micro-batches in flight
+    with pytest.raises(ValueError, match="do not split"):
+        pipelined(fp, 5, microbatches=4, schedule="gpipe")
+
+
+def test_the_choices_start_with_the_run_and_offer_each_strategy(compose) -> None:
+    cfg = compose(SMALL, "strategy=pipeline", "devices=3", "strategy.stages=3")
+    dims = ParallelDims.from_config(cfg)
+    found = choices(cfg, dims, footprint(cfg))
+    assert found[0].configured and found[0].name.startswith("pipeline x3")
+    names = [c.name for c in found[1:]]
+    assert names[:3] == ["one device", "ddp x3", "fsdp x3"]
+    assert names[3].startswith("pipeline x2")  # the 3 blocks allow 2 and 3 stages
+    assert found[1].overrides == ("devices=1", "strategy=auto")
+
+
+def test_plan_true_is_short_for_plan_show(compose) -> None:
+    assert Settings.from_config(compose("plan=true")).show
+    settings = Settings.from_config(compose("plan.show=true", "plan.margin=0.5"))
+    assert (settings.show, settings.check, settings.margin) == (True, True, 0.5)
+    with pytest.raises(ConfigError, match=r"plan.margin=1.5"):
+        Settings.from_config(compose("plan.margin=1.5"))
+
+
+def test_the_guard_refuses_a_run_that_does_not_fit_and_names_one_that_does(compose) -> None:
+    wide = ("model.net.hidden=[2048,2048,2048]", "data.batch_size=16")
+    cfg = compose(*wide, "plan.device_memory=0.05")  # 46 MB after the margin: nothing fits
+    dims = ParallelDims.from_config(cfg)
+    with pytest.raises(ConfigError, match="no choice fits") as refused:
+        check_fits(cfg, dims)
+    assert "plan=true" in str(refused.value) and "plan.check=false" in str(refused.value)
+    OmegaConf.update(cfg, "plan.check", False)
+    check_fits(cfg, dims)  # turned off: no refusal
+
+
+def test_a_small_run_is_not_planned_at_all(compose, monkeypatch) -> None:
+    """The fake step runs only where the state could fill half the room."""
+    monkeypatch.setattr("trainkit.plan.footprint", lambda *a, **k: pytest.fail("planned"))
+    cfg = compose(SMALL)
+    check_fits(cfg, ParallelDims.from_config(cfg))
+
+
+def test_the_peak_holds_activations_or_gradients_not_both() -> None:
+    """Lightning frees the gradients before the forward: the activations peak without them, the
+    gradients and the step's temporaries come after the activations are gone."""
+    fp = Footprint(params=10, grads=10, optimizer=20, activations=0, batch=1, optimizer_step=10)
+    assert fp.total == 10 + 20 + 10 + 10
+    assert replace(fp, activations=15).total == fp.total
+    assert replace(fp, activations=50).total == 10 + 20 + 50
+
+
+def test_a_users_module_is_planned_for_the_strategies_that_can_run_it(tmp_path) -> None:
+    """Lightning's autoencoder example on its docs' MNIST datamodule, unmodified: neither has an
+    input shape, so the plan counts its weights and Adam's state and says what it left out; it
+    is not a block sequence, so no pipeline is offered."""
+    conf = write_user_conf(tmp_path / "conf", {
+        "model/lit_autoencoder.yaml": "_target_: lightning_examples.LitAutoEncoder\n",
+        "data/lit_mnist.yaml": "_target_: lightning_docs.MNISTDataModule\ndata_dir: /nowhere\n",
+    })  # fmt: skip
+    overrides = [f"hydra.searchpath=[file://{conf}]", "model=lit_autoencoder", "data=lit_mnist"]
+    cfg = compose_config("train", tmp_path / "run", [*overrides, "accelerator=cpu"])
+    printed = table(cfg, ParallelDims.from_config(cfg), Settings.from_config(cfg))
+    names = [row.split(" | ")[1] for row in printed.splitlines() if row.count("|") > 8][2:]
+    assert sorted(names) == ["ddp x2", "fsdp x2", "one device"]
+    assert "Not counted: activations not estimated" in printed
+    weights = 4 * (784 * 64 + 64 + 64 * 3 + 3 + 3 * 64 + 64 + 64 * 784 + 784)
+    fp = footprint(cfg)
+    assert (fp.params, fp.grads, fp.activations) == (weights, weights, 0)
+    assert 2 * weights <= fp.optimizer  # Adam's two moments
