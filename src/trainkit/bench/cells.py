@@ -116,6 +116,7 @@ WIDE_TRANSFORMER = (
     *("callbacks=none", "monitor=val_loss", "monitor_mode=min"),
 )
 RESNET_GPU = (*RESNET_OVERRIDES, "model.net.cifar_stem=true")
+RESNET_CIFAR_MEMORY = (*RESNET_GPU, "callbacks=none")
 # experiment=imagefolder_resnet50's model and data on JPEGs of ImageNet's sizes, at 224 px
 IMAGEFOLDER_GPU = (
     *("model=resnet50", "model.net.channels_last=true"),
@@ -133,6 +134,8 @@ WORKLOADS = {
         Workload("mlp_wide", (*WIDE_MLP, *MEMORY_OVERRIDES), 64, 1, 2, 1, 1, memory=True),
         # 8 blocks of 35 tokens a step
         Workload("transformer_wide", WIDE_TRANSFORMER, 8, 1, 2, 1, 1, memory=True),
+        # experiment=cifar10_resnet50's model (the CIFAR stem: 32x32 activations), batch 32
+        Workload("resnet50_cifar", RESNET_CIFAR_MEMORY, 32, 1, 2, 1, 1, memory=True),
         # the GPU matrix's: sized so that a step is not a few milliseconds of launch overhead
         Workload("mlp_gpu", ("model=mlp", "data=mnist", "data.val_size=200"), 256, 60, 300, 2, 2),
         Workload("resnet50_gpu", RESNET_GPU, 256, warmup=15, steps=60, repeats=2, rounds=1),
@@ -186,19 +189,23 @@ DEFAULT_MATRIX: tuple[Cell, ...] = (
 )
 
 # --memory: peak memory per process of the wide MLP on one device, on 2 and 3 stages and sharded
-# over 2 ranks (fsdp, batch 32 each), and of the wide transformer on one device and sharded over 2
-# ranks; each above the default MLP's on one device (what every process holds anyway: torch,
-# Lightning, the data), against its own model's one-device cell
+# over 2 ranks (fsdp, batch 32 each), of the wide transformer on one device and sharded over 2
+# ranks, and of the CIFAR ResNet-50 on one device, sharded and on 2 stages; each above the default
+# MLP's on one device (what every process holds anyway: torch, Lightning, the data), against its
+# own model's one-device cell
 MEMORY_BASELINE = Cell("mlp_b64", "template")
 MEMORY_ONE_DEVICE = {  # by workload
     "mlp_wide": Cell("mlp_wide", "template"),
     "transformer_wide": Cell("transformer_wide", "template"),
+    "resnet50_cifar": Cell("resnet50_cifar", "template"),
 }
 MEMORY_SPLITS = (
     pipeline("mlp_wide", 4),
     pipeline("mlp_wide", 4, stages=3),
     Cell("mlp_wide", "template", "fsdp", 2),
     Cell("transformer_wide", "template", "fsdp", 2),
+    Cell("resnet50_cifar", "template", "fsdp", 2),
+    pipeline("resnet50_cifar", 4),
 )
 MEMORY_MATRIX: tuple[Cell, ...] = (
     MEMORY_BASELINE,
