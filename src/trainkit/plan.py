@@ -415,9 +415,8 @@ def at_batch(fp: Footprint, batch: int) -> Footprint:
 
 
 def device_memory(settings: Settings, dims: ParallelDims) -> int:
-    """Bytes each process may hold: ``plan.device_memory`` (GiB) where given; else each GPU's
-    free memory (the least of them), or on CPU the host's available memory shared by the node's
-    processes."""
+    """A device's bytes: ``plan.device_memory`` (GiB) where given; else each GPU's free memory
+    (the least of them), or on CPU the host's available memory (``room`` shares it)."""
     if settings.device_memory is not None:
         return int(settings.device_memory * GiB)
     if dims.accelerator == "gpu":
@@ -443,7 +442,7 @@ def process_baseline(dims: ParallelDims) -> int:
         return 0
     try:
         pages = int(Path("/proc/self/statm").read_text().split()[1])
-        return pages * 4096
+        return pages * os.sysconf("SC_PAGE_SIZE")
     except (OSError, IndexError, ValueError):
         return 0
 
@@ -500,9 +499,9 @@ def table(cfg: DictConfig, dims: ParallelDims, settings: Settings) -> str:
         )
     lines += [
         "",
-        "Ranked: the choices that fit first, then by the speed order the benchmark measured (one "
-        "device or ddp, fsdp, the pipeline). From one training step on fake tensors: docs/plan.md "
-        "says what is counted.",
+        "Ranked: the choices that fit first, then by the speed order the benchmark measured (ddp "
+        "over the devices, one device, dp, fsdp, the pipeline). From one training step on fake "
+        "tensors: docs/plan.md says what is counted.",
     ]
     if fp.note:
         lines.append(f"Not counted: {fp.note}.")

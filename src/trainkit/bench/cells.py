@@ -347,7 +347,7 @@ def run_cell(cell: Cell, s: Settings, cell_dir: Path) -> dict[str, object]:
         **{"variant": cell.variant, "batch_size": work.batch_size, "threads": s.threads},
         "commands": [command],
     }
-    if cell.runner == "template" and work.memory:  # before the run: the plan is made so
+    if cell.runner == "template" and work.memory:  # the plan, made before the run as train.py's
         result["planned_mb"] = planned_peak_mb(command, cell_dir)
     launched_at = time.time()
     with open(cell_dir / "output.log", "w") as output:
