@@ -95,11 +95,6 @@ class Settings:
         plan = cfg.get("plan")
         if plan is None or isinstance(plan, bool):
             return cls(show=bool(plan))
-        unknown = set(plan) - {"show", "check", "margin", "device_memory"}
-        if unknown:
-            raise ConfigError(
-                f"plan.{sorted(unknown)[0]}: plan takes show, check, margin and device_memory"
-            )
         settings = cls(**OmegaConf.to_container(plan))
         if not 0 < settings.margin <= 1:
             raise ConfigError(f"plan.margin={settings.margin}: give a share in (0, 1]")
@@ -262,16 +257,11 @@ def _block_sequence(model: nn.Module, cfg: DictConfig) -> list[nn.Module]:
 
 
 def _block_costs(blocks: list[nn.Module], shape: tuple | None, cfg: DictConfig) -> list[int]:
-    """What the pipeline balances by: each block's FLOPs on one sample (``balance=flops``, the
-    default, where the input's shape is known), else its parameter count."""
-    from trainkit.strategies.pipeline import block_flops
+    """What the pipeline balances the blocks by (``strategy.balance``, flops by default)."""
+    from trainkit.strategies.pipeline import balance_costs
 
     balance = OmegaConf.select(cfg, "strategy.balance", default="flops")
-    if blocks and balance == "flops" and shape is not None:
-        weight = next((p for b in blocks for p in b.parameters()), None)
-        dtype = weight.dtype if weight is not None else torch.float32
-        return block_flops(blocks, torch.zeros(1, *shape, dtype=dtype))
-    return [sum(p.numel() for p in b.parameters()) or 1 for b in blocks]
+    return balance_costs(blocks, balance, shape) if blocks else []
 
 
 def _largest_unit(model: nn.Module) -> int:
@@ -363,10 +353,9 @@ def choices(cfg: DictConfig, dims: ParallelDims, fp: Footprint) -> list[Choice]:
     if _kind(cfg) != "pipeline":  # the pipeline's defaults, where the run is not one
         microbatches, schedule = 4, "gpipe"
     for stages in range(2, min(n, len(fp.blocks)) + 1):
-        memory = pipelined(at_batch(fp, global_batch), stages, microbatches, schedule)
         overrides = (f"devices={stages}", "strategy=pipeline", f"strategy.stages={stages}")
-        found.append(Choice(f"pipeline x{stages} ({schedule}, {microbatches} micro-batches)",
-                            "pipeline", stages, overrides, memory))  # fmt: skip
+        found.append(_pipeline(at_batch(fp, global_batch), stages, microbatches, schedule,
+                               overrides))  # fmt: skip
     configured = configured_choice(cfg, dims, fp)
     return [configured, *(c for c in found if c.name != configured.name)]
 
@@ -378,11 +367,10 @@ def configured_choice(cfg: DictConfig, dims: ParallelDims, fp: Footprint) -> Cho
     if kind == "fsdp":
         memory, name = fully_sharded(fp, p), f"fsdp x{p}"
     elif kind == "pipeline":
-        stages = int(cfg.strategy.stages)
         microbatches = int(cfg.strategy.get("microbatches") or 1)
         schedule = str(cfg.strategy.get("schedule") or "gpipe")
-        memory = pipelined(at_batch(fp, fp.batch), stages, microbatches, schedule)
-        name = f"pipeline x{stages} ({schedule}, {microbatches} micro-batches)"
+        piped = _pipeline(fp, int(cfg.strategy.stages), microbatches, schedule, ())
+        return replace(piped, configured=True)
     elif kind == "dp" and dims.devices > 1:  # device 0 holds the state, each its batch share
         memory, name = at_batch(fp, max(1, fp.batch // dims.devices)), f"dp x{dims.devices}"
     elif p == 1:
@@ -391,6 +379,14 @@ def configured_choice(cfg: DictConfig, dims: ParallelDims, fp: Footprint) -> Cho
         kind = "ddp" if kind == "auto" else kind  # Lightning's auto is DDP on several devices
         memory, name = data_parallel(fp, p), f"{kind} x{p}"
     return Choice(name, kind, p, (), memory, configured=True)
+
+
+def _pipeline(
+    fp: Footprint, stages: int, microbatches: int, schedule: str, overrides: tuple[str, ...]
+) -> Choice:
+    memory = pipelined(fp, stages, microbatches, schedule)
+    name = f"pipeline x{stages} ({schedule}, {microbatches} micro-batches)"
+    return Choice(name, "pipeline", stages, overrides, memory)
 
 
 def _kind(cfg: DictConfig) -> str:

@@ -113,7 +113,7 @@ def owning_run_dir(cfg: DictConfig) -> Iterator[None]:
         return
     path, ckpt_path = Path(output_dir), cfg.get("ckpt_path")
     check_new_output_dir(output_dir, ckpt_path)  # first unlocked: a refusal creates no lock file
-    made = not path.exists() or not any(path.iterdir())  # (Hydra makes it, empty, for the run)
+    made = _empty(path)  # (Hydra makes it, empty, for the run)
     path.mkdir(parents=True, exist_ok=True)
     refused = False
     with open(path / LOCK_FILE, "a+") as handle:  # closing it drops the lock
@@ -139,12 +139,17 @@ def left_unused(output_dir: str | None) -> Iterator[None]:
     """For a command that runs nothing (``plan=true``): the run directory Hydra made for it,
     empty, is removed afterwards; one that held anything is left as it was."""
     path = Path(output_dir) if output_dir else None
-    made = path is not None and (not path.exists() or not any(path.iterdir()))
+    made = path is not None and _empty(path)
     try:
         yield
     finally:
         if made:
             shutil.rmtree(path, ignore_errors=True)
+
+
+def _empty(path: Path) -> bool:
+    """Absent, or a directory with nothing in it: made for this command, by Hydra or by it."""
+    return not path.exists() or not any(path.iterdir())
 
 
 def _remove_own_lock_file(handle, lock_file: Path) -> None:

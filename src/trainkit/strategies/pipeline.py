@@ -97,6 +97,16 @@ def balanced_split(sizes: list[int], stages: int) -> list[int]:
     return starts[::-1]
 
 
+def balance_costs(blocks: list[nn.Module], balance: str, input_shape: Any) -> list[int]:
+    """What stages are balanced by: each block's FLOPs on one sample of ``input_shape``
+    (``balance=flops`` where the shape is known), else its parameter count."""
+    if balance == "flops" and input_shape is not None:
+        weight = next(chain.from_iterable(b.parameters() for b in blocks))
+        example = torch.zeros(1, *input_shape, dtype=weight.dtype, device=weight.device)
+        return block_flops(blocks, example)
+    return [sum(p.numel() for p in b.parameters()) or 1 for b in blocks]
+
+
 def block_flops(blocks: list[nn.Module], example: Tensor) -> list[int]:
     """Forward FLOPs of each block on ``example``, in eval mode (no batch-norm statistics move).
 
@@ -298,8 +308,7 @@ class PipelineStrategy(DDPStrategy):
                     f"increasing block indices between 1 and {len(blocks) - 1}"
                 )
             return starts
-        sizes = [sum(p.numel() for p in b.parameters()) or 1 for b in blocks]
-        return balanced_split(sizes, self.chunks)
+        return balanced_split(balance_costs(blocks, "params", None), self.chunks)
 
     def check_run(
         self, lightning_module: nn.Module, devices: int, batch_size: int | None, num_nodes: int = 1
@@ -426,9 +435,7 @@ class PipelineStrategy(DDPStrategy):
         blocks = self.blocks(lm)
         shape = getattr(lm, "input_shape", None)  # check_run refuses None for training by flops
         if self.split_points is None and self.balance == "flops" and shape is not None:
-            weight = next(chain.from_iterable(b.parameters() for b in blocks))
-            example = torch.zeros(1, *shape, dtype=weight.dtype, device=weight.device)
-            self._starts = balanced_split(block_flops(blocks, example), self.chunks)
+            self._starts = balanced_split(balance_costs(blocks, "flops", shape), self.chunks)
         else:
             self._starts = self.stage_starts(lm)
         self._make_groups()
