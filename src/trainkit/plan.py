@@ -15,6 +15,7 @@ import copy
 import logging
 import math
 import os
+import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from itertools import pairwise
@@ -416,8 +417,31 @@ def device_memory(settings: Settings, dims: ParallelDims) -> int:
     if settings.device_memory is not None:
         return int(settings.device_memory * GiB)
     if dims.accelerator == "gpu":
-        return min(torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count()))
+        return min(free for free, _ in gpu_memory())
     return _available_host_memory()
+
+
+def gpu_memory() -> list[tuple[int, int]]:
+    """Each visible GPU's (free, total) bytes, from nvidia-smi: torch's ``mem_get_info`` would
+    open a CUDA context on every GPU in this process (which becomes rank 0), about 500 MB each,
+    held all run. torch's answer where nvidia-smi does not give one."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index,uuid,memory.free,memory.total",
+             "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=20, check=True,
+        ).stdout  # fmt: skip
+        rows = [[f.strip() for f in line.split(",")] for line in out.strip().splitlines()]
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible is not None:  # indices or UUIDs, in CUDA's order
+            wanted = [v.strip() for v in visible.split(",") if v.strip()]
+            rows = [next(r for r in rows if v in (r[0], r[1])) for v in wanted]
+        found = [(int(free) * MiB, int(total) * MiB) for _, _, free, total in rows]
+        if len(found) == torch.cuda.device_count():
+            return found
+    except (OSError, subprocess.SubprocessError, ValueError, StopIteration):
+        pass
+    return [torch.cuda.mem_get_info(i) for i in range(torch.cuda.device_count())]
 
 
 def _available_host_memory() -> int:
@@ -470,6 +494,10 @@ def table(cfg: DictConfig, dims: ParallelDims, settings: Settings) -> str:
     model = OmegaConf.select(cfg, "model._target_", default="?")
     if dims.accelerator == "gpu" or settings.device_memory is not None:
         where = f"{_mib(room(settings, dims, 1))} per device"
+    if dims.accelerator == "gpu" and settings.device_memory is None:
+        each = [f"GPU {i}: {_mib(free)} free of {_mib(total)}"
+                for i, (free, total) in enumerate(gpu_memory())]  # fmt: skip
+        where += f" ({', '.join(each)})"
     else:
         where = f"{_mib(room(settings, dims, 1))} of host memory, shared by a run's processes"
     lines = [

@@ -5,6 +5,7 @@ CI's gpu job runs them (the 2-GPU ones are in the test_dp.py files)."""
 
 import json
 import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -176,3 +177,51 @@ def test_nvjpeg_decodes_and_crops_a_batch_as_the_workers_do(tmp_path: Path) -> N
     crops = crop_batch(on_gpu, 224)
     reference = torch.stack([eval_transform(224, 0.875)(decode_rgb(p)) for p in paths])
     assert (crops.cpu() - reference.float()).abs().mean() < 1.5  # nvjpeg: another IDCT
+
+
+def test_the_plan_estimates_the_cuda_peak_within_a_fifth(tmp_path: Path) -> None:
+    """The memory plan of the wide MLP and the CIFAR ResNet-50 on one GPU against the --memory
+    bench cells' torch.cuda.max_memory_allocated, each above the default MLP's (plan and run)."""
+    out = tmp_path / "bench"
+    cells = [f"{w}-template-auto-1dev-32-true" for w in ("mlp_b64", "mlp_wide", "resnet50_cifar")]
+    proc = run_python("-m", "trainkit.bench", "--memory", "--out", str(out), "--cells", *cells)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((out / "results.json").read_text())["memory"]["rows"]
+    assert [r["cell"] for r in rows] == cells[1:]
+    for row in rows:
+        assert row["planned_mb"] == pytest.approx(row["above_mb"][0], rel=0.2), row
+
+
+def test_the_plan_names_each_gpus_memory(overrides: tuple[str, ...], tmp_path: Path) -> None:
+    base = tuple(o for o in overrides if not o.startswith("accelerator="))
+    proc = run_python("train.py", *base, *GPU, "plan=true", log_dir=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("Plan for"))
+    found = re.search(r"GPU 0: ([\d,.]+) GiB free of ([\d,.]+) GiB", line)
+    assert found, line
+    free, total = (float(g.replace(",", "")) * 2**30 for g in found.groups())
+    assert 0 < free <= total == pytest.approx(torch.cuda.mem_get_info(0)[1], rel=0.03), line
+    assert "| this run, fastest that fits | one device |" in proc.stdout
+
+
+def test_nvjpeg_does_not_write_into_memory_the_stream_still_reads(tmp_path: Path) -> None:
+    """pytorch/vision#9606: decode_jpeg(device="cuda") takes its outputs from the current stream's
+    pool and writes them on its own stream without waiting. Tensors of the decoded images' size
+    are freed while reductions of them still wait behind a long kernel; the decode must not be
+    handed their memory before the reductions have read it."""
+    from trainkit.data.images import DeviceCrops, collate_planned, decode_batch, decode_rgb
+    from trainkit.data.synthetic import write_imagefolder
+
+    write_imagefolder(tmp_path, classes=1, per_class=16, size=(500, 375))
+    paths = sorted(str(p) for p in tmp_path.rglob("*.jpg"))
+    batch = collate_planned([(DeviceCrops(224, False, 0.875)(p), 0) for p in paths])
+    filled = [torch.full((3, 375, 500), k, dtype=torch.uint8, device="cuda") for k in range(16)]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(500_000_000)  # a spin of a few hundred ms on the current stream
+    sums = torch.stack([t.sum() for t in filled])  # queued behind it
+    del filled  # their memory is free for the current stream's next allocation
+    images = decode_batch(batch, torch.device("cuda"))
+    torch.cuda.synchronize()
+    assert sums.tolist() == [k * 3 * 375 * 500 for k in range(16)]
+    for image, path in zip(images, paths, strict=True):
+        assert (image.cpu().float() - decode_rgb(path).float()).abs().mean() < 1.5

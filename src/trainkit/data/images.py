@@ -7,6 +7,7 @@ Batches stay uint8 until the device: 4x fewer bytes to collate, pin and copy tha
 conversion and normalisation (``decode.normalize_images``) are free work for a GPU.
 """
 
+import functools
 import math
 import warnings
 from collections.abc import Sequence
@@ -182,7 +183,7 @@ def decode_batch(batch: DeviceBatch, device: torch.device) -> list[Tensor]:
     if not encoded:
         return images
     try:
-        decoded = decode_jpeg([images[i] for i in encoded], mode=ImageReadMode.RGB, device=device)
+        decoded = _decode_jpegs([images[i] for i in encoded], device)
     except RuntimeError as err:
         decoded = [_decode_on_host(images[i], batch.paths[i]) for i in encoded]
         warnings.warn(
@@ -193,6 +194,30 @@ def decode_batch(batch: DeviceBatch, device: torch.device) -> list[Tensor]:
     for i, image in zip(encoded, decoded, strict=True):
         images[i] = image
     return images
+
+
+def _decode_jpegs(data: list[Tensor], device: torch.device) -> list[Tensor]:
+    """``decode_jpeg`` on ``device``. On a GPU, nvjpeg writes on its own stream into tensors taken
+    from the current stream's memory pool without waiting for that stream, so it can overwrite
+    memory that kernels still queued there (the previous step's) read or write: wrong weights, a
+    NaN loss (pytorch/vision#9606). Here the outputs come from a side stream's pool instead, where
+    the only blocks are earlier decoded images, each freed only once the current stream's work on
+    it has run (``record_stream``)."""
+    if device.type != "cuda":
+        return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+    current = torch.cuda.current_stream(device)
+    side = _decode_stream(device)
+    with torch.cuda.stream(side):
+        images = decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+    current.wait_stream(side)  # the outputs are complete (decode_jpeg waits for nvjpeg)
+    for image in images:
+        image.record_stream(current)
+    return images
+
+
+@functools.cache
+def _decode_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
 
 
 def _decode_on_host(data: Tensor, path: str) -> Tensor:
