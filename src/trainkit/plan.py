@@ -16,17 +16,19 @@ import logging
 import math
 import os
 import subprocess
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from itertools import pairwise
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from torch import nn
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainkit.errors import ConfigError
-from trainkit.parallel import ParallelDims, capabilities
+from trainkit.parallel import ParallelDims, capabilities, resolve_accelerator
 
 log = logging.getLogger(__name__)
 
@@ -118,19 +120,33 @@ def footprint(cfg: DictConfig) -> Footprint:
     dtype = _weights_dtype(str(cfg.precision))
     if dtype != torch.float32:  # bf16-true, 64-true: weights of that type
         model.to(dtype)
+    real = None if shape is not None else one_batch(model, datamodule)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")
         optimizer = first_optimizer(model)
         activations = per_sample = 0
         if shape is not None:  # at the batch and at twice it: a part of them does not grow
-            at = [_forward_backward(model, (b, *shape), dtype, cfg) for b in (batch, 2 * batch)]
+            at = [_forward_backward(model, _on_fake_input(model, (b, *shape), dtype), cfg)
+                  for b in (batch, 2 * batch)]  # fmt: skip
             activations, per_sample = at[0], (at[1] - at[0]) / batch
+        elif real is not None:  # the task's own step on a batch of the data, and on it twice
+            real_batch, n = real
+            try:
+                at = [_forward_backward(model, _training_step(model, real_batch, k), cfg)
+                      for k in (1, 2)]  # fmt: skip
+            except Exception as err:  # a step that reads values (.item()) cannot run on fakes
+                log.debug("the training step does not run on fake tensors: %s", err)
+                real, at = None, [0, 0]
+            per_sample = (at[1] - at[0]) / n
+            activations = max(0, round(at[0] + per_sample * (batch - n)))
         for p in model.parameters():  # the gradients as a backward leaves them
             if p.requires_grad:
                 p.grad = torch.zeros_like(p)
         grads = _bytes(p.grad for p in model.parameters() if p.grad is not None)
         state = step = 0
         if optimizer is not None:  # two steps: the second with the state the first made
+            if resolve_accelerator(str(cfg.accelerator)) == "gpu":
+                _foreach_as_on_gpu(optimizer)
             tracker = MemTracker()
             tracker.track_external(model, optimizer)
             with tracker:
@@ -139,10 +155,10 @@ def footprint(cfg: DictConfig) -> Footprint:
             state = _by_kind(tracker.get_tracker_snapshot("current"))["opt"]
             step = _by_kind(tracker.get_tracker_snapshot("peak"))["opt"] - state
     notes = []
-    if shape is None:
+    if shape is None and real is None:
         notes.append(
-            "activations not estimated: the data has no input_shape and the module no "
-            "example_input_array"
+            "activations not estimated: the data has no input_shape, the module no "
+            "example_input_array, and no training batch could be read"
         )
     if optimizer is None:
         notes.append("optimizer state not estimated: configure_optimizers needs a Trainer")
@@ -162,18 +178,86 @@ def footprint(cfg: DictConfig) -> Footprint:
     )
 
 
-def _forward_backward(model: nn.Module, shape: tuple, dtype: torch.dtype, cfg: DictConfig) -> int:
-    """The peak bytes a forward and backward of a fake batch of ``shape`` hold above the weights:
-    the activations saved for the backward and the temporaries of both."""
+def _forward_backward(
+    model: nn.Module, forward: Callable[[], torch.Tensor], cfg: DictConfig
+) -> int:
+    """The peak bytes a forward (``forward()``, on fake tensors) and its backward hold above the
+    weights: the activations saved for the backward and the temporaries of both."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     tracker = MemTracker()
     tracker.track_external(model)
     with tracker, _autocast(str(cfg.precision)):
-        _first_tensor(model(torch.randn(*shape, dtype=dtype))).float().sum().backward()
+        forward().float().sum().backward()
     model.zero_grad(set_to_none=True)
     peak = _by_kind(tracker.get_tracker_snapshot("peak"))
     return peak["act"] + peak["temp"] + peak["oth"]
+
+
+def _on_fake_input(model: nn.Module, shape: tuple, dtype: torch.dtype) -> Callable[[], Tensor]:
+    return lambda: _first_tensor(model(torch.randn(*shape, dtype=dtype)))
+
+
+def _training_step(model: nn.Module, batch: object, copies: int) -> Callable[[], Tensor]:
+    """The task's ``training_step`` on ``copies`` copies of a real batch, its loss. Its
+    ``self.log`` calls find no Trainer, and log nothing."""
+    from lightning.fabric.utilities.apply_func import apply_to_collection
+
+    batch = apply_to_collection(batch, Tensor, lambda t: torch.cat([t] * copies))
+
+    def step() -> Tensor:
+        with warnings.catch_warnings(), _ValuesAsZero():
+            warnings.simplefilter("ignore")
+            out = model.training_step(batch, 0)
+        return out["loss"] if isinstance(out, dict) else _first_tensor(out)
+
+    return step
+
+
+class _ValuesAsZero(TorchDispatchMode):
+    """Answers a value a step reads from a tensor (``.item()``, ``torch.equal``: ``nn.Transformer``
+    compares its mask with a causal one) with zero, where a fake tensor has none. The memory a step
+    holds follows the shapes, which these values do not change."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            dtype = args[0].dtype
+            return False if dtype == torch.bool else 0.0 if dtype.is_floating_point else 0
+        return func(*args, **(kwargs or {}))
+
+
+def one_batch(model: nn.Module, datamodule: object) -> tuple[object, int] | None:
+    """A training batch as the task's step gets it (the datamodule's loader, then the
+    ``on_after_batch_transfer`` hooks), and its size; None where the data cannot give one
+    (not there yet, a loader that needs a Trainer) or the task trains manually. For a module
+    whose input no ``input_shape`` describes: token ids, several inputs."""
+    from lightning.fabric.utilities.apply_func import apply_to_collection
+
+    if not callable(getattr(model, "training_step", None)) or not getattr(
+        model, "automatic_optimization", True
+    ):
+        return None
+    try:
+        datamodule.setup("fit")
+        batch = next(iter(datamodule.train_dataloader()))
+        for owner in (datamodule, model):
+            if hasattr(owner, "on_after_batch_transfer"):
+                batch = owner.on_after_batch_transfer(batch, 0)
+        sizes = apply_to_collection(batch, Tensor, lambda t: t.shape[0] if t.dim() else None)
+        n = next(v for v in _walk(sizes) if isinstance(v, int))
+    except Exception as err:  # the data's or the user's code: no estimate, and the note says so
+        log.debug("no training batch for the memory plan: %s", err)
+        return None
+    return batch, n
+
+
+def _foreach_as_on_gpu(optimizer: torch.optim.Optimizer) -> None:
+    """torch's optimizers step every parameter at once (``foreach``) by default on CUDA, one at a
+    time on CPU: the fake step, on CPU tensors, takes a GPU run's way, whose temporaries are as
+    large as all the parameters rather than one."""
+    for group in optimizer.param_groups:
+        if "foreach" in group and group["foreach"] is None and not group.get("fused"):
+            group["foreach"] = True
 
 
 def input_shape(model: nn.Module, datamodule: object) -> tuple[int, ...] | None:

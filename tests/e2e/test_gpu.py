@@ -180,10 +180,12 @@ def test_nvjpeg_decodes_and_crops_a_batch_as_the_workers_do(tmp_path: Path) -> N
 
 
 def test_the_plan_estimates_the_cuda_peak_within_a_fifth(tmp_path: Path) -> None:
-    """The memory plan of the wide MLP and the CIFAR ResNet-50 on one GPU against the --memory
-    bench cells' torch.cuda.max_memory_allocated, each above the default MLP's (plan and run)."""
+    """The memory plan of the wide MLP, the demo transformer (its optimizer's foreach step) and
+    the CIFAR ResNet-50 on one GPU against the --memory bench cells'
+    torch.cuda.max_memory_allocated, each above the default MLP's (plan and run)."""
     out = tmp_path / "bench"
-    cells = [f"{w}-template-auto-1dev-32-true" for w in ("mlp_b64", "mlp_wide", "resnet50_cifar")]
+    workloads = ("mlp_b64", "mlp_wide", "transformer_wide", "resnet50_cifar")
+    cells = [f"{w}-template-auto-1dev-32-true" for w in workloads]
     proc = run_python("-m", "trainkit.bench", "--memory", "--out", str(out), "--cells", *cells)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads((out / "results.json").read_text())["memory"]["rows"]
