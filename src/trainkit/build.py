@@ -26,7 +26,7 @@ from trainkit.checkpoint_io import AtomicCheckpointIO
 from trainkit.config import settle
 from trainkit.errors import ConfigError
 from trainkit.launch import under_slurm
-from trainkit.parallel import ParallelDims, capabilities
+from trainkit.parallel import Capabilities, ParallelDims
 from trainkit.strategies.ddp import DDPStrategy
 
 DATA_FACTS = ("num_classes", "input_shape")  # what a datamodule may tell a model about its data
@@ -102,7 +102,7 @@ def build_datamodule(cfg: DictConfig) -> L.LightningDataModule:
 
 
 def build_model(
-    cfg: DictConfig, datamodule: L.LightningDataModule, trained: bool = False
+    cfg: DictConfig, datamodule: L.LightningDataModule, caps: Capabilities, trained: bool = False
 ) -> L.LightningModule:
     """The task of ``cfg.model``, given plain lists and dicts (as ``build_datamodule``). Under a
     strategy that materialises each process's own blocks (``materialises_blocks``), a net that can
@@ -110,7 +110,7 @@ def build_model(
     holds the whole model."""
     model = model_config(cfg, datamodule, trained)
     convert = model.get("_convert_", "all")
-    if not capabilities(cfg.strategy).materialises_blocks:
+    if not caps.materialises_blocks:
         return instantiate_config(model, _convert_=convert)
     from trainkit.models.blocks import BlockSequence
 

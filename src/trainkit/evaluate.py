@@ -119,7 +119,7 @@ def _evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
     cfg = with_checkpoint_config(cfg)
     dims = preflight(cfg, training=False)
     datamodule = build_datamodule(cfg)
-    model = build_model(cfg, datamodule, trained=True)  # compiled as eval's compile says
+    model = build_model(cfg, datamodule, dims.caps, trained=True)  # compiled as eval's says
     output_dir = Path(cfg.paths.output_dir)
     write_config(output_dir / "config.yaml", cfg)  # the model and data it evaluated, resolved
     writer = PredictionWriter(str(output_dir / PREDICTIONS_FILE))

@@ -126,6 +126,7 @@ class ParallelDims:
     num_nodes: int
     single_process: bool  # one process drives every device of the node (dp), or there is one
     stages: int = 1  # processes per pipeline (strategy.stages), which share one replica's data
+    caps: Capabilities = LIGHTNING  # the configured strategy's, read once (from_config)
 
     @property
     def processes_per_node(self) -> int:
@@ -164,7 +165,7 @@ class ParallelDims:
         caps = capabilities(cfg.strategy)  # a strategy that declares none is refused here
         single = devices == 1 or caps.single_process
         stages = int(cfg.strategy.get("stages") or 1)
-        dims = cls(accelerator, devices, cfg.num_nodes, single, stages)
+        dims = cls(accelerator, devices, cfg.num_nodes, single, stages, caps)
         dims.check_launcher()
         return dims
 

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainkit.errors import ConfigError
-from trainkit.parallel import ParallelDims, capabilities, resolve_accelerator
+from trainkit.parallel import LIGHTNING, Capabilities, ParallelDims, resolve_accelerator
 
 log = logging.getLogger(__name__)
 
@@ -435,7 +435,7 @@ def choices(cfg: DictConfig, dims: ParallelDims, fp: Footprint) -> list[Choice]:
                             at_batch(fp, per_device(n))))  # fmt: skip
     microbatches = int(OmegaConf.select(cfg, "strategy.microbatches", default=4) or 4)
     schedule = str(OmegaConf.select(cfg, "strategy.schedule", default="gpipe") or "gpipe")
-    if _kind(cfg) != "pipeline":  # the pipeline's defaults, where the run is not one
+    if _kind(cfg, dims.caps) != "pipeline":  # the pipeline's defaults, where the run is not one
         microbatches, schedule = 4, "gpipe"
     for stages in range(2, min(n, len(fp.blocks)) + 1):
         overrides = (f"devices={stages}", "strategy=pipeline", f"strategy.stages={stages}")
@@ -447,7 +447,7 @@ def choices(cfg: DictConfig, dims: ParallelDims, fp: Footprint) -> list[Choice]:
 
 def configured_choice(cfg: DictConfig, dims: ParallelDims, fp: Footprint) -> Choice:
     """The run as its config says."""
-    kind = _kind(cfg)
+    kind = _kind(cfg, dims.caps)
     p = dims.world_size
     if kind == "fsdp":
         memory, name = fully_sharded(fp, p), f"fsdp x{p}"
@@ -474,9 +474,8 @@ def _pipeline(
     return Choice(name, "pipeline", stages, overrides, memory)
 
 
-def _kind(cfg: DictConfig) -> str:
+def _kind(cfg: DictConfig, caps: Capabilities) -> str:
     """How the configured strategy lays out the model, from what it declares (parallel.py)."""
-    caps = capabilities(cfg.strategy)
     if caps.materialises_blocks:
         return "pipeline"
     if caps.lean_host_memory:
@@ -663,7 +662,8 @@ def meta_model(cfg: DictConfig) -> tuple[nn.Module, object]:
         cfg.model.compile = False
     datamodule = build_datamodule(cfg)
     with torch.random.fork_rng(devices=[]), torch.device("meta"):  # the run's draws stay its own
-        return build_model(cfg, datamodule), datamodule
+        # every block is on the meta device already: none to materialise per process
+        return build_model(cfg, datamodule, LIGHTNING), datamodule
 
 
 def _meta_param_bytes(cfg: DictConfig) -> int:

@@ -20,7 +20,7 @@ from trainkit.config import settle
 from trainkit.data.sharding import check_train_data
 from trainkit.errors import ConfigError
 from trainkit.launch import under_slurm
-from trainkit.parallel import Capabilities, ParallelDims, capabilities, strategy_class
+from trainkit.parallel import Capabilities, ParallelDims, strategy_class
 from trainkit.runtime import BF16_FLAGS, cpu_flags, has_bf16_units, usable_cores
 from trainkit.strategies.pipeline_task import STEPS, check_pipeline_task, defined_by
 
@@ -73,7 +73,7 @@ def check_strategy(cfg: DictConfig, dims: ParallelDims) -> None:
 
     strategy = strategy_class(cfg.strategy)
     name = getattr(strategy, "__name__", str(cfg.strategy.get("name")))
-    allowed = capabilities(cfg.strategy).precisions
+    allowed = dims.caps.precisions
     precision = ALIASES.get(str(cfg.precision), str(cfg.precision))
     if allowed and precision not in allowed:
         usable = [p for p in allowed if dims.accelerator == "gpu" or not p.startswith("16")]
@@ -81,7 +81,7 @@ def check_strategy(cfg: DictConfig, dims: ParallelDims) -> None:
             f"precision={cfg.precision} cannot run under {name}: use precision="
             f"{' or '.join(usable)}, or another strategy (strategy=ddp)"
         )
-    if cfg.get("sync_batchnorm") and not capabilities(cfg.strategy).syncs_layers:
+    if cfg.get("sync_batchnorm") and not dims.caps.syncs_layers:
         raise ConfigError(
             f"sync_batchnorm=true: {name} syncs no layers. Use strategy=ddp, or a norm that "
             "needs no sync (model.net.norm=group)"
@@ -186,13 +186,13 @@ def check_positive(cfg: DictConfig) -> None:
         raise ConfigError(f"model.optimizer.lr={lr}: must be 0 or more, e.g. 1e-3")
 
 
-def resolve_drop_last(cfg: DictConfig) -> None:
+def resolve_drop_last(cfg: DictConfig, caps: Capabilities) -> None:
     """``data.drop_last``: null becomes what the strategy requires (a pipeline fixes its shapes
     at the first step, so it requires full batches); an explicit ``false`` there is refused."""
     data = cfg.data
     if "drop_last" not in data:  # a datamodule without the option asks the strategy itself
         return
-    required = capabilities(cfg.strategy).full_batches
+    required = caps.full_batches
     if data.drop_last is None:
         settle(cfg, "data.drop_last", required, "what the strategy requires")
     elif required and not data.drop_last:
@@ -212,11 +212,11 @@ def resolve_monitor_mode(cfg: DictConfig) -> None:
         settle(cfg, "monitor_mode", "max", "monitor=null: no metric to minimise")
 
 
-def resolve_tune_malloc(cfg: DictConfig) -> None:
+def resolve_tune_malloc(cfg: DictConfig, caps: Capabilities) -> None:
     """``tune_malloc=null``: freed buffers kept for speed, except under a strategy chosen to hold
     less (``lean_host_memory``: fsdp), where they go back to the OS."""
     if "tune_malloc" in cfg and cfg.tune_malloc is None:
-        lean = capabilities(cfg.strategy).lean_host_memory
+        lean = caps.lean_host_memory
         settle(cfg, "tune_malloc", not lean, "what the strategy is chosen for")
 
 
@@ -255,9 +255,9 @@ def preflight(cfg: DictConfig, training: bool = True) -> ParallelDims:
     check_strategy(cfg, dims)
     check_compile(cfg, dims)
     if training:
-        resolve_drop_last(cfg)
+        resolve_drop_last(cfg, dims.caps)
     resolve_monitor_mode(cfg)
-    resolve_tune_malloc(cfg)
+    resolve_tune_malloc(cfg, dims.caps)
     set_threads(cfg, dims.processes_per_node)
     return dims
 
@@ -413,7 +413,7 @@ def check_built_run(
     a step is taken: the task's steps under the strategy, the reductions of what it logs, the
     training data's sharding (in the process that starts the others) and the strategy's own
     ``check_run``."""
-    caps = capabilities(strategy)
+    caps = dims.caps  # the built strategy is the configured one
     if not caps.runs_task_steps:  # it composes the steps from the task's members instead
         check_pipeline_task(model, getattr(strategy, "module_name", "net"))
     check_threaded_steps(model, dims, caps)

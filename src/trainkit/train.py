@@ -53,7 +53,7 @@ def build(
 ) -> tuple[L.LightningDataModule, L.LightningModule, L.Trainer]:
     """Every object of a run, from its config. Writes the resolved config into the run directory."""
     datamodule = build_datamodule(cfg)
-    model = build_model(cfg, datamodule)
+    model = build_model(cfg, datamodule, dims.caps)
     output_dir = Path(cfg.paths.output_dir)
     write_config(output_dir / "config.yaml", cfg)
     resolved = OmegaConf.to_container(cfg, resolve=True)

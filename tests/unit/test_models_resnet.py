@@ -12,6 +12,7 @@ from torchvision.models import resnet50
 from myproject.data import MNISTDataModule
 from myproject.models import ResNet50
 from trainkit.build import build_model
+from trainkit.parallel import capabilities
 
 BLOCKS = ["stem", "layer1", "layer2", "layer3", "layer4", "head"]
 
@@ -201,7 +202,8 @@ def test_pretrained_weights_survive_the_pipeline_build(
     as it is built: those are loaded into a whole net, never into meta tensors (a no-op)."""
     path, state = torchvision_weights
     cfg = compose("model=resnet50", "strategy=pipeline", f"model.net.weights={path}")
-    model = build_model(cfg, MNISTDataModule("unused"))
+    model = build_model(cfg, MNISTDataModule("unused"), capabilities(cfg.strategy))
     assert torch.equal(model.net.layer1[0].conv1.weight, state["layer1.0.conv1.weight"])
     cfg = compose("model=resnet50", "strategy=pipeline")
-    assert build_model(cfg, MNISTDataModule("unused")).net.layer1[0].conv1.weight.is_meta
+    caps = capabilities(cfg.strategy)
+    assert build_model(cfg, MNISTDataModule("unused"), caps).net.layer1[0].conv1.weight.is_meta

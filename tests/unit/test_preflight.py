@@ -326,7 +326,7 @@ def test_hydra_containers_never_reach_a_modules_hyperparameters(compose) -> None
     weights_only=True."""
     cfg = compose()
     cfg.model = OmegaConf.create({"_target_": "lightning_docs.LitBackbone", "backbone": [1, 2]})
-    model = build_model(cfg, lightning_docs.MNISTDataModule())
+    model = build_model(cfg, lightning_docs.MNISTDataModule(), LIGHTNING)
     assert type(model.hparams.backbone) is list and unreadable_hparams(model) == {}
     cfg.data = OmegaConf.create({"_target_": "lightning_docs.LitBackbone", "backbone": {"a": 1}})
     assert type(build_datamodule(cfg).hparams.backbone) is dict  # a datamodule's, the same way
@@ -368,14 +368,14 @@ def test_values_a_model_or_datamodule_refuses_name_the_key(compose, override, me
     """A class's own refusal of its arguments, as one line that names where in the config."""
     cfg = compose(override)
     with pytest.raises(ConfigError, match=message) as err:
-        build_model(cfg, build_datamodule(cfg))
+        build_model(cfg, build_datamodule(cfg), LIGHTNING)
     assert "\n" not in str(err.value)
 
 
 def test_an_mlp_without_hidden_layers_says_it_is_linear(compose, caplog) -> None:
     cfg = compose("model.net.hidden=[]")
     with caplog.at_level(logging.INFO):
-        model = build_model(cfg, build_datamodule(cfg))
+        model = build_model(cfg, build_datamodule(cfg), LIGHTNING)
     assert "MLP without a hidden layer (hidden=[]): a linear model" in caplog.text
     assert len(model.net) == 1
 
