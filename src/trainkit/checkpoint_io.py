@@ -207,13 +207,6 @@ def read_checkpoint_config(ckpt_path: str | Path, weights_only: bool = True) -> 
     return read_checkpoint(ckpt_path, weights_only)[CONFIG_KEY]
 
 
-def read_checkpoint_tracker_runs(
-    ckpt_path: str | Path, weights_only: bool = True
-) -> dict[str, str]:
-    """The tracker runs (MLflow, W&B) that the run which wrote the checkpoint logged to."""
-    return dict(read_checkpoint(ckpt_path, weights_only).get(TRACKERS_KEY) or {})
-
-
 def read_checkpoint(ckpt_path: str | Path, weights_only: bool = True) -> dict[str, Any]:
     """A trainkit checkpoint, memory-mapped; a one-line ConfigError where it is not one."""
     path = Path(ckpt_path).expanduser()

@@ -11,6 +11,7 @@ line changed (``resumed_config``).
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from trainkit.checkpoint_io import (
     CONFIG_KEY,
     OVERRIDES_KEY,
+    TRACKERS_KEY,
     atomic_write_text,
     newest_intact,
     read_checkpoint,
@@ -81,7 +83,16 @@ def newest_last_checkpoint(runs_dir: Path, exclude: Path) -> Path | None:
     return max(found, key=lambda p: p.stat().st_mtime, default=None)
 
 
-def resume_from(cfg: DictConfig) -> tuple[str | None, DictConfig]:
+@dataclass(frozen=True)
+class Resume:
+    """What a run takes from the checkpoint it resumes, read once: its path (for Lightning, which
+    loads its state) and the tracker runs (MLflow, W&B) its run logged to."""
+
+    path: str
+    tracker_runs: dict[str, str]
+
+
+def resume_from(cfg: DictConfig) -> tuple[Resume | None, DictConfig]:
     """The checkpoint a run resumes from (None: it starts fresh) and the config it runs: the
     checkpoint's run's, with the keys typed on this command line changed, checked against what
     the checkpoint's state can follow."""
@@ -92,7 +103,7 @@ def resume_from(cfg: DictConfig) -> tuple[str | None, DictConfig]:
     checkpoint = read_checkpoint(path, cfg.get("weights_only", True))
     cfg = resumed_config(cfg, Path(path), checkpoint)
     check_resume_config(Path(path), cfg, checkpoint)
-    return path, cfg
+    return Resume(path, dict(checkpoint.get(TRACKERS_KEY) or {})), cfg
 
 
 def resolve_ckpt_path(cfg: DictConfig) -> str | None:

@@ -20,7 +20,7 @@ from trainkit.callbacks import (
     RunConfig,
 )
 from trainkit.callbacks.preemption import Preempted
-from trainkit.checkpoint_io import read_checkpoint_tracker_runs, remove_stale_temp_files
+from trainkit.checkpoint_io import remove_stale_temp_files
 from trainkit.console import quiet
 from trainkit.launch import first_process, in_multirun, isolated_job
 from trainkit.loggers import (
@@ -95,20 +95,20 @@ def show_plan(cfg: DictConfig) -> None:
 
 
 def _train_and_test(cfg: DictConfig) -> float | None:
-    ckpt_path, cfg = resume_from(cfg)  # a resume runs its checkpoint's config
+    resume, cfg = resume_from(cfg)  # a resume runs its checkpoint's config
+    ckpt_path = resume.path if resume else None
     dims = preflight(cfg)
     if first_process():
         check_fits(cfg, dims)  # a run planned not to fit is refused before its processes start
-    restart = bool(ckpt_path) and is_restart(cfg.paths.output_dir)  # before record_launch
+    restart = bool(resume) and is_restart(cfg.paths.output_dir)  # before record_launch
     if first_process():
         record_launch(cfg.paths.output_dir)  # so that the launcher's restarts resume this run
         for stale in remove_stale_temp_files(Path(cfg.paths.output_dir) / "checkpoints"):
             log.info("removed %s, left by a save that was killed", stale)
     # A resumed run logs on into its tracker runs, except a sweep's jobs that all start from one
     # checkpoint: each gets runs of its own
-    if ckpt_path and (restart or not in_multirun()):
-        runs = read_checkpoint_tracker_runs(ckpt_path, cfg.weights_only)
-        continue_tracker_runs(cfg.get("logger"), runs)
+    if resume and (restart or not in_multirun()):
+        continue_tracker_runs(cfg.get("logger"), resume.tracker_runs)
     tune_malloc(keep_freed=cfg.tune_malloc)  # (null resolved by preflight)
     if cfg.seed is not None:
         L.seed_everything(cfg.seed, workers=True)
