@@ -17,7 +17,7 @@ import math
 import os
 import subprocess
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from itertools import pairwise
 from pathlib import Path
@@ -383,15 +383,24 @@ def fully_sharded(fp: Footprint, ranks: int) -> Footprint:
     )
 
 
-def pipelined(fp: Footprint, stages: int, microbatches: int, schedule: str) -> Footprint:
-    """The busiest stage: its blocks' share of the state (balanced as the pipeline balances them),
-    and its share of the activations for the micro-batches in flight: all of them under GPipe, at
-    most one per stage under 1F1B."""
+def pipelined(
+    fp: Footprint,
+    stages: int,
+    microbatches: int,
+    schedule: str,
+    split_points: Sequence[int] | None = None,
+) -> Footprint:
+    """The busiest stage: its blocks' share of the state (cut at ``split_points``, else balanced
+    as the pipeline balances them), and its share of the activations for the micro-batches in
+    flight: all of them under GPipe, at most one per stage under 1F1B."""
     from trainkit.strategies.pipeline import balanced_split
 
     if len(fp.blocks) < stages:
         raise ValueError(f"{len(fp.blocks)} blocks do not split into {stages} stages")
-    starts = [*balanced_split(list(fp.block_costs), stages), len(fp.blocks)]
+    if split_points is not None and len(split_points) == stages - 1:
+        starts = [0, *split_points, len(fp.blocks)]
+    else:
+        starts = [*balanced_split(list(fp.block_costs), stages), len(fp.blocks)]
     total_params, total_cost = sum(fp.blocks) or 1, sum(fp.block_costs) or 1
     in_flight = 1.0 if schedule == "gpipe" else min(stages, microbatches) / microbatches
     stage_peaks = []
@@ -454,7 +463,8 @@ def configured_choice(cfg: DictConfig, dims: ParallelDims, fp: Footprint) -> Cho
     elif kind == "pipeline":
         microbatches = int(cfg.strategy.get("microbatches") or 1)
         schedule = str(cfg.strategy.get("schedule") or "gpipe")
-        piped = _pipeline(fp, int(cfg.strategy.stages), microbatches, schedule, ())
+        split = cfg.strategy.get("split_points")  # the run's own cut, where it gives one
+        piped = _pipeline(fp, int(cfg.strategy.stages), microbatches, schedule, (), split)
         return replace(piped, configured=True)
     elif kind == "dp" and dims.devices > 1:  # device 0 holds the state, each its batch share
         memory, name = at_batch(fp, max(1, fp.batch // dims.devices)), f"dp x{dims.devices}"
@@ -467,9 +477,14 @@ def configured_choice(cfg: DictConfig, dims: ParallelDims, fp: Footprint) -> Cho
 
 
 def _pipeline(
-    fp: Footprint, stages: int, microbatches: int, schedule: str, overrides: tuple[str, ...]
+    fp: Footprint,
+    stages: int,
+    microbatches: int,
+    schedule: str,
+    overrides: tuple[str, ...],
+    split_points: Sequence[int] | None = None,
 ) -> Choice:
-    memory = pipelined(fp, stages, microbatches, schedule)
+    memory = pipelined(fp, stages, microbatches, schedule, split_points)
     name = f"pipeline x{stages} ({schedule}, {microbatches} micro-batches)"
     return Choice(name, "pipeline", stages, overrides, memory)
 

@@ -78,6 +78,15 @@ def test_a_pipeline_stage_holds_its_blocks_and_their_activations() -> None:
         pipelined(fp, 5, microbatches=4, schedule="gpipe")
 
 
+def test_a_pipeline_cut_at_split_points_is_planned_where_it_is_cut() -> None:
+    fp = Footprint(params=400, grads=400, optimizer=800, activations=40, batch=8,
+                   blocks=(100, 100, 100, 100), block_costs=(1, 1, 1, 1))  # fmt: skip
+    balanced = pipelined(fp, 2, microbatches=4, schedule="gpipe")
+    first_three = pipelined(fp, 2, microbatches=4, schedule="gpipe", split_points=[3])
+    assert (balanced.params, first_three.params) == (200, 300)
+    assert first_three.activations == 30  # three of the four blocks' share
+
+
 def test_the_choices_start_with_the_run_and_offer_each_strategy(compose) -> None:
     cfg = compose(SMALL, "strategy=pipeline", "devices=3", "strategy.stages=3")
     dims = ParallelDims.from_config(cfg)
