@@ -3,11 +3,13 @@
 from trainkit.runtime import imports_frozen
 
 with imports_frozen():  # faster start and exit: runtime.py
+    import sys
+
     import hydra
     from omegaconf import DictConfig
 
     import trainkit.startup  # noqa: F401  first: before Lightning imports torchmetrics
-    from trainkit.config import did_you_mean
+    from trainkit.config import did_you_mean, expand_shorthands
     from trainkit.train import run
 
 
@@ -17,5 +19,6 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    sys.argv = expand_shorthands(sys.argv)  # plan=true is plan.show=true
     with did_you_mean("train"):  # a line naming the closest key, where Hydra refused an unknown one
         main()

@@ -44,9 +44,25 @@ def compose_config(
             overrides=[
                 f"paths.root_dir='{ROOT_DIR}'",
                 f"paths.output_dir='{Path(output_dir).resolve()}'",
-                *overrides,
+                *expand_shorthands(overrides),
             ],
         )
+
+
+# A block's switch typed as the block: ``plan=true`` would set the whole ``plan`` block to true,
+# dropping its other keys (the config's, or typed before it) and refusing those typed after it.
+SHORTHANDS = {"plan": "plan.show"}
+
+
+def expand_shorthands(argv: Sequence[str]) -> list[str]:
+    """``plan=true`` (or false) as ``plan.show=true``; the other arguments as they are."""
+    expanded = []
+    for arg in argv:
+        key, eq, value = arg.partition("=")
+        if eq and key in SHORTHANDS and value.strip().lower() in ("true", "false"):
+            arg = f"{SHORTHANDS[key]}={value}"
+        expanded.append(arg)
+    return expanded
 
 
 class _HeldUntilTheRun:

@@ -25,9 +25,11 @@ def runs_in(log_dir: Path) -> list[Path]:
 
 def test_plan_true_prints_every_choice_and_starts_nothing(overrides, tmp_path: Path) -> None:
     proc = run_python(
-        "train.py", *overrides, *WIDE, "strategy=ddp", "devices=2", "plan=true", log_dir=tmp_path
-    )
+        "train.py", *overrides, *WIDE, "strategy=ddp", "devices=2", "plan=true",
+        "plan.margin=0.5", log_dir=tmp_path,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "after the 50% margin" in proc.stdout  # plan=true is plan.show=true: the block stays
     rows = {line.split(" | ")[1]: line for line in proc.stdout.splitlines() if line.count("|") > 8}
     assert "this run" in rows["ddp x2"]
     assert {"one device", "fsdp x2"} <= rows.keys()

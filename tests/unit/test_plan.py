@@ -99,7 +99,10 @@ def test_the_choices_start_with_the_run_and_offer_each_strategy(compose) -> None
 
 
 def test_plan_true_is_short_for_plan_show(compose) -> None:
-    assert Settings.from_config(compose("plan=true")).show
+    """Not the block set to true: the other plan keys, typed before or after it, stay."""
+    for typed in (("plan=true", "plan.margin=0.5"), ("plan.margin=0.5", "plan=true")):
+        settings = Settings.from_config(compose(*typed))
+        assert (settings.show, settings.check, settings.margin) == (True, True, 0.5)
     settings = Settings.from_config(compose("plan.show=true", "plan.margin=0.5"))
     assert (settings.show, settings.check, settings.margin) == (True, True, 0.5)
     with pytest.raises(ConfigError, match=r"plan.margin=1.5"):
