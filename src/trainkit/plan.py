@@ -116,11 +116,14 @@ def footprint(cfg: DictConfig) -> Footprint:
 
     model, datamodule = meta_model(cfg)
     shape = input_shape(model, datamodule)
-    batch = int(OmegaConf.select(cfg, "data.batch_size", default=0) or 0) or 1
+    configured = int(OmegaConf.select(cfg, "data.batch_size", default=0) or 0)
     dtype = _weights_dtype(str(cfg.precision))
     if dtype != torch.float32:  # bf16-true, 64-true: weights of that type
         model.to(dtype)
     real = None if shape is not None else one_batch(model, datamodule)
+    # the loader's own batch where the config gives none (a user's datamodule keeps its own)
+    batch = configured or (real[1] if real is not None else 1)
+    zeroed: list[str] = []  # integers the training step read (_ValuesAsZero)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")
         optimizer = first_optimizer(model)
@@ -132,8 +135,8 @@ def footprint(cfg: DictConfig) -> Footprint:
         elif real is not None:  # the task's own step on a batch of the data, and on it twice
             real_batch, n = real
             try:
-                at = [_forward_backward(model, _training_step(model, real_batch, k), cfg)
-                      for k in (1, 2)]  # fmt: skip
+                at = [_forward_backward(model, _training_step(model, real_batch, k, dtype, zeroed),
+                                        cfg) for k in (1, 2)]  # fmt: skip
             except Exception as err:  # a step that reads values (.item()) cannot run on fakes
                 log.debug("the training step does not run on fake tensors: %s", err)
                 real, at = None, [0, 0]
@@ -159,6 +162,11 @@ def footprint(cfg: DictConfig) -> Footprint:
         notes.append(
             "activations not estimated: the data has no input_shape, the module no "
             "example_input_array, and no training batch could be read"
+        )
+    if real is not None and zeroed:
+        notes.append(
+            f"the training step read {len(zeroed)} integer value(s) from its tensors, taken as 0 "
+            "here: where one sizes a tensor (a trimmed padding), the activations are short"
         )
     if optimizer is None:
         notes.append("optimizer state not estimated: configure_optimizers needs a Trainer")
@@ -198,15 +206,22 @@ def _on_fake_input(model: nn.Module, shape: tuple, dtype: torch.dtype) -> Callab
     return lambda: _first_tensor(model(torch.randn(*shape, dtype=dtype)))
 
 
-def _training_step(model: nn.Module, batch: object, copies: int) -> Callable[[], Tensor]:
-    """The task's ``training_step`` on ``copies`` copies of a real batch, its loss. Its
-    ``self.log`` calls find no Trainer, and log nothing."""
+def _training_step(
+    model: nn.Module, batch: object, copies: int, dtype: torch.dtype, zeroed: list[str]
+) -> Callable[[], Tensor]:
+    """The task's ``training_step`` on ``copies`` copies of a real batch, its floats in the
+    weights' ``dtype`` (as Lightning's true precisions convert them); its loss. Its ``self.log``
+    calls find no Trainer, and log nothing. An integer it reads is named in ``zeroed``."""
     from lightning.fabric.utilities.apply_func import apply_to_collection
 
-    batch = apply_to_collection(batch, Tensor, lambda t: torch.cat([t] * copies))
+    def grown(t: Tensor) -> Tensor:
+        t = t.to(dtype) if t.is_floating_point() else t
+        return torch.cat([t] * copies) if t.dim() else t
+
+    batch = apply_to_collection(batch, Tensor, grown)
 
     def step() -> Tensor:
-        with warnings.catch_warnings(), _ValuesAsZero():
+        with warnings.catch_warnings(), _ValuesAsZero(zeroed):
             warnings.simplefilter("ignore")
             out = model.training_step(batch, 0)
         return out["loss"] if isinstance(out, dict) else _first_tensor(out)
@@ -215,14 +230,23 @@ def _training_step(model: nn.Module, batch: object, copies: int) -> Callable[[],
 
 
 class _ValuesAsZero(TorchDispatchMode):
-    """Answers a value a step reads from a tensor (``.item()``, ``torch.equal``: ``nn.Transformer``
-    compares its mask with a causal one) with zero, where a fake tensor has none. The memory a step
-    holds follows the shapes, which these values do not change."""
+    """Answers a value a step reads from a tensor (``.item()``; ``nn.Transformer`` checks whether
+    its mask is causal with one) with zero, where a fake tensor has none. A true/false read
+    changes no shape; an integer one may size a tensor (a trimmed padding), so it is named in
+    ``zeroed``, and the plan says that its activations may be short."""
+
+    def __init__(self, zeroed: list[str]) -> None:
+        super().__init__()
+        self.zeroed = zeroed
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default:
             dtype = args[0].dtype
-            return False if dtype == torch.bool else 0.0 if dtype.is_floating_point else 0
+            if dtype == torch.bool:
+                return False
+            if not dtype.is_floating_point:
+                self.zeroed.append(str(dtype))
+            return 0.0 if dtype.is_floating_point else 0
         return func(*args, **(kwargs or {}))
 
 
@@ -590,13 +614,12 @@ def table(cfg: DictConfig, dims: ParallelDims, settings: Settings) -> str:
     ranked, baseline = plan(cfg, dims, settings)
     fp = next(c for c in ranked if c.configured).memory
     model = OmegaConf.select(cfg, "model._target_", default="?")
-    if dims.accelerator == "gpu" or settings.device_memory is not None:
-        where = f"{_mib(room(settings, dims, 1))} per device"
+    where = f"{_mib(room(settings, dims, 1))} per device"
     if dims.accelerator == "gpu" and settings.device_memory is None:
         each = [f"GPU {i}: {_mib(free)} free of {_mib(total)}"
                 for i, (free, total) in enumerate(gpu_memory())]  # fmt: skip
         where += f" ({', '.join(each)})"
-    else:
+    elif settings.device_memory is None:
         where = f"{_mib(room(settings, dims, 1))} of host memory, shared by a run's processes"
     lines = [
         f"Plan for {model}, batch {fp.batch} per process, precision {cfg.precision}: {where} "

@@ -26,7 +26,7 @@ from trainkit.checkpoint_io import (
     newest_intact,
     read_checkpoint,
 )
-from trainkit.config import settle
+from trainkit.config import expand_shorthands, settle
 from trainkit.errors import ConfigError
 from trainkit.launch import launcher_run_id
 
@@ -144,7 +144,7 @@ def resumed_config(cfg: DictConfig, path: Path, checkpoint: dict) -> DictConfig:
     if not HydraConfig.initialized():
         return cfg
     trained, typed = checkpoint[CONFIG_KEY], composing_overrides()
-    saved = _saved_overrides(path, checkpoint)
+    saved = expand_shorthands(_saved_overrides(path, checkpoint))  # an older run's plan=false
     name = HydraConfig.get().job.config_name
     resumed = compose(name, overrides=merge_overrides(saved, typed))
     # the checkpoint's values, where its run's own command line now composes to others (not

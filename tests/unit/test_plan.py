@@ -109,6 +109,12 @@ def test_plan_true_is_short_for_plan_show(compose) -> None:
         Settings.from_config(compose("plan.margin=1.5"))
 
 
+def test_a_given_device_memory_is_a_devices_not_the_hosts(compose) -> None:
+    cfg = compose(SMALL, "plan.device_memory=2")
+    first = table(cfg, ParallelDims.from_config(cfg), Settings.from_config(cfg)).splitlines()[0]
+    assert "per device" in first and "host memory" not in first, first
+
+
 def test_the_guard_refuses_a_run_that_does_not_fit_and_names_one_that_does(compose) -> None:
     wide = ("model.net.hidden=[2048,2048,2048]", "data.batch_size=16")
     cfg = compose(*wide, "plan.device_memory=0.05")  # 46 MB after the margin: nothing fits
@@ -175,6 +181,7 @@ def test_a_step_on_token_ids_and_a_target_is_planned_from_a_batch_of_its_data(tm
     cfg = compose_config("train", tmp_path / "run", [*overrides, f"model.vocab_size={vocab}"])
     fp = footprint(cfg)
     assert fp.note == "" and fp.activations > 0
+    assert fp.batch == 20  # the example datamodule's own batch: the config has no data.batch_size
     model, datamodule = instantiate(cfg.model), instantiate(cfg.data)
     datamodule.setup("fit")
     batch = next(iter(datamodule.train_dataloader()))

@@ -205,8 +205,9 @@ def _decode_jpegs(data: list[Tensor], device: torch.device) -> list[Tensor]:
     it has run (``record_stream``)."""
     if device.type != "cuda":
         return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
-    current = torch.cuda.current_stream(device)
-    side = _decode_stream(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    current = torch.cuda.current_stream(index)
+    side = _decode_stream(index)
     with torch.cuda.stream(side):
         images = decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
     current.wait_stream(side)  # the outputs are complete (decode_jpeg waits for nvjpeg)
@@ -216,8 +217,8 @@ def _decode_jpegs(data: list[Tensor], device: torch.device) -> list[Tensor]:
 
 
 @functools.cache
-def _decode_stream(device: torch.device) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device)
+def _decode_stream(index: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(index)
 
 
 def _decode_on_host(data: Tensor, path: str) -> Tensor:
