@@ -17,7 +17,7 @@ import math
 import os
 import subprocess
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from itertools import pairwise
 from pathlib import Path
@@ -26,6 +26,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from trainkit.errors import ConfigError
 from trainkit.parallel import LIGHTNING, Capabilities, ParallelDims, resolve_accelerator
@@ -107,14 +108,15 @@ class Settings:
 # ---- the one-device footprint ----------------------------------------------------------------
 
 
-def footprint(cfg: DictConfig) -> Footprint:
+def footprint(cfg: DictConfig, built: tuple[nn.Module, object] | None = None) -> Footprint:
     """The whole model's footprint on one device at the run's per-process batch: a forward and
     backward, then two optimizer steps (the second with the state the first made), on fake
-    tensors. The model is built on the meta device: nothing of its size is allocated."""
+    tensors. The model is built on the meta device (``meta_model``, or ``built`` where the caller
+    has it): nothing of its size is allocated."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    model, datamodule = meta_model(cfg)
+    model, datamodule = built or meta_model(cfg)
     shape = input_shape(model, datamodule)
     configured = int(OmegaConf.select(cfg, "data.batch_size", default=0) or 0)
     dtype = _weights_dtype(str(cfg.precision))
@@ -255,8 +257,6 @@ def one_batch(model: nn.Module, datamodule: object) -> tuple[object, int] | None
     ``on_after_batch_transfer`` hooks), and its size; None where the data cannot give one
     (not there yet, a loader that needs a Trainer) or the task trains manually. For a module
     whose input no ``input_shape`` describes: token ids, several inputs."""
-    from lightning.fabric.utilities.apply_func import apply_to_collection
-
     if not callable(getattr(model, "training_step", None)) or not getattr(
         model, "automatic_optimization", True
     ):
@@ -267,8 +267,7 @@ def one_batch(model: nn.Module, datamodule: object) -> tuple[object, int] | None
         for owner in (datamodule, model):
             if hasattr(owner, "on_after_batch_transfer"):
                 batch = owner.on_after_batch_transfer(batch, 0)
-        sizes = apply_to_collection(batch, Tensor, lambda t: t.shape[0] if t.dim() else None)
-        n = next(v for v in _walk(sizes) if isinstance(v, int))
+        n = next(t.shape[0] for t in tree_leaves(batch) if isinstance(t, Tensor) and t.dim())
     except Exception as err:  # the data's or the user's code: no estimate, and the note says so
         log.debug("no training batch for the memory plan: %s", err)
         return None
@@ -302,10 +301,7 @@ def first_optimizer(model: nn.Module) -> torch.optim.Optimizer | None:
         conf = model.configure_optimizers()
     except Exception:  # a schedule sized by trainer.estimated_stepping_batches, ...
         return None
-    for found in _walk(conf):
-        if isinstance(found, torch.optim.Optimizer):
-            return found
-    return None
+    return next((o for o in tree_leaves(conf) if isinstance(o, torch.optim.Optimizer)), None)
 
 
 def _by_kind(snapshot: dict) -> dict[str, int]:
@@ -318,19 +314,8 @@ def _by_kind(snapshot: dict) -> dict[str, int]:
     return kinds
 
 
-def _walk(value: object) -> Iterator[object]:
-    if isinstance(value, dict):
-        for v in value.values():
-            yield from _walk(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _walk(v)
-    else:
-        yield value
-
-
 def _first_tensor(out: object) -> torch.Tensor:
-    return next(v for v in _walk(out) if isinstance(v, torch.Tensor))
+    return next(v for v in tree_leaves(out) if isinstance(v, torch.Tensor))
 
 
 def _weights_dtype(precision: str) -> torch.dtype:
@@ -589,21 +574,29 @@ def process_baseline(dims: ParallelDims) -> int:
         return 0
 
 
-def room(settings: Settings, dims: ParallelDims, processes: int) -> int:
-    """Bytes each of ``processes`` processes may fill, after the margin: a device's memory, or on
-    CPU (where ``plan.device_memory`` is not given) the host's, shared by the processes."""
-    memory = int(device_memory(settings, dims) * settings.margin)
+def room(device_bytes: int, settings: Settings, dims: ParallelDims, processes: int) -> int:
+    """Bytes each of ``processes`` processes may fill, after the margin: a device's memory
+    (``device_memory``), or on CPU (where ``plan.device_memory`` is not given) the host's, shared
+    by the processes."""
+    memory = int(device_bytes * settings.margin)
     shared = dims.accelerator != "gpu" and settings.device_memory is None
     return memory // processes if shared else memory
 
 
-def plan(cfg: DictConfig, dims: ParallelDims, settings: Settings) -> tuple[list[Choice], int]:
-    """The choices, each marked fits or not (its peak plus the process baseline within its room),
-    ranked: fitting first, then by expected speed; and the baseline."""
+def plan(
+    cfg: DictConfig,
+    dims: ParallelDims,
+    settings: Settings,
+    device_bytes: int,
+    built: tuple[nn.Module, object] | None = None,
+) -> tuple[list[Choice], int]:
+    """The choices, each marked fits or not (its peak plus the process baseline within its room
+    of ``device_bytes``), ranked: fitting first, then by expected speed; and the baseline."""
     baseline = process_baseline(dims)
+    room_of = lambda c: room(device_bytes, settings, dims, c.processes)  # noqa: E731
     marked = [
-        replace(c, fits=c.memory.total + baseline <= room(settings, dims, c.processes))
-        for c in choices(cfg, dims, footprint(cfg))
+        replace(c, fits=c.memory.total + baseline <= room_of(c))
+        for c in choices(cfg, dims, footprint(cfg, built))
     ]
     speed = lambda c: SPEED_ORDER.index(c.kind) if c.kind in SPEED_ORDER else 0  # noqa: E731
     return sorted(marked, key=lambda c: (not c.fits, speed(c), c.processes)), baseline
@@ -611,16 +604,19 @@ def plan(cfg: DictConfig, dims: ParallelDims, settings: Settings) -> tuple[list[
 
 def table(cfg: DictConfig, dims: ParallelDims, settings: Settings) -> str:
     """The plan as ``plan=true`` prints it."""
-    ranked, baseline = plan(cfg, dims, settings)
+    device_bytes = device_memory(settings, dims)
+    ranked, baseline = plan(cfg, dims, settings, device_bytes)
     fp = next(c for c in ranked if c.configured).memory
     model = OmegaConf.select(cfg, "model._target_", default="?")
-    where = f"{_mib(room(settings, dims, 1))} per device"
-    if dims.accelerator == "gpu" and settings.device_memory is None:
-        each = [f"GPU {i}: {_mib(free)} free of {_mib(total)}"
+    each = _mib(room(device_bytes, settings, dims, 1))
+    if settings.device_memory is not None:
+        where = f"{each} per device"
+    elif dims.accelerator == "gpu":
+        gpus = [f"GPU {i}: {_mib(free)} free of {_mib(total)}"
                 for i, (free, total) in enumerate(gpu_memory())]  # fmt: skip
-        where += f" ({', '.join(each)})"
-    elif settings.device_memory is None:
-        where = f"{_mib(room(settings, dims, 1))} of host memory, shared by a run's processes"
+        where = f"{each} per device ({', '.join(gpus)})"
+    else:
+        where = f"{each} of host memory, shared by a run's processes"
     lines = [
         f"Plan for {model}, batch {fp.batch} per process, precision {cfg.precision}: {where} "
         f"after the {settings.margin:.0%} margin (plan.margin)"
@@ -662,10 +658,12 @@ def check_fits(cfg: DictConfig, dims: ParallelDims) -> None:
     if not settings.check:
         return
     try:
-        own_room = room(settings, dims, dims.processes_per_node)
-        if 4 * _meta_param_bytes(cfg) + process_baseline(dims) < own_room // 2:
+        device_bytes = device_memory(settings, dims)
+        own_room = room(device_bytes, settings, dims, dims.processes_per_node)
+        built = meta_model(cfg)  # once: for the cheap test, then for the plan where it fails
+        if 4 * _param_bytes(built[0]) + process_baseline(dims) < own_room // 2:
             return
-        ranked, baseline = plan(cfg, dims, settings)
+        ranked, baseline = plan(cfg, dims, settings, device_bytes, built)
     except ConfigError:
         raise
     except Exception as err:  # a module the estimate cannot build or run: the run finds out
@@ -702,10 +700,6 @@ def meta_model(cfg: DictConfig) -> tuple[nn.Module, object]:
     with torch.random.fork_rng(devices=[]), torch.device("meta"):  # the run's draws stay its own
         # every block is on the meta device already: none to materialise per process
         return build_model(cfg, datamodule, LIGHTNING), datamodule
-
-
-def _meta_param_bytes(cfg: DictConfig) -> int:
-    return _param_bytes(meta_model(cfg)[0])
 
 
 def _mib(n: int) -> str:
