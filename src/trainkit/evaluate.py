@@ -22,9 +22,10 @@ from trainkit.console import quiet
 from trainkit.errors import ConfigError
 from trainkit.launch import isolated_job
 from trainkit.loggers import ending_tracker_runs
-from trainkit.preflight import check_built_run, preflight, why_cannot
+from trainkit.preflight import check_built_run, why_cannot
 from trainkit.run_dir import owning_run_dir
 from trainkit.run_files import as_floats, write_config, write_json
+from trainkit.run_plan import evaluation_plan
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +117,8 @@ def run(cfg: DictConfig) -> dict[str, dict[str, float]]:
 def _evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
     stages = [cfg.stages] if isinstance(cfg.stages, str) else list(cfg.stages)
     check_stages(stages)
-    cfg = with_checkpoint_config(cfg)
-    dims = preflight(cfg, training=False)
+    planned = evaluation_plan(with_checkpoint_config(cfg))
+    cfg, dims = planned.cfg, planned.dims
     datamodule = build_datamodule(cfg)
     model = build_model(cfg, datamodule, dims.caps, trained=True)  # compiled as eval's says
     output_dir = Path(cfg.paths.output_dir)

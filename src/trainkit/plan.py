@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_leaves
 
 from trainkit.errors import ConfigError
 from trainkit.parallel import LIGHTNING, Capabilities, ParallelDims, resolve_accelerator
+from trainkit.run_plan import RunPlan
 
 log = logging.getLogger(__name__)
 
@@ -602,8 +603,9 @@ def plan(
     return sorted(marked, key=lambda c: (not c.fits, speed(c), c.processes)), baseline
 
 
-def table(cfg: DictConfig, dims: ParallelDims, settings: Settings) -> str:
+def table(planned: RunPlan) -> str:
     """The plan as ``plan=true`` prints it."""
+    cfg, dims, settings = planned.cfg, planned.dims, Settings.from_config(planned.cfg)
     device_bytes = device_memory(settings, dims)
     ranked, baseline = plan(cfg, dims, settings, device_bytes)
     fp = next(c for c in ranked if c.configured).memory
@@ -649,12 +651,12 @@ def table(cfg: DictConfig, dims: ParallelDims, settings: Settings) -> str:
     return "\n".join(lines)
 
 
-def check_fits(cfg: DictConfig, dims: ParallelDims) -> None:
+def check_fits(planned: RunPlan) -> None:
     """Refuses, before any process starts, a run whose estimated peak per device does not fit,
     naming a choice that does (``plan.check=false``: no check). Cheap for most runs: the fake
     step runs only where the state alone (weights, gradients and two moments: 4 bytes for each
     byte of weights) takes over half the room."""
-    settings = Settings.from_config(cfg)
+    cfg, dims, settings = planned.cfg, planned.dims, Settings.from_config(planned.cfg)
     if not settings.check:
         return
     try:

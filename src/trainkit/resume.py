@@ -86,10 +86,12 @@ def newest_last_checkpoint(runs_dir: Path, exclude: Path) -> Path | None:
 @dataclass(frozen=True)
 class Resume:
     """What a run takes from the checkpoint it resumes, read once: its path (for Lightning, which
-    loads its state) and the tracker runs (MLflow, W&B) its run logged to."""
+    loads its state) and the tracker runs (MLflow, W&B) its run logged to; and whether this start
+    is the launcher's restart of the run (``is_restart``)."""
 
     path: str
     tracker_runs: dict[str, str]
+    restart: bool = False
 
 
 def resume_from(cfg: DictConfig) -> tuple[Resume | None, DictConfig]:
@@ -103,7 +105,8 @@ def resume_from(cfg: DictConfig) -> tuple[Resume | None, DictConfig]:
     checkpoint = read_checkpoint(path, cfg.get("weights_only", True))
     cfg = resumed_config(cfg, Path(path), checkpoint)
     check_resume_config(Path(path), cfg, checkpoint)
-    return Resume(path, dict(checkpoint.get(TRACKERS_KEY) or {})), cfg
+    runs = dict(checkpoint.get(TRACKERS_KEY) or {})
+    return Resume(path, runs, is_restart(cfg.paths.output_dir)), cfg
 
 
 def resolve_ckpt_path(cfg: DictConfig) -> str | None:

@@ -22,36 +22,24 @@ from trainkit.callbacks import (
 from trainkit.callbacks.preemption import Preempted
 from trainkit.checkpoint_io import remove_stale_temp_files
 from trainkit.console import quiet
-from trainkit.launch import first_process, in_multirun, isolated_job
-from trainkit.loggers import (
-    continue_tracker_runs,
-    ending_tracker_runs,
-    flat_hparams,
-    log_final,
-    log_run_config,
-    run_tags,
-)
-from trainkit.parallel import ParallelDims
+from trainkit.launch import first_process, isolated_job
+from trainkit.loggers import ending_tracker_runs, flat_hparams, log_final, log_run_config, run_tags
 from trainkit.plan import Settings, check_fits, table
-from trainkit.preflight import check_built_run, preflight, why_cannot
-from trainkit.resume import (
-    composing_overrides,
-    is_restart,
-    job_overrides,
-    record_launch,
-    resume_from,
-)
+from trainkit.preflight import check_built_run, why_cannot
+from trainkit.resume import composing_overrides, job_overrides, record_launch
 from trainkit.run_dir import left_unused, owning_run_dir
 from trainkit.run_files import as_floats, write_config, write_json
+from trainkit.run_plan import RunPlan, training_plan
 from trainkit.runtime import tune_malloc
 
 log = logging.getLogger(__name__)
 
 
 def build(
-    cfg: DictConfig, dims: ParallelDims, extra_callbacks: Sequence[L.Callback] = ()
+    planned: RunPlan, extra_callbacks: Sequence[L.Callback] = ()
 ) -> tuple[L.LightningDataModule, L.LightningModule, L.Trainer]:
-    """Every object of a run, from its config. Writes the resolved config into the run directory."""
+    """Every object of a run, from its plan. Writes the resolved config into the run directory."""
+    cfg, dims = planned.cfg, planned.dims
     datamodule = build_datamodule(cfg)
     model = build_model(cfg, datamodule, dims.caps)
     output_dir = Path(cfg.paths.output_dir)
@@ -90,41 +78,32 @@ def show_plan(cfg: DictConfig) -> None:
     """``plan=true``: the memory plan of the run these overrides compose (a resume's: its
     checkpoint's config), printed; nothing is trained, and no run directory is left."""
     with left_unused(cfg.paths.get("output_dir")):
-        _, cfg = resume_from(cfg)
-        print(table(cfg, preflight(cfg), Settings.from_config(cfg)))
+        print(table(training_plan(cfg)))
 
 
 def _train_and_test(cfg: DictConfig) -> float | None:
-    resume, cfg = resume_from(cfg)  # a resume runs its checkpoint's config
-    ckpt_path = resume.path if resume else None
-    dims = preflight(cfg)
+    planned = training_plan(cfg)  # checked: a run that cannot start stops here
+    cfg = planned.cfg
     if first_process():
-        check_fits(cfg, dims)  # a run planned not to fit is refused before its processes start
-    restart = bool(resume) and is_restart(cfg.paths.output_dir)  # before record_launch
-    if first_process():
+        check_fits(planned)  # a run planned not to fit is refused before its processes start
         record_launch(cfg.paths.output_dir)  # so that the launcher's restarts resume this run
         for stale in remove_stale_temp_files(Path(cfg.paths.output_dir) / "checkpoints"):
             log.info("removed %s, left by a save that was killed", stale)
-    # A resumed run logs on into its tracker runs, except a sweep's jobs that all start from one
-    # checkpoint: each gets runs of its own
-    if resume and (restart or not in_multirun()):
-        continue_tracker_runs(cfg.get("logger"), resume.tracker_runs)
     tune_malloc(keep_freed=cfg.tune_malloc)  # (null resolved by preflight)
     if cfg.seed is not None:
         L.seed_everything(cfg.seed, workers=True)
-    datamodule, model, trainer = build(cfg, dims)
+    datamodule, model, trainer = build(planned)
     with ending_tracker_runs(trainer.loggers):
-        return _fit_and_test(cfg, dims, datamodule, model, trainer, ckpt_path)
+        return _fit_and_test(planned, datamodule, model, trainer)
 
 
 def _fit_and_test(
-    cfg: DictConfig,
-    dims: ParallelDims,
+    planned: RunPlan,
     datamodule: L.LightningDataModule,
     model: L.LightningModule,
     trainer: L.Trainer,
-    ckpt_path: str | None,
 ) -> float | None:
+    cfg, dims, ckpt_path = planned.cfg, planned.dims, planned.ckpt_path
     weights_only = cfg.weights_only
     prepare_data_once(datamodule, dims)
     check_built_run(cfg, dims, datamodule, model, trainer.strategy)

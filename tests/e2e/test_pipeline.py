@@ -24,6 +24,7 @@ from trainkit.config import compose_config
 from trainkit.data.synthetic import write_mnist
 from trainkit.parallel import ParallelDims
 from trainkit.preflight import preflight
+from trainkit.run_plan import RunPlan
 from trainkit.train import build
 
 N_TRAIN_FILE, VAL, N_TEST = 1000, 232, 251  # 768 training images: 3 batches of 256, 6 of 128
@@ -169,7 +170,7 @@ def test_training_moved_the_weights(runs: dict, base: tuple[str, ...], tmp_path:
     cfg = compose_config("train", tmp_path, [*base, "trainer.max_epochs=1"])
     dims = preflight(cfg)
     L.seed_everything(cfg.seed, workers=True)
-    _, model, _ = build(cfg, dims)
+    _, model, _ = build(RunPlan(cfg, dims))
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
     for name in ("single", "gpipe"):
         diffs = max_diff(init, weights(runs[name]))
@@ -344,13 +345,14 @@ import torch
 from trainkit.config import compose_config
 from trainkit.parallel import ParallelDims
 from trainkit.preflight import preflight
+from trainkit.run_plan import RunPlan
 from trainkit.train import build
 
 out = Path(sys.argv[1])
 cfg = compose_config("train", out, sys.argv[2:])
 dims = preflight(cfg)
 L.seed_everything(cfg.seed, workers=True)
-datamodule, model, trainer = build(cfg, dims)
+datamodule, model, trainer = build(RunPlan(cfg, dims))
 trainer.fit(model, datamodule=datamodule)
 predictions = torch.cat(trainer.predict(model, datamodule=datamodule))
 if trainer.global_rank == 0:
@@ -398,7 +400,7 @@ def test_predict_after_fit_uses_every_stage_trained_weights(
     last.ckpt, written at the end of training)."""
     predictions = torch.load(predict_run / "predict.pt", weights_only=True)["predictions"]
     cfg = compose_config("train", predict_run / "single", [*base, "accelerator=cpu"])
-    datamodule, model, _ = build(cfg, ParallelDims.from_config(cfg))
+    datamodule, model, _ = build(RunPlan(cfg, ParallelDims.from_config(cfg)))
     model.load_state_dict(weights(predict_run))
     one_device = quiet_trainer(accelerator="cpu", devices=1)
     expected = torch.cat(one_device.predict(model, datamodule=datamodule))

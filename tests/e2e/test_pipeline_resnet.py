@@ -22,6 +22,7 @@ from helpers import max_diff
 from trainkit.config import compose_config
 from trainkit.data.synthetic import write_cifar10
 from trainkit.preflight import preflight
+from trainkit.run_plan import RunPlan
 from trainkit.train import build
 
 # long end-to-end runs (CI's `slow` job); every test reads the module's runs: one worker makes them
@@ -80,7 +81,7 @@ def test_resnet_training_moved_every_weight(
     cfg = compose_config("train", tmp_path, list(base))  # one device starts as the stages do
     dims = preflight(cfg)
     L.seed_everything(cfg.seed, workers=True)
-    _, model, _ = build(cfg, dims)
+    _, model, _ = build(RunPlan(cfg, dims))
     init = model.state_dict()
     for name in ("gpipe64", "interleaved64"):
         trained = last(runs[name])["state_dict"]

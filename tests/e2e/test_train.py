@@ -15,8 +15,11 @@ from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from helpers import OFFLINE_ENV, ROOT, TRAINED_RUN, run_python, shares_trained_run
+from trainkit import checkpoint_io, resume
 from trainkit.errors import ConfigError
 from trainkit.resume import resolve_ckpt_path, resume_from
+from trainkit.run_plan import training_plan
+from trainkit.train import build
 
 # Most tests read conftest's trained_run (and the repeat of its command below): one worker.
 pytestmark = shares_trained_run
@@ -239,3 +242,32 @@ def test_offline_the_quickstart_on_a_fresh_data_dir_ends_in_one_line_naming_the_
         "data.root=data/synthetic data.val_size=1000",
     ):
         assert command in line and command in readme
+
+
+def test_a_resumes_plan_is_made_once_and_the_build_reads_it(
+    compose, trained_run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run's one description: the checkpoint read once (its config for the resume, its
+    tracker runs), the layout and what preflight settles; the build reads the plan, and nothing
+    reads the checkpoint again before Lightning loads its state. (Composed in this process there
+    is no command line: the config that a resume takes from its checkpoint is checked on real
+    runs, in e2e/test_reliability.py.)"""
+    ours = trained_run / "checkpoints" / "last.ckpt"
+    reads: list[str] = []
+    read = checkpoint_io.read_checkpoint
+
+    def counted(path, *args):
+        reads.append(str(path))
+        return read(path, *args)
+
+    for module in (resume, checkpoint_io):
+        monkeypatch.setattr(module, "read_checkpoint", counted)
+    planned = training_plan(compose(f"ckpt_path={ours}", "strategy=pipeline", "devices=2"))
+    assert reads == [str(ours)]
+    assert planned.ckpt_path == str(ours) and not planned.resume.restart
+    assert planned.dims.world_size == planned.dims.stages == 2
+    assert planned.cfg.data.drop_last is True  # null in conf/: what the pipeline requires
+    datamodule, _, trainer = build(planned)
+    assert datamodule.drop_last(True) is True
+    assert trainer.strategy.capabilities == planned.dims.caps
+    assert reads == [str(ours)]

@@ -31,6 +31,7 @@ from trainkit.errors import ConfigError
 from trainkit.evaluate import check_data_keys, move_data_dir
 from trainkit.parallel import ParallelDims
 from trainkit.resolvers import run_name
+from trainkit.run_plan import RunPlan
 from trainkit.train import build, run
 
 Built = tuple[DictConfig, MNISTDataModule, ImageClassifier, L.Trainer]
@@ -40,7 +41,7 @@ Built = tuple[DictConfig, MNISTDataModule, ImageClassifier, L.Trainer]
 def built(compose: Callable[..., DictConfig]) -> Callable[..., Built]:
     def built(*overrides: str) -> Built:
         cfg = compose(*overrides)
-        return (cfg, *build(cfg, ParallelDims.from_config(cfg)))
+        return (cfg, *build(RunPlan(cfg, ParallelDims.from_config(cfg))))
 
     return built
 

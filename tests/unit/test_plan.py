@@ -26,6 +26,7 @@ from trainkit.plan import (
     pipelined,
     table,
 )
+from trainkit.run_plan import RunPlan
 
 # model.net.hidden=[64, 32] on MNIST: 784*64+64, 64*32+32 and 32*10+10 float32s
 SMALL = "model.net.hidden=[64,32]"
@@ -111,7 +112,7 @@ def test_plan_true_is_short_for_plan_show(compose) -> None:
 
 def test_a_given_device_memory_is_a_devices_not_the_hosts(compose) -> None:
     cfg = compose(SMALL, "plan.device_memory=2")
-    first = table(cfg, ParallelDims.from_config(cfg), Settings.from_config(cfg)).splitlines()[0]
+    first = table(RunPlan(cfg, ParallelDims.from_config(cfg))).splitlines()[0]
     assert "per device" in first and "host memory" not in first, first
 
 
@@ -120,17 +121,17 @@ def test_the_guard_refuses_a_run_that_does_not_fit_and_names_one_that_does(compo
     cfg = compose(*wide, "plan.device_memory=0.05")  # 46 MB after the margin: nothing fits
     dims = ParallelDims.from_config(cfg)
     with pytest.raises(ConfigError, match="no choice fits") as refused:
-        check_fits(cfg, dims)
+        check_fits(RunPlan(cfg, dims))
     assert "plan=true" in str(refused.value) and "plan.check=false" in str(refused.value)
     OmegaConf.update(cfg, "plan.check", False)
-    check_fits(cfg, dims)  # turned off: no refusal
+    check_fits(RunPlan(cfg, dims))  # turned off: no refusal
 
 
 def test_a_small_run_is_not_planned_at_all(compose, monkeypatch) -> None:
     """The fake step runs only where the state could fill half the room."""
     monkeypatch.setattr("trainkit.plan.footprint", lambda *a, **k: pytest.fail("planned"))
     cfg = compose(SMALL)
-    check_fits(cfg, ParallelDims.from_config(cfg))
+    check_fits(RunPlan(cfg, ParallelDims.from_config(cfg)))
 
 
 def test_the_peak_holds_activations_or_gradients_not_both() -> None:
@@ -152,7 +153,7 @@ def test_a_users_module_is_planned_for_the_strategies_that_can_run_it(tmp_path) 
     })  # fmt: skip
     overrides = [f"hydra.searchpath=[file://{conf}]", "model=lit_autoencoder", "data=lit_mnist"]
     cfg = compose_config("train", tmp_path / "run", [*overrides, "accelerator=cpu"])
-    printed = table(cfg, ParallelDims.from_config(cfg), Settings.from_config(cfg))
+    printed = table(RunPlan(cfg, ParallelDims.from_config(cfg)))
     names = [row.split(" | ")[1] for row in printed.splitlines() if row.count("|") > 8][2:]
     assert sorted(names) == ["ddp x2", "fsdp x2", "one device"]
     assert "Not counted: activations not estimated" in printed

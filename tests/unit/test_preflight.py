@@ -38,6 +38,7 @@ from trainkit.preflight import (
     why_cannot,
 )
 from trainkit.resume import resolve_ckpt_path, resume_from
+from trainkit.run_plan import RunPlan
 from trainkit.runtime import cpu_flags, has_bf16_units, usable_cores
 from trainkit.strategies.dp import DataParallelStrategy
 from trainkit.train import build
@@ -400,7 +401,7 @@ def test_no_monitor_leaves_the_two_checkpoints_their_own_state_keys(compose) -> 
     cfg = compose("monitor=null", "monitor_mode=min", "logger=none")
     dims = preflight(cfg)
     assert cfg.monitor_mode == "max"
-    _, _, trainer = build(cfg, dims)
+    _, _, trainer = build(RunPlan(cfg, dims))
     keys = [c.state_key for c in trainer.checkpoint_callbacks]
     assert len(keys) == len(set(keys)) == 2
 

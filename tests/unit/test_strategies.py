@@ -14,6 +14,7 @@ from trainkit.build import build_strategy
 from trainkit.config import compose_config
 from trainkit.errors import ConfigError
 from trainkit.preflight import check_built_run, preflight
+from trainkit.run_plan import RunPlan, training_plan
 from trainkit.strategies.fsdp import FSDPStrategy
 from trainkit.train import build
 
@@ -68,7 +69,7 @@ def test_precision_trains_two_steps_on_cpu(
     cfg = compose_config(
         "train", tmp_path, [*overrides, f"precision={precision}", *PRECISION_STEPS]
     )
-    datamodule, model, trainer = build(cfg, preflight(cfg))
+    datamodule, model, trainer = build(training_plan(cfg))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     trainer.fit(model, datamodule=datamodule)
 
@@ -121,7 +122,7 @@ def test_fsdp_shards_the_repeated_blocks_of_any_module(compose) -> None:
     autoencoder = lightning_examples.LitAutoEncoder()  # Linear, ReLU, Linear: no repeated block
     assert unit_names(autoencoder) == ["encoder", "decoder"]
     cfg = compose("strategy=fsdp", "devices=2")
-    _, model, _ = build(cfg, preflight(cfg))
+    _, model, _ = build(training_plan(cfg))
     # the MLP's 2 hidden layers and head; net holds nothing else, the task's metrics nothing
     assert unit_names(model) == [f"net.{i}" for i in range(3)]
     wrapped = unit_names(language, ["torch.nn.TransformerDecoderLayer", "torch.nn.Embedding"])
@@ -156,7 +157,7 @@ def test_fsdp_check_runs_before_any_process(compose) -> None:
 
     def check(cfg) -> None:
         dims = preflight(cfg)
-        datamodule, model, trainer = build(cfg, dims)
+        datamodule, model, trainer = build(RunPlan(cfg, dims))
         check_built_run(cfg, dims, datamodule, model, trainer.strategy)
 
     check(compose("strategy=fsdp", "devices=2"))

@@ -4,7 +4,7 @@ import lightning as L
 import pytest
 import torch
 
-from trainkit.preflight import preflight
+from trainkit.run_plan import training_plan
 from trainkit.train import build
 
 
@@ -36,7 +36,7 @@ def test_gradients_are_freed_after_the_optimizer_step(compose, accumulate: int) 
         f"trainer.accumulate_grad_batches={accumulate}",
     )
     seen = GradientsSeen()
-    datamodule, model, trainer = build(cfg, preflight(cfg), extra_callbacks=[seen])
+    datamodule, model, trainer = build(training_plan(cfg), extra_callbacks=[seen])
     trainer.fit(model, datamodule=datamodule)
 
     assert seen.before_step == [True] * 3
@@ -82,7 +82,7 @@ def test_training_metrics_take_every_sample_in_one_update_per_logging_interval(
         "logger=none",
     )
     seen = StepsSeen()
-    datamodule, model, trainer = build(cfg, preflight(cfg), extra_callbacks=[seen])
+    datamodule, model, trainer = build(training_plan(cfg), extra_callbacks=[seen])
     trainer.fit(model, datamodule=datamodule)
 
     assert len(seen.outputs) == steps
@@ -119,7 +119,7 @@ def test_every_backward_starts_without_gradients(compose, own_step: bool) -> Non
     optimizer_step of the user's own that does not free them gets Lightning's zero_grad back."""
     cfg = compose("trainer.max_steps=3", "trainer.limit_val_batches=0", "logger=none")
     seen = GradientsAtBackward()
-    datamodule, model, trainer = build(cfg, preflight(cfg), extra_callbacks=[seen])
+    datamodule, model, trainer = build(training_plan(cfg), extra_callbacks=[seen])
     if own_step:
         model.__class__ = type("WarmUp", (type(model),), {"optimizer_step": step_only})
     trainer.fit(model, datamodule=datamodule)
