@@ -519,13 +519,16 @@ def at_batch(fp: Footprint, batch: int) -> Footprint:
 # ---- the device, the table and the guard -------------------------------------------------------
 
 
-def device_memory(settings: Settings, dims: ParallelDims) -> int:
+def device_memory(
+    settings: Settings, dims: ParallelDims, gpus: list[tuple[int, int]] | None = None
+) -> int:
     """A device's bytes: ``plan.device_memory`` (GiB) where given; else each GPU's free memory
-    (the least of them), or on CPU the host's available memory (``room`` shares it)."""
+    (the least of them; ``gpus``: ``gpu_memory()`` where the caller read it already), or on CPU
+    the host's available memory (``room`` shares it)."""
     if settings.device_memory is not None:
         return int(settings.device_memory * GiB)
     if dims.accelerator == "gpu":
-        return min(free for free, _ in gpu_memory())
+        return min(free for free, _ in gpus or gpu_memory())
     return _available_host_memory()
 
 
@@ -606,7 +609,9 @@ def plan(
 def table(planned: RunPlan) -> str:
     """The plan as ``plan=true`` prints it."""
     cfg, dims, settings = planned.cfg, planned.dims, Settings.from_config(planned.cfg)
-    device_bytes = device_memory(settings, dims)
+    measured = dims.accelerator == "gpu" and settings.device_memory is None
+    gpus = gpu_memory() if measured else []  # read once: for the room and for the table
+    device_bytes = device_memory(settings, dims, gpus)
     ranked, baseline = plan(cfg, dims, settings, device_bytes)
     fp = next(c for c in ranked if c.configured).memory
     model = OmegaConf.select(cfg, "model._target_", default="?")
@@ -614,9 +619,9 @@ def table(planned: RunPlan) -> str:
     if settings.device_memory is not None:
         where = f"{each} per device"
     elif dims.accelerator == "gpu":
-        gpus = [f"GPU {i}: {_mib(free)} free of {_mib(total)}"
-                for i, (free, total) in enumerate(gpu_memory())]  # fmt: skip
-        where = f"{each} per device ({', '.join(gpus)})"
+        each_gpu = [f"GPU {i}: {_mib(free)} free of {_mib(total)}"
+                    for i, (free, total) in enumerate(gpus)]  # fmt: skip
+        where = f"{each} per device ({', '.join(each_gpu)})"
     else:
         where = f"{each} of host memory, shared by a run's processes"
     lines = [

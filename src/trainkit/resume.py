@@ -91,14 +91,15 @@ class Resume:
 
     path: str
     tracker_runs: dict[str, str]
-    restart: bool = False
+    restart: bool
 
 
 def resume_from(cfg: DictConfig) -> tuple[Resume | None, DictConfig]:
     """The checkpoint a run resumes from (None: it starts fresh) and the config it runs: the
     checkpoint's run's, with the keys typed on this command line changed, checked against what
     the checkpoint's state can follow."""
-    path = resolve_ckpt_path(cfg)
+    restart = is_restart(cfg.paths.output_dir)  # read before this start records its launch
+    path = resolve_ckpt_path(cfg, restart)
     if path is None:
         return None, cfg
     # read once (memory-mapped); a one-line ConfigError where it is missing or not one of ours
@@ -106,14 +107,15 @@ def resume_from(cfg: DictConfig) -> tuple[Resume | None, DictConfig]:
     cfg = resumed_config(cfg, Path(path), checkpoint)
     check_resume_config(Path(path), cfg, checkpoint)
     runs = dict(checkpoint.get(TRACKERS_KEY) or {})
-    return Resume(path, runs, is_restart(cfg.paths.output_dir)), cfg
+    return Resume(path, runs, restart), cfg
 
 
-def resolve_ckpt_path(cfg: DictConfig) -> str | None:
+def resolve_ckpt_path(cfg: DictConfig, restart: bool) -> str | None:
     """The checkpoint file to resume from (None: start fresh); a one-line ConfigError where
-    ``ckpt_path=last`` finds none (``resume_from`` reads the file)."""
+    ``ckpt_path=last`` finds none (``resume_from`` reads the file). ``restart``: this start is
+    the launcher's restart of the run (``is_restart``), which resumes its own last checkpoint."""
     own = Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt"
-    if own.is_file() and is_restart(cfg.paths.output_dir):
+    if restart and own.is_file():
         return str(newest_intact(own))
     if cfg.ckpt_path is None:
         return None

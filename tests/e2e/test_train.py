@@ -209,7 +209,7 @@ def test_foreign_and_other_model_checkpoints(compose, trained_run: Path, tmp_pat
     with pytest.raises(ConfigError, match=r"was not written by trainkit's train\.py"):
         resume_from(compose(f"ckpt_path={foreign}"))
     ours = trained_run / "checkpoints" / "last.ckpt"
-    assert resolve_ckpt_path(compose(f"ckpt_path={ours}")) == str(ours)
+    assert resolve_ckpt_path(compose(f"ckpt_path={ours}"), restart=False) == str(ours)
     with pytest.raises(ConfigError, match=r"holds a different model: model\.net=.*hidden"):
         resume_from(compose(f"ckpt_path={ours}", "model.net.hidden=[64]"))
 
@@ -220,7 +220,7 @@ def test_last_picks_the_newest_earlier_run(compose, trained_run: Path) -> None:
     newest = max(
         log_dir.glob("train/runs/*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime
     )
-    assert resolve_ckpt_path(cfg) == str(newest)
+    assert resolve_ckpt_path(cfg, restart=False) == str(newest)
 
 
 def test_offline_the_quickstart_on_a_fresh_data_dir_ends_in_one_line_naming_the_fix(

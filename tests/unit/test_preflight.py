@@ -133,7 +133,7 @@ def test_last_without_an_earlier_run(compose, tmp_path: Path) -> None:
     cfg = compose("ckpt_path=last", f"paths.log_dir={tmp_path / 'logs'}")
     match = r"ckpt_path=last: no earlier run under .* checkpoints/last\.ckpt"
     with pytest.raises(ConfigError, match=match):
-        resolve_ckpt_path(cfg)
+        resolve_ckpt_path(cfg, restart=False)
 
 
 @pytest.mark.parametrize(

@@ -34,7 +34,8 @@ def test_the_launchers_restart_continues_in_its_directory(earlier_run: Path, ove
     cfg = compose_config("train", earlier_run, overrides)
     assert is_restart(str(earlier_run))
     with owning_run_dir(cfg):  # not refused as an earlier run's directory
-        assert resolve_ckpt_path(cfg) is None  # no last.ckpt yet: starts as the first start did
+        # no last.ckpt yet: starts as the first start did
+        assert resolve_ckpt_path(cfg, restart=True) is None
 
 
 @pytest.mark.parametrize(
