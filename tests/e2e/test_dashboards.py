@@ -165,9 +165,10 @@ def test_tensorboard_serves_scalars_and_hparams(
 
 
 def test_profile_writes_a_chrome_trace(
-    run_script: Callable[..., Path], overrides: tuple[str, ...]
+    run_here: Callable[..., Path], overrides: tuple[str, ...]
 ) -> None:
-    run = run_script("train.py", *overrides, "debug=profile", "data.batch_size=50")
+    """One device, in this process: the profiler's trace is what is checked, not a process."""
+    run = run_here("train.py", *overrides, "debug=profile", "data.batch_size=50")
     trace = run / "profile" / "train_steps.pt.trace.json"
     events = json.loads(trace.read_text())["traceEvents"]
     assert any("aten::" in event.get("name", "") for event in events)  # real operator events

@@ -40,6 +40,7 @@ from helpers import (
 )
 from lightning_docs import MNISTDataModule
 from trainkit.data.synthetic import write_mnist, write_wikitext
+from trainkit.errors import ConfigError
 
 USER_CONF = {
     "model/lit_autoencoder.yaml": "_target_: lightning_examples.LitAutoEncoder\nhidden_dim: 64\n",
@@ -416,11 +417,12 @@ def refused(proc, line: str) -> None:
 
 
 def test_eval_reaches_a_user_datamodules_own_arguments(
-    runs: dict, data: dict, run_script: Callable[..., Path], tmp_path: Path
+    runs: dict, data: dict, run_here: Callable[..., Path], tmp_path: Path
 ) -> None:
     """``data.<key>`` for any argument of the checkpoint's datamodule, without a ``+``;
     ``paths.data_dir`` where the training run's data config took it (``${paths.data_dir}``); a
-    key the datamodule does not take refused with those it does."""
+    key the datamodule does not take refused with those it does: in one line by ``eval.py``, and
+    with the closest key for a typo. The evaluations run in this process (one device)."""
     if runs["example"] != "autoencoder":
         pytest.skip("one user datamodule is enough: the autoencoder's")
     trained = runs["single"]
@@ -428,7 +430,7 @@ def test_eval_reaches_a_user_datamodules_own_arguments(
     moved = shutil.copytree(data["mnist"], tmp_path / "moved")
     for given, batch in (((f"data.data_dir={moved}", "data.batch_size=50"), 50),
                          ((f"paths.data_dir={moved}",), BATCH)):  # fmt: skip
-        run_dir = run_script("eval.py", *ckpt, *given)
+        run_dir = run_here("eval.py", *ckpt, *given)
         assert metrics(run_dir)["test"] == pytest.approx(metrics(trained)["test"], rel=1e-5)
         used = OmegaConf.load(run_dir / "config.yaml").data
         assert (used.data_dir, used.batch_size) == (str(moved), batch)
@@ -437,32 +439,27 @@ def test_eval_reaches_a_user_datamodules_own_arguments(
         "data.root: MNISTDataModule takes no argument 'root'; it takes data_dir, batch_size, "
         "train_fraction, download",
     )
-    refused(
-        run_python("eval.py", *ckpt, "data.bach_size=8", log_dir=tmp_path),
+    with pytest.raises(ConfigError) as typo:
+        run_here("eval.py", *ckpt, "data.bach_size=8")
+    assert str(typo.value) == (
         "data.bach_size: MNISTDataModule takes no argument 'bach_size' (did you mean "
-        "data.batch_size?); it takes data_dir, batch_size, train_fraction, download",
+        "data.batch_size?); it takes data_dir, batch_size, train_fraction, download"
     )
 
 
 @shares_trained_run
 def test_a_data_dir_the_checkpoints_data_does_not_take_is_refused_naming_the_key(
-    trained_run: Path, mnist_root: Path, tmp_path: Path
+    trained_run: Path, mnist_root: Path, tmp_path: Path, run_here: Callable[..., Path]
 ) -> None:
     """The template's own run, trained with ``data.root=<dir>`` (not under its
     ``paths.data_dir``): ``paths.data_dir`` would move nothing, and the line names the key that
-    does."""
+    does (in this process: eval.py's one-line refusal is the test above)."""
     best_ckpt = trained_run / "checkpoints" / "best.ckpt"
     trained_data_dir = OmegaConf.load(trained_run / "config.yaml").paths.data_dir
-    proc = run_python(
-        "eval.py",
-        f"ckpt_path={best_ckpt}",
-        "accelerator=cpu",
-        f"paths.data_dir={tmp_path}",
-        log_dir=tmp_path,
-    )
-    refused(
-        proc,
+    with pytest.raises(ConfigError) as refusal:
+        run_here("eval.py", f"ckpt_path={best_ckpt}", CPU, f"paths.data_dir={tmp_path}")
+    assert str(refusal.value) == (
         f"paths.data_dir={tmp_path}: the checkpoint's data config takes nothing from its run's "
         f"paths.data_dir ({trained_data_dir}), so it would not move; give the data's own key "
-        f"instead: data.root={mnist_root}",
+        f"instead: data.root={mnist_root}"
     )
