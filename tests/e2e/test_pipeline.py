@@ -23,8 +23,7 @@ from helpers import quiet_trainer, readme_run, run_python
 from trainkit.config import compose_config
 from trainkit.data.synthetic import write_mnist
 from trainkit.parallel import ParallelDims
-from trainkit.preflight import preflight
-from trainkit.run_plan import RunPlan
+from trainkit.run_plan import RunPlan, training_plan
 from trainkit.train import build
 
 N_TRAIN_FILE, VAL, N_TEST = 1000, 232, 251  # 768 training images: 3 batches of 256, 6 of 128
@@ -167,10 +166,9 @@ def test_training_moved_the_weights(runs: dict, base: tuple[str, ...], tmp_path:
 
     The initial weights are rebuilt in-process as train.py builds them (seed, then build) on one
     device: each pipeline stage starts its blocks exactly so (models/blocks.py)."""
-    cfg = compose_config("train", tmp_path, [*base, "trainer.max_epochs=1"])
-    dims = preflight(cfg)
-    L.seed_everything(cfg.seed, workers=True)
-    _, model, _ = build(RunPlan(cfg, dims))
+    planned = training_plan(compose_config("train", tmp_path, [*base, "trainer.max_epochs=1"]))
+    L.seed_everything(planned.cfg.seed, workers=True)
+    _, model, _ = build(planned)
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
     for name in ("single", "gpipe"):
         diffs = max_diff(init, weights(runs[name]))
@@ -343,16 +341,13 @@ import lightning as L
 import torch
 
 from trainkit.config import compose_config
-from trainkit.parallel import ParallelDims
-from trainkit.preflight import preflight
-from trainkit.run_plan import RunPlan
+from trainkit.run_plan import training_plan
 from trainkit.train import build
 
 out = Path(sys.argv[1])
-cfg = compose_config("train", out, sys.argv[2:])
-dims = preflight(cfg)
-L.seed_everything(cfg.seed, workers=True)
-datamodule, model, trainer = build(RunPlan(cfg, dims))
+planned = training_plan(compose_config("train", out, sys.argv[2:]))
+L.seed_everything(planned.cfg.seed, workers=True)
+datamodule, model, trainer = build(planned)
 trainer.fit(model, datamodule=datamodule)
 predictions = torch.cat(trainer.predict(model, datamodule=datamodule))
 if trainer.global_rank == 0:

@@ -21,8 +21,7 @@ import torch
 from helpers import max_diff
 from trainkit.config import compose_config
 from trainkit.data.synthetic import write_cifar10
-from trainkit.preflight import preflight
-from trainkit.run_plan import RunPlan
+from trainkit.run_plan import training_plan
 from trainkit.train import build
 
 # long end-to-end runs (CI's `slow` job); every test reads the module's runs: one worker makes them
@@ -78,10 +77,10 @@ def test_resnet_training_moved_every_weight(
     runs: dict[str, Path], base: tuple[str, ...], tmp_path: Path
 ) -> None:
     """Without this, 'equal to one device' would also hold for weights that never changed."""
-    cfg = compose_config("train", tmp_path, list(base))  # one device starts as the stages do
-    dims = preflight(cfg)
-    L.seed_everything(cfg.seed, workers=True)
-    _, model, _ = build(RunPlan(cfg, dims))
+    # one device starts as the stages do
+    planned = training_plan(compose_config("train", tmp_path, list(base)))
+    L.seed_everything(planned.cfg.seed, workers=True)
+    _, model, _ = build(planned)
     init = model.state_dict()
     for name in ("gpipe64", "interleaved64"):
         trained = last(runs[name])["state_dict"]

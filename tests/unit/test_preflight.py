@@ -38,7 +38,7 @@ from trainkit.preflight import (
     why_cannot,
 )
 from trainkit.resume import resolve_ckpt_path, resume_from
-from trainkit.run_plan import RunPlan
+from trainkit.run_plan import training_plan
 from trainkit.runtime import cpu_flags, has_bf16_units, usable_cores
 from trainkit.strategies.dp import DataParallelStrategy
 from trainkit.train import build
@@ -398,10 +398,9 @@ def test_freed_buffers_are_kept_for_speed_except_where_the_strategy_saves_memory
 def test_no_monitor_leaves_the_two_checkpoints_their_own_state_keys(compose) -> None:
     """monitor=null with monitor_mode=min gave the best checkpoint the last one's Lightning state
     key, and Lightning refused to build the Trainer; with no monitor the mode means nothing."""
-    cfg = compose("monitor=null", "monitor_mode=min", "logger=none")
-    dims = preflight(cfg)
-    assert cfg.monitor_mode == "max"
-    _, _, trainer = build(RunPlan(cfg, dims))
+    planned = training_plan(compose("monitor=null", "monitor_mode=min", "logger=none"))
+    assert planned.cfg.monitor_mode == "max"
+    _, _, trainer = build(planned)
     keys = [c.state_key for c in trainer.checkpoint_callbacks]
     assert len(keys) == len(set(keys)) == 2
 

@@ -14,7 +14,7 @@ from trainkit.build import build_strategy
 from trainkit.config import compose_config
 from trainkit.errors import ConfigError
 from trainkit.preflight import check_built_run, preflight
-from trainkit.run_plan import RunPlan, training_plan
+from trainkit.run_plan import training_plan
 from trainkit.strategies.fsdp import FSDPStrategy
 from trainkit.train import build
 
@@ -156,9 +156,9 @@ def test_fsdp_check_runs_before_any_process(compose) -> None:
     none of its modules is refused there."""
 
     def check(cfg) -> None:
-        dims = preflight(cfg)
-        datamodule, model, trainer = build(RunPlan(cfg, dims))
-        check_built_run(cfg, dims, datamodule, model, trainer.strategy)
+        planned = training_plan(cfg)
+        datamodule, model, trainer = build(planned)
+        check_built_run(planned.cfg, planned.dims, datamodule, model, trainer.strategy)
 
     check(compose("strategy=fsdp", "devices=2"))
     with pytest.raises(ConfigError, match=r"ImageClassifier has no torch.nn.Conv2d module"):
