@@ -8,7 +8,8 @@
   counts a rank's collectives, ``SeenSamples`` one that records what a rank trained on,
   ``EpochCounts`` one that logs its batches' sizes as epoch values, ``FSDPUnits`` one that
   records a run's FSDP units,
-  ``BreakWeightsAt`` one that breaks the weights without a non-finite loss (as
+  ``BreakWeightsAt`` one that breaks the weights without a non-finite loss, ``RankWeights``
+  one that saves what a rank holds, ``ShiftWeightAt`` one that changes one rank's weights (as
   ``+callbacks.*._target_`` of a train.py subprocess: ``run_python`` puts tests/ on its path);
 - ``gloo_collectives_report``: the fsdp strategy's CPU collectives beside torch's, in a rank of
   a real gloo group;
@@ -549,6 +550,44 @@ class EpochCounts(L.Callback):
         pl_module.log("count/mean", size, on_step=False, on_epoch=True)
 
 
+class RankWeights(L.Callback):
+    """Every parameter as this rank holds it when training starts and when it ends, whole (an
+    FSDP shard gathered): ``<out>.<start|end>.rank<r>.pt``, which a checkpoint (rank 0's) does
+    not show."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def _save(self, trainer, pl_module, when: str) -> None:
+        from torch.distributed.tensor import DTensor
+
+        weights = {
+            name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
+            for name, p in pl_module.named_parameters()
+        }
+        torch.save(weights, f"{self.out}.{when}.rank{trainer.global_rank}.pt")
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._save(trainer, pl_module, "start")
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._save(trainer, pl_module, "end")
+
+
+class ShiftWeightAt(L.Callback):
+    """Adds 1 to one value of the first parameter on rank ``rank`` after global step ``step``:
+    that replica's weights then differ from the others', as a rank-dependent update would make
+    them."""
+
+    def __init__(self, step: int, rank: int = 1) -> None:
+        self.step, self.rank = step, rank
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            with torch.no_grad():
+                next(pl_module.parameters()).view(-1)[0] += 1.0
+
+
 class FSDPUnits(L.Callback):
     """The modules that are FSDP units when training starts, by name (the module itself: ""),
     into ``units.rank<r>.json``."""
@@ -660,7 +699,7 @@ def gloo_collectives_report(mb: int = 64) -> None:
 # random alpha, which must be dropped.
 
 CLASSES = ("cherry", "apple", "banana")  # written in this order; their labels follow sorted order
-LEVEL = {"apple": 40, "banana": 120, "cherry": 200, "durian": 160}
+LEVEL = {"apple": 40, "banana": 120, "cherry": 200, "durian": 160, "cats": 70, "dogs": 170}
 NOISE = 12
 # (suffix, mode, (width, height)): every class folder gets these in turn
 KINDS = (

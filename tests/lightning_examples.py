@@ -15,6 +15,13 @@ trainkit in them: the code a new user brings. Tests plug them in through config 
   factories kept by ``save_hyperparameters``, read back in ``configure_optimizers``.
 - ``SelfShardedAutoEncoder``: the autoencoder sharding itself in ``configure_model``, as
   Lightning's docs write it for ``ModelParallelStrategy``.
+- ``TransferLearningModel``, ``MilestonesFinetuning``, ``CatDogImageDataModule``: Lightning's
+  fine-tuning example (``examples/pytorch/domain_templates/computer_vision_fine_tuning.py``): a
+  feature extractor frozen before training and unfrozen at two epoch milestones by a
+  ``BaseFinetuning`` callback, each part a new parameter group; an ImageFolder of cats and dogs.
+  A small convolutional feature extractor stands for the pretrained ResNet-50 (no download), the
+  optimizer is plain SGD (the example's Adam would hide a wrong gradient scale) and the random
+  flip can be turned off (``flip=False``), so that weights can be compared with one device's.
 - ``GAN``: Lightning's GAN example (``examples/pytorch/domain_templates``), narrower: manual
   optimization of two optimizers, each step calling the generator through ``self(z)`` and the
   discriminator directly, between two backward passes.
@@ -26,11 +33,16 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks.finetuning import BaseFinetuning
 from lightning.pytorch.demos import Transformer, WikiText2
-from torch import nn
+from lightning.pytorch.utilities import rank_zero_info
+from torch import nn, optim
+from torch.optim.lr_scheduler import MultiStepLR
 from torch.utils.data import DataLoader, random_split
 from torchmetrics import MaxMetric, MeanMetric
 from torchmetrics.classification import Accuracy
+from torchvision import transforms
+from torchvision.datasets import ImageFolder
 
 from trainkit.strategies.pipeline_task import PipelineTask
 
@@ -325,6 +337,203 @@ class MNISTLitModule(L.LightningModule):
                 },
             }
         return {"optimizer": optimizer}
+
+
+# --- Lightning's examples/pytorch/domain_templates/computer_vision_fine_tuning.py -------------
+
+
+class MilestonesFinetuning(BaseFinetuning):
+    def __init__(self, milestones: tuple = (5, 10), train_bn: bool = False):
+        super().__init__()
+        self.milestones = milestones
+        self.train_bn = train_bn
+
+    def freeze_before_training(self, pl_module):
+        self.freeze(modules=pl_module.feature_extractor, train_bn=self.train_bn)
+
+    def finetune_function(self, pl_module, epoch, optimizer):
+        if epoch == self.milestones[0]:
+            # unfreeze 5 last layers
+            self.unfreeze_and_add_param_group(
+                modules=pl_module.feature_extractor[-5:],
+                optimizer=optimizer,
+                train_bn=self.train_bn,
+            )
+        elif epoch == self.milestones[1]:
+            # unfreeze remaining layers
+            self.unfreeze_and_add_param_group(
+                modules=pl_module.feature_extractor[:-5],
+                optimizer=optimizer,
+                train_bn=self.train_bn,
+            )
+
+
+class CatDogImageDataModule(L.LightningDataModule):
+    def __init__(
+        self,
+        dl_path: str = "data",
+        num_workers: int = 0,
+        batch_size: int = 8,
+        image_size: int = 224,
+        flip: bool = True,
+    ):
+        super().__init__()
+        self._dl_path = dl_path
+        self._num_workers = num_workers
+        self._batch_size = batch_size
+        self._image_size = image_size
+        self._flip = flip
+
+    def prepare_data(self):
+        """The example downloads and extracts cats_and_dogs_filtered.zip here; the tests write
+        its tree."""
+
+    @property
+    def data_path(self):
+        return Path(self._dl_path).joinpath("cats_and_dogs_filtered")
+
+    @property
+    def normalize_transform(self):
+        return transforms.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])
+
+    @property
+    def train_transform(self):
+        size = (self._image_size, self._image_size)
+        flip = [transforms.RandomHorizontalFlip()] if self._flip else []
+        return transforms.Compose(
+            [transforms.Resize(size), *flip, transforms.ToTensor(), self.normalize_transform]
+        )
+
+    @property
+    def valid_transform(self):
+        size = (self._image_size, self._image_size)
+        return transforms.Compose(
+            [transforms.Resize(size), transforms.ToTensor(), self.normalize_transform]
+        )
+
+    def create_dataset(self, root, transform):
+        return ImageFolder(root=root, transform=transform)
+
+    def __dataloader(self, train: bool):
+        if train:
+            dataset = self.create_dataset(self.data_path.joinpath("train"), self.train_transform)
+        else:
+            dataset = self.create_dataset(
+                self.data_path.joinpath("validation"), self.valid_transform
+            )
+        return DataLoader(
+            dataset=dataset,
+            batch_size=self._batch_size,
+            num_workers=self._num_workers,
+            shuffle=train,
+        )
+
+    def train_dataloader(self):
+        return self.__dataloader(train=True)
+
+    def val_dataloader(self):
+        return self.__dataloader(train=False)
+
+
+class TransferLearningModel(L.LightningModule):
+    def __init__(
+        self,
+        backbone: str = "small",
+        train_bn: bool = False,
+        milestones: tuple = (2, 4),
+        batch_size: int = 32,
+        lr: float = 1e-3,
+        lr_scheduler_gamma: float = 1e-1,
+        num_workers: int = 6,
+        **kwargs,
+    ) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.train_bn = train_bn
+        self.milestones = milestones
+        self.batch_size = batch_size
+        self.lr = lr
+        self.lr_scheduler_gamma = lr_scheduler_gamma
+        self.num_workers = num_workers
+
+        self.__build_model()
+
+        self.train_acc = Accuracy(task="binary")
+        self.valid_acc = Accuracy(task="binary")
+        self.save_hyperparameters()
+
+    def __build_model(self):
+        # 1. Feature extractor (the example's: a pretrained torchvision network less its head)
+        self.feature_extractor = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(8, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(16, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(16, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+        )
+        # 2. Classifier:
+        self.fc = nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 8), nn.Linear(8, 1))
+        # 3. Loss:
+        self.loss_func = F.binary_cross_entropy_with_logits
+
+    def forward(self, x):
+        x = self.feature_extractor(x)
+        x = x.squeeze(-1).squeeze(-1)
+        return self.fc(x)
+
+    def loss(self, logits, labels):
+        return self.loss_func(input=logits, target=labels)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        y_logits = self.forward(x)
+        y_scores = torch.sigmoid(y_logits)
+        y_true = y.view((-1, 1)).type_as(x)
+        train_loss = self.loss(y_logits, y_true)
+        self.log("train_acc", self.train_acc(y_scores, y_true.int()), prog_bar=True)
+        return train_loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        y_logits = self.forward(x)
+        y_scores = torch.sigmoid(y_logits)
+        y_true = y.view((-1, 1)).type_as(x)
+        self.log("val_loss", self.loss(y_logits, y_true), prog_bar=True)
+        self.log("val_acc", self.valid_acc(y_scores, y_true.int()), prog_bar=True)
+
+    def configure_optimizers(self):
+        parameters = list(self.parameters())
+        trainable_parameters = list(filter(lambda p: p.requires_grad, parameters))
+        rank_zero_info(
+            f"The model will start training with only {len(trainable_parameters)} "
+            f"trainable parameters out of {len(parameters)}."
+        )
+        optimizer = optim.SGD(trainable_parameters, lr=self.lr)
+        scheduler = MultiStepLR(
+            optimizer, milestones=self.milestones, gamma=self.lr_scheduler_gamma
+        )
+        return [optimizer], [scheduler]
+
+
+class UnfreezingInItsStep(TransferLearningModel):
+    """The fine-tuning model unfreezing its feature extractor in ``training_step`` at epoch
+    ``unfreeze_at``, as a user might without a callback: inside the step, where under ddp the
+    forward pass has begun."""
+
+    def __init__(self, unfreeze_at: int = 1, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.unfreeze_at = unfreeze_at
+
+    def training_step(self, batch, batch_idx):
+        if self.current_epoch == self.unfreeze_at:
+            for p in self.feature_extractor.parameters():
+                p.requires_grad = True
+        return super().training_step(batch, batch_idx)
 
 
 # --- Lightning's examples/pytorch/domain_templates/generative_adversarial_net.py ---------------

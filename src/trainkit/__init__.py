@@ -1,3 +1,3 @@
 """trainkit: a Lightning + Hydra template where the parallelism strategy is a config choice."""
 
-__version__ = "0.7.0"
+__version__ = "0.8.0"

@@ -15,6 +15,11 @@ class DiskFullError(CompactHydraException, OSError):
     (one line on the console, as a ConfigError)."""
 
 
+class ReplicasDisagree(CompactHydraException, RuntimeError):
+    """The data-parallel replicas of a run hold different weights: which parameters, on which
+    rank, and what commonly causes it (one line on the console, as a ConfigError)."""
+
+
 class DataNotFoundError(CompactHydraException, FileNotFoundError):
     """A dataset that is neither on disk nor downloadable: where it looked, why the download did
     not happen, and the commands that write a synthetic one (one line, as a ConfigError)."""

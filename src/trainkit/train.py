@@ -16,6 +16,7 @@ from trainkit.callbacks import (
     NonFiniteLossStop,
     Preemption,
     ProcessInfo,
+    ReplicasAgree,
     ResumeChanges,
     RunConfig,
 )
@@ -55,6 +56,7 @@ def build(
             ProcessInfo(job_overrides(), cfg.paths.output_dir, cfg.task_name),
             Preemption(str(output_dir / "checkpoints")),  # SIGTERM/SIGINT: save, then exit
             NonFiniteLossStop(check_every=cfg.trainer.log_every_n_steps),
+            ReplicasAgree(),  # replicas that trained apart: stopped before their checkpoint
             MonitoredMetric(cfg.monitor),  # a monitor the validation does not log: refused
             LoggingInterval(),  # an epoch shorter than log_every_n_steps: once per epoch
             *extra_callbacks,

@@ -1,5 +1,5 @@
 """Callbacks, in-process: MonitoredMetric and the progress bar on a real Trainer, the prediction
-writer's shards."""
+writer's shards, the replicas' checksums."""
 
 import io
 from pathlib import Path
@@ -7,6 +7,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import rich.progress
+import torch
 from lightning.pytorch.callbacks.progress.rich_progress import CustomProgress
 from torch.utils.data import DataLoader
 
@@ -14,6 +15,7 @@ import lightning_docs
 from helpers import quiet_trainer
 from trainkit.callbacks import MonitoredMetric, ProgressBar
 from trainkit.callbacks.prediction_writer import shard_indices
+from trainkit.callbacks.replicas_agree import checksums, disagreement
 from trainkit.data.sharding import ShardSampler
 from trainkit.errors import ConfigError
 
@@ -179,3 +181,32 @@ def test_the_bar_is_built_for_redraws_only_where_they_are_shown(
         assert redraws.asked == redraws.built == 0
     steps = trainer.num_training_batches
     assert "Epoch 0/0 " in out.getvalue() and f" {steps}/{steps} " in out.getvalue()
+
+
+# --- replicas that agree: the checksum and its comparison (e2e/test_replicas.py runs them) ------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int8])
+def test_a_checksum_changes_with_any_one_value_and_not_with_the_summation_order(dtype) -> None:
+    """Equal tensors give equal sums, whatever their layout and the threads that sum them; the
+    smallest change of one value (its last bit) changes its tensor's sum."""
+    torch.manual_seed(0)
+    values = (torch.randn(64, 33) * 100).to(dtype)
+    transposed = values.t().contiguous().t()  # the same values, another memory layout
+    with_one_thread = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = checksums([values])
+    finally:
+        torch.set_num_threads(with_one_thread)
+    assert torch.equal(one, checksums([transposed]))
+    changed = values.clone()
+    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[values.element_size()]
+    changed.view(-1).view(bits)[517] += 1  # one value's last bit
+    assert not torch.equal(checksums([values]), checksums([changed]))
+
+
+def test_disagreement_names_the_replicas_and_parameters_that_differ() -> None:
+    sums = torch.tensor([[1, 2, 3], [1, 2, 3], [1, 9, 3], [0, 2, 4]])
+    assert disagreement(["a", "b", "c"], sums) == [(2, ["b"]), (3, ["a", "c"])]
+    assert disagreement(["a", "b", "c"], sums[:2]) == []

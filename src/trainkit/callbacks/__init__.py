@@ -9,6 +9,7 @@ from trainkit.callbacks.preemption import Preemption
 from trainkit.callbacks.process_info import ProcessInfo
 from trainkit.callbacks.profile_steps import ProfileSteps
 from trainkit.callbacks.progress_bar import ProgressBar
+from trainkit.callbacks.replicas_agree import ReplicasAgree
 from trainkit.callbacks.resume_changes import ResumeChanges
 from trainkit.callbacks.run_config import RunConfig
 from trainkit.callbacks.startup_time import StartupTime
@@ -25,6 +26,7 @@ __all__ = [
     "ProcessInfo",
     "ProfileSteps",
     "ProgressBar",
+    "ReplicasAgree",
     "ResumeChanges",
     "RunConfig",
     "StartupTime",

@@ -8,8 +8,10 @@ from typing import Any
 
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
-from torch import Tensor
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 
+from trainkit.errors import ConfigError
 from trainkit.launch import JobScriptLauncher
 from trainkit.parallel import LIGHTNING
 
@@ -41,6 +43,49 @@ class DDPStrategy(ExactMeanReduce, LightningDDPStrategy):
         # a stuck rank fails after 3 minutes, not torch's 30 (conf/strategy/ddp.yaml says so too)
         super().__init__(*args, timeout=timeout, **kwargs)
 
+    # DDP all-reduces the gradients of the parameters that required grad when it wrapped the
+    # module, and no others: one unfrozen later (a fine-tuning schedule) would train on each
+    # rank's own gradient, silently (Lightning #20340). The module is wrapped again when its
+    # trainable parameters have changed at a step's start; one unfrozen inside a step, which would
+    # get a gradient of its rank's own, is refused before the optimizer uses it. (Freezing inside
+    # a step, as toggle_optimizer does, leaves parameters without a gradient: DDP's
+    # find_unused_parameters is for those.)
+
+    def configure_ddp(self) -> None:
+        super().configure_ddp()
+        self._wrapped_trainable = trainable(self.lightning_module)
+        params = self.lightning_module.parameters()
+        # the parameters this wrapper does not all-reduce
+        self._outside = [p for p, t in zip(params, self._wrapped_trainable, strict=True) if not t]
+        self._pl_static_graph_delay_done = False  # (Lightning's, per wrapper)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """After the callbacks' and the module's own ``on_train_batch_start`` (and every epoch
+        hook): the step's forward runs under a wrapper of the parameters that train in it."""
+        super().on_train_batch_start(batch, batch_idx)
+        if not isinstance(self.model, DistributedDataParallel):
+            return
+        if trainable(self.lightning_module) != self._wrapped_trainable:
+            self.model = self.lightning_module  # (configure_ddp wraps the module itself)
+            self.configure_ddp()
+
+    def post_backward(self, closure_loss: Tensor) -> None:
+        super().post_backward(closure_loss)
+        if not isinstance(self.model, DistributedDataParallel):
+            return
+        local = [p for p in self._outside if p.requires_grad and p.grad is not None]
+        if local:
+            names = {id(p): n for n, p in self.lightning_module.named_parameters()}
+            shown = ", ".join(names[id(p)] for p in local[:3])
+            shown += f" and {len(local) - 3} more" if len(local) > 3 else ""
+            raise ConfigError(
+                f"{shown} started to require grad during a training step under ddp, after its "
+                f"forward pass: its gradient is each rank's own, and the ranks would train "
+                f"apart. Unfreeze in on_train_epoch_start or on_train_batch_start (where a "
+                f"BaseFinetuning callback's finetune_function runs): the model is wrapped again "
+                f"before the next forward"
+            )
+
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
         if self._start_method == "popen":
@@ -53,3 +98,8 @@ class DDPStrategy(ExactMeanReduce, LightningDDPStrategy):
         if self._start_method != "popen" and dist.is_available() and dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+
+
+def trainable(module: nn.Module) -> tuple[bool, ...]:
+    """Which of the module's parameters require grad, in their order."""
+    return tuple(p.requires_grad for p in module.parameters())
