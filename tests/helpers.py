@@ -349,10 +349,17 @@ TENSOR_READS = ("item", "tolist", "numpy", "__float__", "__int__", "__bool__", "
 # What makes a tensor of host values: given a ``device=``, on a GPU a blocking host-to-device copy.
 FROM_HOST = ("tensor", "as_tensor", "asarray")
 # Where a step may read or upload: torch's optimizers keep their ``step`` counts on the host
-# (unless ``capturable``/``fused``), and Lightning moves the batch (pinned: asynchronously).
+# (unless ``capturable``/``fused``), and Lightning moves the batch (pinned: asynchronously). At
+# every ``self.log`` Lightning's result collection moves the value, and a logged torchmetrics
+# metric (``nn.Module.to``), to the device they are on: no copy. (A Python number logged is made
+# with ``torch.tensor(..., device=...)`` there, and still counts.)
 ALLOWED_CALLERS = (
     f"torch{os.sep}optim{os.sep}",
     os.path.join("fabric", "utilities", "apply_func.py"),
+)
+ALLOWED_MOVES = (
+    os.path.join("logger_connector", "result.py"),
+    os.path.join("torch", "nn", "modules", "module.py"),
 )
 
 
@@ -376,9 +383,10 @@ class HostTraffic:
         self.reads, self.uploads, self.where = 0, 0, []
         self.active = True
 
-    def _count(self, kind: str) -> None:
+    def _count(self, kind: str, move: bool = False) -> None:
         frame = sys._getframe(2)
-        if self.active and not any(c in frame.f_code.co_filename for c in ALLOWED_CALLERS):
+        allowed = (*ALLOWED_CALLERS, *(ALLOWED_MOVES if move else ()))
+        if self.active and not any(c in frame.f_code.co_filename for c in allowed):
             setattr(self, kind, getattr(self, kind) + 1)
             self.where.append(f"{kind}: {frame.f_code.co_filename}:{frame.f_lineno}")
 
@@ -396,7 +404,7 @@ class HostTraffic:
             if owner is torch.Tensor and name in TENSOR_READS:
                 self._count("reads")
             elif self._uploads(owner, name, args, kwargs):
-                self._count("uploads")
+                self._count("uploads", move=owner is torch.Tensor and name == "to")
             return original(*args, **kwargs)
 
         return call
@@ -575,17 +583,19 @@ class RankWeights(L.Callback):
 
 
 class ShiftWeightAt(L.Callback):
-    """Adds 1 to one value of the first parameter on rank ``rank`` after global step ``step``:
-    that replica's weights then differ from the others', as a rank-dependent update would make
-    them."""
+    """Adds 1 to one value of the first parameter (of its shard, under fsdp) on rank ``rank``
+    after global step ``step``: that replica's weights then differ from the others', as a
+    rank-dependent update would make them."""
 
     def __init__(self, step: int, rank: int = 1) -> None:
         self.step, self.rank = step, rank
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            first = next(pl_module.parameters())
+            local = first.to_local() if hasattr(first, "to_local") else first  # an FSDP shard
             with torch.no_grad():
-                next(pl_module.parameters()).view(-1)[0] += 1.0
+                local.view(-1)[0] += 1.0
 
 
 class FSDPUnits(L.Callback):

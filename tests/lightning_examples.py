@@ -10,7 +10,8 @@ trainkit in them: the code a new user brings. Tests plug them in through config 
   ``self.log``; ``WikiText2DataModule`` splits ``lightning.pytorch.demos.WikiText2`` as the
   example's ``main()`` splits it.
 - ``PipelinedLanguageModel``: the same language model changed as little as ``strategy=pipeline``
-  needs (``docs/add_a_task.md``): its layers one ``nn.Sequential`` that the pipeline cuts.
+  needs (``docs/add_a_task.md``): its layers one ``nn.Sequential`` that the pipeline cuts, its
+  loss a ``loss_fn``, the model called as ``self(inputs)`` in its steps.
 - ``MNISTLitModule``: lightning-hydra-template's module: ``net`` and the optimizer and scheduler
   factories kept by ``save_hyperparameters``, read back in ``configure_optimizers``.
 - ``SelfShardedAutoEncoder``: the autoencoder sharding itself in ``configure_model``, as
@@ -172,13 +173,12 @@ class WikiText2DataModule(L.LightningDataModule):
 
 class PipelinedLanguageModel(PipelineTask):
     """``LanguageModel`` with its layers in one ``nn.Sequential`` (``net``) that the pipeline
-    cuts: the embedding, causal transformer layers, the output layer. The steps are
-    ``PipelineTask``'s, from the members below; logging moves to ``on_*_batch_end``."""
+    cuts (the embedding, causal transformer layers, the output layer) and its loss as
+    ``loss_fn``; its steps are the example's, with the model called as ``self(inputs)``."""
 
     def __init__(self, vocab_size: int, ninp: int = 200, nhead: int = 2, nlayers: int = 2):
         super().__init__()
         self.save_hyperparameters()
-        self.input_shape = None  # only strategy.balance=flops measures the blocks on an input
         self.net = nn.Sequential(
             Embedding(vocab_size, ninp),
             *(
@@ -188,29 +188,26 @@ class PipelinedLanguageModel(PipelineTask):
             nn.Linear(ninp, vocab_size),
         )
 
-    def forward(self, inputs):
-        return self.net(inputs)
-
-    def split_batch(self, batch):
-        return batch  # (inputs, target): the tokens and the next ones
-
     def loss_fn(self, output, target):
         return F.cross_entropy(output.flatten(0, 1), target.flatten())
 
-    def step_output(self, output, loss, target):
+    def training_step(self, batch, batch_idx):
+        inputs, target = batch
+        loss = self.loss_fn(self(inputs), target)
+        self.log("train_loss", loss, prog_bar=True)
         return loss
 
-    def prediction(self, output):
-        return output.argmax(-1)
+    def validation_step(self, batch, batch_idx):
+        inputs, target = batch
+        loss = self.loss_fn(self(inputs), target)
+        self.log("val_loss", loss, prog_bar=True)
+        return loss
 
-    def on_train_batch_end(self, outputs, batch, batch_idx):
-        self.log("train_loss", outputs["loss"], prog_bar=True)
-
-    def on_validation_batch_end(self, outputs, batch, batch_idx, dataloader_idx=0):
-        self.log("val_loss", outputs, prog_bar=True)
-
-    def on_test_batch_end(self, outputs, batch, batch_idx, dataloader_idx=0):
-        self.log("test_loss", outputs, prog_bar=True)
+    def test_step(self, batch, batch_idx):
+        inputs, target = batch
+        loss = self.loss_fn(self(inputs), target)
+        self.log("test_loss", loss, prog_bar=True)
+        return loss
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)

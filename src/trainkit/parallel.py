@@ -74,7 +74,7 @@ class Capabilities:
 
     single_process: bool  # one process drives every device of a node (dp)
     threaded_replicas: bool  # on several GPUs each step runs in a thread per device (dp)
-    runs_task_steps: bool  # calls the task's *_step methods (the pipeline composes its own)
+    runs_stages: bool  # runs the task's net cut into stages (its PipelineTask contract)
     full_batches: bool  # shapes fixed at the first step: no incomplete training batch (pipeline)
     materialises_blocks: bool  # each process builds only its own blocks: the net starts on meta
     syncs_layers: bool  # applies the sync_batchnorm plugin
@@ -88,7 +88,7 @@ class Capabilities:
 LIGHTNING = Capabilities(
     single_process=False,
     threaded_replicas=False,
-    runs_task_steps=True,
+    runs_stages=False,
     full_batches=False,
     materialises_blocks=False,
     syncs_layers=True,

@@ -22,10 +22,11 @@ from trainkit.errors import ConfigError
 from trainkit.launch import under_slurm
 from trainkit.parallel import Capabilities, ParallelDims, strategy_class
 from trainkit.runtime import BF16_FLAGS, cpu_flags, has_bf16_units, usable_cores
-from trainkit.strategies.pipeline_task import STEPS, check_pipeline_task, defined_by
+from trainkit.strategies.pipeline_task import check_pipeline_task, defined_by
 
 log = logging.getLogger(__name__)
 
+STEPS = ("training_step", "validation_step", "test_step", "predict_step")  # a module's own
 CPU_PRECISIONS = ("32-true", "32", "64-true", "64", "bf16-mixed", "bf16-true")
 
 
@@ -293,17 +294,17 @@ def is_self(node: ast.expr) -> bool:
     return isinstance(node, ast.Name) and node.id == "self"
 
 
-def step_side_effects(module: nn.Module) -> list[str]:
-    """What ``module``'s steps do besides computing, read from their source and that of the
-    module's methods they call: each ``self.log``/``self.log_dict`` call and each torchmetrics
-    metric updated, as ``"Class.method: self.log"`` lines."""
+def side_effects(module: nn.Module, start: tuple[str, ...] = ("forward",)) -> list[str]:
+    """What ``module``'s methods ``start`` (its forward) do besides computing, read from their
+    source and that of the module's methods they call: each ``self.log``/``self.log_dict`` call
+    and each torchmetrics metric updated, as ``"Class.method: self.log"`` lines."""
     from torchmetrics import Metric, MetricCollection
 
     def is_metric(attr: str) -> bool:
         return isinstance(module._modules.get(attr), (Metric, MetricCollection))
 
     found: list[str] = []
-    for where, call in module_calls(module, STEPS):
+    for where, call in module_calls(module, start):
         target, attr = call.func.value, call.func.attr
         if is_self(target):  # self.<attr>(...)
             if attr in ("log", "log_dict"):
@@ -385,19 +386,19 @@ def why_cannot(stage: str, model: Any, datamodule: Any) -> str | None:
     return None
 
 
-def check_threaded_steps(module: nn.Module, dims: ParallelDims, caps: Capabilities) -> None:
-    """strategy=dp on several GPUs runs each step in a thread per GPU on a copy of the module:
-    ``self.log`` and metric updates there would be lost or count one GPU's part of the batch."""
+def check_threaded_forward(module: nn.Module, dims: ParallelDims, caps: Capabilities) -> None:
+    """strategy=dp on several GPUs runs the module's forward in a thread per GPU on a copy of the
+    module: ``self.log`` and metric updates there would be lost or count one GPU's part of the
+    batch (the steps run once, in the main thread, and may do both)."""
     if not (caps.threaded_replicas and dims.accelerator == "gpu" and dims.devices > 1):
         return
-    effects = step_side_effects(module)
+    effects = side_effects(module)
     if effects:
         raise ConfigError(
-            f"strategy=dp runs each step on {dims.devices} copies of the module, one per GPU, "
-            f"where logging and metric updates would be lost or count one GPU's part of the "
-            f"batch ({'; '.join(effects)}): return what they need from the step and log or "
-            f"update in on_train_batch_end / on_validation_batch_end / on_test_batch_end, which "
-            f"get the whole batch's outputs, or use strategy=ddp"
+            f"strategy=dp runs the module's forward on {dims.devices} copies of the module, one "
+            f"per GPU, where logging and metric updates would be lost or count one GPU's part of "
+            f"the batch ({'; '.join(effects)}): log and update metrics in the steps, which run "
+            f"once on the whole batch's output, or use strategy=ddp"
         )
 
 
@@ -414,9 +415,9 @@ def check_built_run(
     training data's sharding (in the process that starts the others) and the strategy's own
     ``check_run``."""
     caps = dims.caps  # the built strategy is the configured one
-    if not caps.runs_task_steps:  # it composes the steps from the task's members instead
+    if caps.runs_stages:  # the task's net cut into stages, through the pipeline's contract
         check_pipeline_task(model, getattr(strategy, "module_name", "net"))
-    check_threaded_steps(model, dims, caps)
+    check_threaded_forward(model, dims, caps)
     check_logged_reductions(model)
     if not training:
         return

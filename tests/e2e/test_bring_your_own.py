@@ -175,12 +175,14 @@ def refused(proc, log_dir: Path, *says: str) -> None:
                 "shards_itself = True",
             ),
         ),
-        (  # the pipeline would not call the module's own steps
+        (  # a module as Lightning's docs write it, its layers in a Sequential: not opted in
             {},
             ("strategy=pipeline", "devices=2", "strategy.module=model"),
             (
-                "strategy=pipeline runs LitClassifier through its stages but it lacks loss_fn",
-                "subclass trainkit.strategies.pipeline_task.PipelineTask",
+                "strategy=pipeline runs LitClassifier.model through its stages, but LitClassifier "
+                "is no subclass of trainkit.strategies.pipeline_task.PipelineTask with a loss_fn "
+                "(lacks PipelineTask, loss_fn)",
+                "call the model as self(x) in the steps",
             ),
         ),
         (  # our pipelined MLP on their data, whose loader keeps a short last batch: random_split

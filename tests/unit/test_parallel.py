@@ -63,7 +63,7 @@ def test_every_strategy_option_declares_its_capabilities(compose) -> None:
             lean_host_memory=True,
         ),
         "pipeline": replace(
-            LIGHTNING, runs_task_steps=False, full_batches=True, materialises_blocks=True
+            LIGHTNING, runs_stages=True, full_batches=True, materialises_blocks=True
         ),
     }
     options = {p.stem for p in (LIBRARY_CONF_DIR / "strategy").glob("*.yaml")}

@@ -31,10 +31,10 @@ from trainkit.parallel import LIGHTNING, ParallelDims, capabilities
 from trainkit.preflight import (
     check_compile,
     check_logged_reductions,
-    check_threaded_steps,
+    check_threaded_forward,
     preflight,
     set_threads,
-    step_side_effects,
+    side_effects,
     why_cannot,
 )
 from trainkit.resume import resolve_ckpt_path, resume_from
@@ -269,20 +269,25 @@ def test_a_slurm_task_runs_its_own_cpus_per_task(compose, monkeypatch, per_task:
 # --- the built run: task, data and strategy ------------------------------------------------------
 
 
-def test_step_side_effects_are_read_from_the_steps_and_what_they_call() -> None:
-    """Lightning's docs module logs and updates torchmetrics in its steps; ours only computes
-    there (its hooks log)."""
-    effects = step_side_effects(lightning_docs.LitClassifier())
+STEPS = ("training_step", "validation_step", "test_step", "predict_step")
+
+
+def test_side_effects_are_read_from_the_methods_and_what_they_call() -> None:
+    """Lightning's docs module logs and updates torchmetrics in its steps, not in its forward;
+    ours likewise."""
+    module = lightning_docs.LitClassifier()
+    effects = side_effects(module, STEPS)
     assert "LitClassifier.training_step: self.train_acc(...)" in effects
     assert "LitClassifier.training_step: self.log" in effects
     assert "LitClassifier.validation_step: self.log" in effects
-    assert step_side_effects(lightning_docs.LitBackbone(nn.Linear(2, 2))) == [
+    assert side_effects(module) == []  # its forward
+    assert side_effects(lightning_docs.LitBackbone(nn.Linear(2, 2)), STEPS) == [
         "LitBackbone.training_step: self.log",
         "LitBackbone.validation_step: self.log",
         "LitBackbone.test_step: self.log",
     ]
     ours = ImageClassifier(MLP(784, (8,), 10), partial(torch.optim.Adam), 10)
-    assert step_side_effects(ours) == []
+    assert side_effects(ours) == []
 
 
 class HelperLogs(lightning_docs.LitBackbone):
@@ -296,29 +301,40 @@ class HelperLogs(lightning_docs.LitBackbone):
         return batch[0].sum()
 
 
-def test_step_side_effects_follow_the_modules_own_methods() -> None:
-    assert step_side_effects(HelperLogs(nn.Linear(2, 2))) == [
+class ForwardLogs(lightning_docs.LitClassifier):
+    """Updates a metric and logs in its forward, which dp runs on every GPU's copy."""
+
+    def forward(self, x):
+        logits = super().forward(x)
+        self.log("mean_logit", logits.mean())
+        return logits
+
+
+def test_side_effects_follow_the_modules_own_methods() -> None:
+    assert side_effects(HelperLogs(nn.Linear(2, 2)), STEPS) == [
         "LitBackbone.validation_step: self.log",
         "LitBackbone.test_step: self.log",
         "HelperLogs._shared: self.log_dict",
     ]
 
 
-def test_dp_on_several_gpus_refuses_logging_inside_steps() -> None:
-    """Its replicas are threads on copies of the module: what they log or update is lost."""
+def test_dp_on_several_gpus_refuses_logging_inside_forward_only() -> None:
+    """Its replicas are threads running the module's forward on copies of the module: what a
+    forward logs is lost. The steps, which run once in the main thread, may log."""
     dp = capabilities(DataParallelStrategy)
     gpus, cpu = ParallelDims("gpu", 2, 1, True), ParallelDims("cpu", 2, 1, True)
     with pytest.raises(
         ConfigError,
-        match=r"strategy=dp runs each step on 2 copies of the module, one per GPU, .* lost or "
-        r"count one GPU's part of the batch \(LitClassifier.training_step: self.train_acc.*: "
-        r"return what they need from the step and log or update in on_train_batch_end",
+        match=r"strategy=dp runs the module's forward on 2 copies of the module, one per GPU, .* "
+        r"lost or count one GPU's part of the batch \(ForwardLogs.forward: self.log\): log and "
+        r"update metrics in the steps",
     ):
-        check_threaded_steps(lightning_docs.LitClassifier(), gpus, dp)
-    check_threaded_steps(lightning_docs.LitClassifier(), cpu, dp)  # one device: no replicas
-    check_threaded_steps(lightning_docs.LitClassifier(), gpus, LIGHTNING)  # not threaded
+        check_threaded_forward(ForwardLogs(), gpus, dp)
+    check_threaded_forward(ForwardLogs(), cpu, dp)  # one device: no replicas
+    check_threaded_forward(ForwardLogs(), gpus, LIGHTNING)  # not threaded
+    check_threaded_forward(lightning_docs.LitClassifier(), gpus, dp)  # logs in its steps
     ours = ImageClassifier(MLP(784, (8,), 10), partial(torch.optim.Adam), 10)
-    check_threaded_steps(ours, gpus, dp)  # logs in its hooks
+    check_threaded_forward(ours, gpus, dp)
 
 
 def test_hydra_containers_never_reach_a_modules_hyperparameters(compose) -> None:

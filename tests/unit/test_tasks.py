@@ -46,55 +46,50 @@ def test_gradients_are_freed_after_the_optimizer_step(compose, accumulate: int) 
 
 
 class StepsSeen(L.Callback):
-    """Each training step's output, and how often the task's training metrics were updated by the
-    end of the epoch (read before the task's epoch-end hook computes and resets them)."""
+    """Each training step's logits and targets (the task's forward hooked) and loss."""
 
     def __init__(self) -> None:
-        self.outputs: list[dict] = []
-        self.updates: dict[str, int] = {}
+        self.logits: list[torch.Tensor] = []
+        self.targets: list[torch.Tensor] = []
+        self.losses: list[torch.Tensor] = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        pl_module.register_forward_hook(lambda m, args, out: self.logits.append(out.detach()))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.outputs.append({k: v.clone() for k, v in outputs.items()})
-
-    def on_train_epoch_end(self, trainer, pl_module) -> None:
-        self.updates = {
-            "loss": pl_module.train_loss.update_count,
-            "acc": pl_module.train_acc.update_count,
-            "samples": int(pl_module.train_loss.weight),
-        }
+        self.targets.append(batch[1])
+        self.losses.append(outputs["loss"].detach())
 
 
-@pytest.mark.parametrize(("max_steps", "steps", "updates"), [(-1, 10, 3), (7, 7, 2)])
+@pytest.mark.parametrize(("max_steps", "steps"), [(-1, 9), (7, 7)])
 @pytest.mark.usefixtures("restore_seed_state")
-def test_training_metrics_take_every_sample_in_one_update_per_logging_interval(
-    compose, max_steps: int, steps: int, updates: int
-) -> None:
-    """10 steps, logging every 4th: the metrics are updated at steps 4 and 8 and at the epoch's
-    last step (or at step 7, where max_steps ends the epoch), before the callbacks' epoch end,
-    and their epoch values are those of all the steps' samples, each counted once."""
+def test_training_epoch_values_count_every_sample_once(compose, max_steps: int, steps: int) -> None:
+    """An epoch of 800 samples in batches of 96, the last of 32 (or 7 steps, where max_steps ends
+    the epoch): the epoch's train/acc and train/loss are those of all the steps' samples, each
+    counted once; train/loss_step is the last step's loss."""
     cfg = compose(
         "trainer.max_epochs=1",
-        "trainer.limit_train_batches=10",
         f"trainer.max_steps={max_steps}",
         "trainer.log_every_n_steps=4",
         "trainer.limit_val_batches=0",
-        "data.batch_size=48",
+        "data.batch_size=96",
         "logger=none",
     )
     seen = StepsSeen()
     datamodule, model, trainer = build(training_plan(cfg), extra_callbacks=[seen])
     trainer.fit(model, datamodule=datamodule)
 
-    assert len(seen.outputs) == steps
-    assert seen.updates == {"loss": updates, "acc": updates, "samples": 48 * steps}
-    targets = torch.cat([o["target"] for o in seen.outputs])
-    predictions = torch.cat([o["logits"].argmax(dim=1) for o in seen.outputs])
-    losses = torch.cat([o["loss"].reshape(1).expand(len(o["target"])) for o in seen.outputs])
+    assert len(seen.losses) == len(seen.targets) == steps
+    targets, logits = torch.cat(seen.targets), torch.cat(seen.logits)
+    losses = torch.cat(
+        [loss.expand(len(t)) for loss, t in zip(seen.losses, seen.targets, strict=True)]
+    )
     logged = trainer.callback_metrics
     assert float(logged["train/acc"]) == pytest.approx(
-        float((predictions == targets).float().mean())
+        float((logits.argmax(dim=1) == targets).float().mean())
     )
     assert float(logged["train/loss"]) == pytest.approx(float(losses.mean()), rel=1e-5)
+    assert float(logged["train/loss_step"]) == pytest.approx(float(seen.losses[-1]))
 
 
 class GradientsAtBackward(L.Callback):

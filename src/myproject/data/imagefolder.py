@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
-from trainkit.data.decode import normalize_images
+from trainkit.data.decode import for_precision, normalize_images
 from trainkit.data.images import (
     DECODES,
     IMAGENET_MEAN,
@@ -283,7 +283,7 @@ class ImageFolderDataModule(ShardedDataModule):
             images, labels = crop_batch(batch, self.image_size), batch.labels
         else:
             images, labels = batch
-        return normalize_images(images, self.mean, self.std), labels
+        return for_precision(self.trainer, normalize_images(images, self.mean, self.std)), labels
 
     # --- class names travel with the checkpoint -------------------------------------------------
 

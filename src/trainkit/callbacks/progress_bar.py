@@ -3,8 +3,8 @@
 Lightning converts every ``prog_bar=True`` value of a step to a Python number at the end of every
 batch, the value logged steps ago included: on a GPU each conversion waits for the step's
 kernels. So the task logs its step loss for the loggers only, and this bar shows the step values
-named in ``step_metrics`` from the callback metrics, converting each new value once (at the steps
-that log it: every ``trainer.log_every_n_steps``).
+named in ``step_metrics`` from the callback metrics as they are at the logging steps (every
+``trainer.log_every_n_steps``), converting each once: a module logs them at every step.
 
 Rich redraws the bar ``refresh_rate`` times a second from its own thread, so a training step hands
 it the step count and the metrics only when a redraw has come due since the last hand-over, and
@@ -82,12 +82,15 @@ class ProgressBar(RichProgressBar):
     def get_metrics(self, trainer, pl_module) -> dict[str, Any]:
         items = super().get_metrics(trainer, pl_module)
         logged = trainer.callback_metrics
+        # a step value is read at the step after a logging step (the bar's update after it), and
+        # else shown as it was then; the first one whenever it comes
+        fresh = logging_step(trainer, trainer.global_step - 1) or not trainer.training
         for name in self.step_metrics:
             value = logged.get(name)
             if value is None:
                 continue
             last = self._shown.get(name)
-            if last is None or not self._same(value, last[0]):  # a new value: read once
+            if last is None or (fresh and not self._same(value, last[0])):  # read once
                 number = value.item() if isinstance(value, torch.Tensor) else float(value)
                 self._shown[name] = last = (value, number)
             items[name] = last[1]

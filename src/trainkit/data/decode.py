@@ -7,6 +7,7 @@ import functools
 import pickle
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -97,6 +98,13 @@ def normalize_images(images: Tensor, mean: Sequence[float], std: Sequence[float]
         images = images.unsqueeze(1)
     scale, shift = _standardising(tuple(mean), tuple(std), images.device)
     return torch.addcmul(shift, images.float(), scale)
+
+
+def for_precision(trainer: Any, images: Tensor) -> Tensor:
+    """A batch normalised after it reached the device, converted for the run's precision as
+    Lightning converts a loader's float batch (to bf16 under bf16-true, float64 under 64-true):
+    Lightning converted ours before, while it was uint8. Unchanged without a Trainer."""
+    return images if trainer is None else trainer.precision_plugin.convert_input(images)
 
 
 @functools.cache

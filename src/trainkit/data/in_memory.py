@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sequence
 
 from torch import Tensor
 
-from trainkit.data.decode import normalize_images
+from trainkit.data.decode import for_precision, normalize_images
 from trainkit.data.sharding import ShardedDataModule, ShardSampler, batch_sizes
 
 
@@ -130,4 +130,4 @@ class InMemoryDataModule(ShardedDataModule):
         images, labels = batch
         if self.trainer is not None and self.trainer.training:
             images = self.augment(images)
-        return normalize_images(images, self.mean, self.std), labels
+        return for_precision(self.trainer, normalize_images(images, self.mean, self.std)), labels

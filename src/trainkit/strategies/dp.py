@@ -1,12 +1,12 @@
 """``strategy=dp``: one process drives every GPU of the node through ``torch.nn.DataParallel``.
 
 Lightning 2.x removed its ``DataParallelStrategy`` (Lightning PR #16748); this is a small one of our
-own. Each step, ``DataParallel`` copies the model onto every GPU, scatters the batch (already on
-the root device) along dim 0, runs the step on every replica in its own thread, and gathers the
-outputs onto the root device. The strategy then reduces the gathered per-replica losses to their
-mean. Logging and metric updates belong in the ``on_*_batch_end`` hooks, which run in the main
-thread with the gathered outputs: a replica's ``self.log`` or metric update would be lost or count
-only its shard.
+own. A step runs in the main thread, as on one device; the module's forward, ``self(x)``, runs
+split: ``DataParallel`` copies the module onto every GPU, scatters the input (already on the root
+device) along dim 0, runs the module's forward on every replica in its own thread, and gathers the
+outputs onto the root device. The rest of the step (its loss, ``self.log``, metric updates) runs
+once, on the whole batch's outputs, as on one device. A step's direct call of a submodule
+(``self.discriminator(x)``) runs on the root device, unsplit.
 
 On CPU (or MPS) ``DataParallel`` splits nothing, so there the strategy runs the model on one device
 with the full batch, says so once, and reports one device.
@@ -14,6 +14,8 @@ with the full batch, says so once, and reports one device.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -31,28 +33,18 @@ CPU_WARNING = (
     "devices={n} trains as one process on one device with the full batch."
 )
 
-# The precision plugin's context for each step: autocast state is thread-local, so a replica thread
-# must enter it again (DataParallel's threads re-enable autocast but with the default dtype).
-_STEP_CONTEXTS = {
-    "training_step": "train_step_context",
-    "validation_step": "val_step_context",
-    "test_step": "test_step_context",
-    "predict_step": "predict_step_context",
-}
 
+class _Forward(nn.Module):
+    """``forward(...)`` runs the LightningModule's class ``forward`` on the module this copy holds.
 
-class _StepRouter(nn.Module):
-    """``forward(step_name, ...)`` calls ``step_name`` on the module this copy of the router holds.
+    ``DataParallel`` calls only the ``forward`` of the module it wraps: in replica ``i``,
+    ``self.module`` is the LightningModule's replica on GPU ``i``, with that replica's parameters.
+    The class's forward, not the instance's: for a step the strategy routes the root instance's
+    forward to ``DataParallel`` (an instance attribute, which replicas copy with ``__dict__``).
 
-    ``DataParallel`` only ever calls ``forward``. Lightning's own forward redirection patches
-    ``forward`` on the LightningModule *instance*, and a DataParallel replica starts as a copy of
-    the instance ``__dict__``, so every replica would run the root's bound method on the root's
-    parameters. The router is replicated like any module: in replica ``i``, ``self.module`` is the
-    LightningModule replica on GPU ``i``, and its step runs with that replica's parameters.
-
-    The precision plugin's step context (autocast) is entered here, in the thread that runs the
-    step: autocast state is thread-local, and DataParallel's replica threads re-enable autocast
-    with the default dtype (float16 even under ``bf16-mixed``).
+    The precision plugin's forward context (autocast) is entered here, in the replica's thread:
+    autocast state is thread-local, and DataParallel's replica threads re-enable autocast with the
+    default dtype (float16 even under ``bf16-mixed``).
     """
 
     def __init__(self, module: nn.Module, precision: Precision) -> None:
@@ -60,13 +52,11 @@ class _StepRouter(nn.Module):
         self.module = module
         self.precision = precision  # not an nn.Module: replicas share it
 
-    def forward(self, step_name: str, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         if getattr(self, "_is_replica", False):  # set by nn.Module._replicate_for_data_parallel
             _follow_inputs_device(self.module, (args, kwargs))
-        with getattr(self.precision, _STEP_CONTEXTS[step_name])():
-            output = getattr(self.module, step_name)(*args, **kwargs)
-        # gather concatenates along dim 0: give scalars (a loss) a dim, one entry per replica
-        return apply_to_collection(output, Tensor, lambda t: t.unsqueeze(0) if t.ndim == 0 else t)
+        with self.precision.forward_context():
+            return type(self.module).forward(self.module, *args, **kwargs)
 
 
 def _follow_inputs_device(module: nn.Module, inputs: Any) -> None:
@@ -81,24 +71,6 @@ def _follow_inputs_device(module: nn.Module, inputs: Any) -> None:
         module._device = devices[0]
 
 
-def mean_loss(output: Any, bare_tensor_is_loss: bool = True) -> Any:
-    """The step output with its per-replica losses replaced by their mean.
-
-    Only the ``"loss"`` entry of a mapping, or a bare tensor when ``bare_tensor_is_loss``, is
-    reduced; other entries (logits, targets) stay concatenated over the whole batch. The mean is
-    taken in float32 and cast back to the loss's dtype.
-    """
-
-    def mean(t: Tensor) -> Tensor:
-        return t.float().mean().to(t.dtype)
-
-    if isinstance(output, Tensor):
-        return mean(output) if bare_tensor_is_loss else output
-    if isinstance(output, dict) and isinstance(output.get("loss"), Tensor):
-        return {**output, "loss": mean(output["loss"])}
-    return output
-
-
 class DataParallelStrategy(ParallelStrategy):
     """``torch.nn.DataParallel`` as a Lightning strategy: one process, batches split across GPUs.
 
@@ -109,8 +81,12 @@ class DataParallelStrategy(ParallelStrategy):
     """
 
     strategy_name = "dp"
-    # one process, whatever ``devices`` says; on GPUs each step runs in a replica thread
+    # one process, whatever ``devices`` says; on GPUs the module's forward runs in replica threads
     capabilities = replace(LIGHTNING, single_process=True, threaded_replicas=True)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._data_parallel: nn.DataParallel | None = None  # on GPUs, set up with the model
 
     # --- devices and ranks: one process -------------------------------------------------------
 
@@ -193,26 +169,45 @@ class DataParallelStrategy(ParallelStrategy):
         self.model.to(self.root_device)
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
-        """Route steps through a :class:`_StepRouter`, wrapped in DataParallel on GPUs."""
-        router = _StepRouter(model, self.precision_plugin)
-        if not self.uses_data_parallel:
-            return router
-        return nn.DataParallel(router, device_ids=[d.index for d in self.parallel_devices])
+        """The module stays the model (its steps run in this thread); on GPUs its forward gets a
+        ``DataParallel`` of ``_Forward`` to run on."""
+        if self.uses_data_parallel:
+            devices = [d.index for d in self.parallel_devices]
+            forward = _Forward(model, self.precision_plugin)
+            self._data_parallel = nn.DataParallel(forward, device_ids=devices)
+        return model
 
-    # --- steps: the router runs them on every replica; the gathered loss is reduced here -------
+    @contextmanager
+    def _split_forward(self) -> Iterator[None]:
+        """For one step: the module's ``forward`` is DataParallel's, so ``self(x)`` splits ``x``
+        over the GPUs (an instance attribute, as Lightning's forward redirection patches one)."""
+        module = self.lightning_module
+        if self._data_parallel is None or module is None:
+            yield
+            return
+        vars(module)["forward"] = self._data_parallel
+        try:
+            yield
+        finally:
+            del vars(module)["forward"]
+
+    # --- steps: the module's own, in this thread; its forward split over the GPUs --------------
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        return mean_loss(self.model("training_step", *args, **kwargs))
+        with self._split_forward():
+            return super().training_step(*args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return mean_loss(self.model("validation_step", *args, **kwargs))
+        with self._split_forward():
+            return super().validation_step(*args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return mean_loss(self.model("test_step", *args, **kwargs))
+        with self._split_forward():
+            return super().test_step(*args, **kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        """A bare tensor here is predictions, not a loss: it stays concatenated."""
-        return mean_loss(self.model("predict_step", *args, **kwargs), bare_tensor_is_loss=False)
+        with self._split_forward():
+            return super().predict_step(*args, **kwargs)
 
     # --- collectives: one process, nothing to communicate --------------------------------------
 

@@ -8,7 +8,8 @@ balanced by measured FLOPs or parameter count, or cut at explicit ``split_points
 runs only its own stage: a batch is split into ``microbatches`` (or micro-batches of
 ``microbatch_size``) that flow through the stages under a GPipe or 1F1B schedule, which runs
 forward and backward inside the training step; validation, test and predict flow forward-only.
-The task provides the steps' other parts (``pipeline_task.PipelineTask``). ``schedule=interleaved``
+The task's own steps run on every rank, their ``self(x)`` answered with the stages' output
+(``pipeline_task.PipelineTask``, the contract). ``schedule=interleaved``
 (Megatron's interleaved 1F1B) cuts the model into ``stages x virtual_stages`` chunks and gives
 each process every ``stages``-th chunk, which shortens the pipeline's fill and drain.
 
@@ -199,11 +200,9 @@ class PipelineStrategy(DDPStrategy):
     """GPipe / 1F1B pipeline over ``stages`` processes (one per device), through Lightning."""
 
     strategy_name = "pipeline"
-    # its own steps from PipelineTask's members; shapes are fixed at the first step (full
+    # the task's net through its stages (PipelineTask); shapes are fixed at the first step (full
     # batches: data.drop_last=true); the net starts on meta, each process materialises its own
-    capabilities = replace(
-        LIGHTNING, runs_task_steps=False, full_batches=True, materialises_blocks=True
-    )
+    capabilities = replace(LIGHTNING, runs_stages=True, full_batches=True, materialises_blocks=True)
 
     def __init__(
         self,
@@ -250,6 +249,7 @@ class PipelineStrategy(DDPStrategy):
         self._schedule: Any = None  # training's, built at the first training step
         self._eval_schedules: dict[int, Any] = {}  # forward-only, by batch size
         self._pending_grads: list[Tensor | None] | None = None
+        self._step_output: tuple[Tensor, Tensor] | None = None  # (input, output) of this step
         self._pipe_group: Any = None  # this pipeline's ranks
         self._replica_group: Any = None  # this stage's rank in every replica
 
@@ -540,9 +540,12 @@ class PipelineStrategy(DDPStrategy):
         chunk = max(c for c, start in enumerate(self._starts) if start <= block_index)
         return chunk % self.stages
 
-    # --- the steps: the task's, with the stages' forward in place of the model's ----------------
+    # --- the steps: the task's own, its self(x) answered by the stages ----------------------------
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The schedule's forward and backward on the batch's ``split_batch``, then the task's
+        ``training_step``, whose ``self(x)`` returns the stages' output: the pipeline changes the
+        path here, and only here."""
         lm = self.lightning_module
         x, y = lm.split_batch(args[0])
         schedule = self._train_schedule(len(x))
@@ -556,12 +559,11 @@ class PipelineStrategy(DDPStrategy):
         for p in params:
             p.grad = None
         first, last = self.stage == 0, self.stage == self.stages - 1
-        losses: list[Tensor] = []
         with self.precision_plugin.train_step_context():
             if first:
                 out = schedule.step(x, target=y if last else None)
             elif last:
-                out = schedule.step(target=y, losses=losses)
+                out = schedule.step(target=y)
             else:
                 out = schedule.step()
         if self.replicas > 1:  # data parallel across pipelines: average each stage's gradients
@@ -572,13 +574,31 @@ class PipelineStrategy(DDPStrategy):
         self._pending_grads = [p.grad for p in params]
         for p, h in zip(params, held, strict=True):
             p.grad = h
-        loss = torch.stack(losses).mean().detach().float() if last else torch.zeros(())
-        loss = loss.to(self.root_device)
-        dist.broadcast(loss, src=self._rank_of(self.stages - 1), group=self._pipe_group)
-        return lm.step_output(self._logits_from_last_stage(out), loss, y)
+        self._step_output = (x, self._logits_from_last_stage(out))
+        try:
+            with self.precision_plugin.train_step_context():
+                return lm.training_step(*args, **kwargs)
+        finally:
+            self._step_output = None
+
+    def stages_output(self, x: Tensor) -> Tensor:
+        """What ``self(x)`` returns in the task's steps (``PipelineTask.forward``): in training
+        the output of the schedule that ran on this batch; otherwise the stages' output for ``x``
+        through a forward-only schedule. On every rank of the pipeline."""
+        if self._step_output is not None:
+            ran, output = self._step_output
+            if x is not ran:
+                raise ConfigError(
+                    f"{type(self.lightning_module).__name__}.training_step called self(x) with "
+                    f"another input than split_batch(batch) gives, which the pipeline's stages "
+                    f"trained on: call the model on that input (a batch's first entry, or "
+                    f"override split_batch to say which it is)"
+                )
+            return output
+        return self._forward_only(x)
 
     def _forward_only(self, x: Tensor) -> Tensor:
-        """The model's logits for ``x`` on every rank, the micro-batches run forward-only through
+        """The model's output for ``x`` on every rank, the micro-batches run forward-only through
         the stages (each process runs only its own blocks)."""
         schedule = self._eval_schedule(len(x))
         out = schedule.step(x) if self.stage == 0 else schedule.step()
@@ -602,25 +622,6 @@ class PipelineStrategy(DDPStrategy):
             logits = torch.empty(shape[:ndim], dtype=LOGIT_DTYPES[dtype], device=self.root_device)
         dist.broadcast(logits, src=last_rank, group=group)
         return logits
-
-    def _eval_step(self, batch: Any) -> Any:
-        lm = self.lightning_module
-        x, y = lm.split_batch(batch)
-        logits = self._forward_only(x)
-        return lm.step_output(logits, lm.loss_fn(logits, y), y)
-
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.val_step_context():
-            return self._eval_step(args[0])
-
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.test_step_context():
-            return self._eval_step(args[0])
-
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        lm = self.lightning_module
-        with self.precision_plugin.predict_step_context():
-            return lm.prediction(self._forward_only(lm.split_batch(args[0])[0]))
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """The schedule already ran backward: put its gradients back after Lightning's zero_grad."""

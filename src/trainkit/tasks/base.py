@@ -1,7 +1,7 @@
 """What every task here shares, whatever it learns: a ``net`` of blocks, optimizer and scheduler
 factories bound after a strategy wrapped or split the model, ``compile=true``, gradients freed
-right after each optimizer step, and the steps composed from ``PipelineTask``'s members (so the
-same task runs under every strategy, the pipeline included)."""
+right after each optimizer step, and ``PipelineTask``'s contract (the model is ``self(x)``), so
+that its own steps run under every strategy, the pipeline included."""
 
 import logging
 from collections.abc import Callable, Sequence
@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from torch import Tensor, nn
+from torch import nn
 
 from trainkit.strategies.pipeline_task import PipelineTask
 
@@ -20,8 +20,8 @@ SchedulerFactory = Callable[..., torch.optim.lr_scheduler.LRScheduler]
 
 
 class Task(PipelineTask):
-    """``net`` (an ``nn.Sequential`` of blocks) with its optimizer; a subclass adds the loss, the
-    ``PipelineTask`` members and its metrics.
+    """``net`` (an ``nn.Sequential`` of blocks) with its optimizer; a subclass adds its
+    ``loss_fn``, its metrics and its steps, which run the model as ``self(x)``.
 
     ``optimizer`` and ``scheduler`` are factories (Hydra ``_partial_: true``) bound to the
     parameters in ``configure_optimizers``. ``input_shape`` is one sample's shape (filled from the
@@ -51,9 +51,6 @@ class Task(PipelineTask):
         self.compile_blocks, self._compiled = compile, False
         self._grads_freed = False  # by optimizer_step, since optimizer_zero_grad last ran
         self.input_shape = input_shape
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.net(x)
 
     def configure_model(self) -> None:
         """``compile=true``: each block of ``net`` compiled in place (``nn.Module.compile``), so the
