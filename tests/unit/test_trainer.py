@@ -1,16 +1,17 @@
 """trainkit's Trainer keeps what Lightning's does where it changes nothing: a profiler asked for
-times every hook, and the datamodule's batch hooks win over the module's. Its three changes:
-the sharding and reliability tests (unit/test_data_sharding.py, e2e/test_distributed_eval.py,
-e2e/test_reliability.py)."""
+times every hook, and the datamodule's batch hooks win over the module's; a logged value's result
+stays on its device. Its three other changes: the sharding and reliability tests
+(unit/test_data_sharding.py, e2e/test_distributed_eval.py, e2e/test_reliability.py)."""
 
 from pathlib import Path
 
 import pytest
+import torch
 from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
 from lightning.pytorch.profilers import SimpleProfiler
 
 from helpers import QUIET
-from trainkit.trainer import Trainer
+from trainkit.trainer import Trainer, _ResultOnItsDevice, _Results
 
 
 def fit(tmp_path: Path, **kwargs) -> Trainer:
@@ -61,3 +62,17 @@ def test_the_datamodules_batch_hooks_win_and_a_call_without_it_takes_the_modules
     trainer.limit_val_batches = 1
     with pytest.raises(AssertionError, match="the datamodule's hook wins"):
         trainer.validate(model, dataloaders=datamodule.val_dataloader(), verbose=False)
+
+
+def test_a_logged_result_stays_where_it_is_and_sums_every_value() -> None:
+    """``self.log`` into our result collection: the stored result is ours, a move to the device
+    it is on leaves it as it is, and the epoch's mean is still weighted by each batch's size."""
+    results = _Results(training=True)
+    for value, size in ((1.0, 1), (3.0, 3)):
+        results.log("training_step", "x", torch.tensor(value), on_step=False, batch_size=size)
+    result = results["training_step.x"]
+    assert type(result) is _ResultOnItsDevice
+    assert result.to(torch.device("cpu")) is result
+    assert result.compute().item() == 2.5  # (1 x 1 + 3 x 3) / 4
+    results.cpu()  # Lightning's own move, at an epoch's end
+    assert result.compute().item() == 2.5
