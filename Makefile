@@ -18,7 +18,7 @@ OUT    ?= docs/img
 TORCH_INDEX ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install servers train plan eval test lint format tensorboard screenshots bench rename clean
+.PHONY: help install servers train plan check eval test lint format tensorboard screenshots bench rename clean
 
 help:  ## list the targets
 	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -45,6 +45,9 @@ train: $(STAMP)  ## train: make train ARGS="strategy=ddp devices=2"
 
 plan: $(STAMP)  ## the memory plan of a run, and which strategy fits: make plan ARGS="devices=2"
 	$(BIN)/python train.py plan=true $(ARGS)
+
+check: $(STAMP)  ## a verdict on the run under each strategy, in about a minute: make check ARGS="model=..."
+	$(BIN)/python train.py check=true $(ARGS)
 
 eval: $(STAMP)  ## evaluate a checkpoint: make eval ARGS="ckpt_path=..."
 	$(BIN)/python eval.py $(ARGS)

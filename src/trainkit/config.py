@@ -51,11 +51,12 @@ def compose_config(
 
 # A block's switch typed as the block: ``plan=true`` would set the whole ``plan`` block to true,
 # dropping its other keys (the config's, or typed before it) and refusing those typed after it.
-SHORTHANDS = {"plan": "plan.show"}
+SHORTHANDS = {"plan": "plan.show", "check": "check.run"}
 
 
 def expand_shorthands(argv: Sequence[str]) -> list[str]:
-    """``plan=true`` (or false) as ``plan.show=true``; the other arguments as they are."""
+    """``plan=true`` (or false) as ``plan.show=true``, ``check=true`` as ``check.run=true``; the
+    other arguments as they are."""
     expanded = []
     for arg in argv:
         key, eq, value = arg.partition("=")

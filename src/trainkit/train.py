@@ -72,6 +72,8 @@ def run(cfg: DictConfig) -> float | None:
     quiet()  # Lightning's messages that do not apply to this run
     if Settings.from_config(cfg).show:
         return show_plan(cfg)
+    if cfg.get("check", {}).get("run"):
+        return check(cfg)
     with isolated_job(), owning_run_dir(cfg):
         return _train_and_test(cfg)
 
@@ -81,6 +83,18 @@ def show_plan(cfg: DictConfig) -> None:
     checkpoint's config), printed; nothing is trained, and no run directory is left."""
     with left_unused(cfg.paths.get("output_dir")):
         print(table(training_plan(cfg)))
+
+
+def check(cfg: DictConfig) -> None:
+    """``check=true``: a few steps of the run under each strategy, beside one device, and the
+    table (check.py); no run directory is left, and the exit code is 1 where the configured
+    layout fails."""
+    from trainkit.check import run_check
+
+    with left_unused(cfg.paths.get("output_dir")):
+        failed = run_check(cfg)
+    if failed:
+        raise SystemExit(failed)
 
 
 def _train_and_test(cfg: DictConfig) -> float | None:
@@ -129,7 +143,7 @@ def _fit_and_test(
         tested = trainer.test(
             model, datamodule=datamodule, ckpt_path=best or None, weights_only=weights_only
         )
-        test_metrics = as_floats(tested[0])
+        test_metrics = as_floats(tested[0]) if tested else {}  # (limit_test_batches=0: none)
     write_json(
         Path(cfg.paths.output_dir) / "metrics.json",
         {"fit": fit_metrics, "test": test_metrics, "best_checkpoint": best},
