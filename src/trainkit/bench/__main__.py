@@ -27,6 +27,7 @@ import torch
 
 from trainkit.bench import cells as matrix
 from trainkit.bench.report import (
+    CHECK_DOCS,
     DOCS_END,
     DOCS_START,
     GPU_DOCS,
@@ -97,12 +98,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="the ImageFolder input path instead: images/s per worker core against torchvision's",
     )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="how long `train.py check=true` takes on the default MLP and a full-size MNIST",
+    )
     parser.add_argument("--out", type=Path, help="a new directory (default: logs/bench/<time>)")
     parser.add_argument(
         "--docs", type=Path, help="also write the results into this page (docs/performance.md)"
     )
     args = parser.parse_args(argv)
-    args.gpu = args.gpu or (torch.cuda.is_available() and not (args.memory or args.loading))
+    own = args.memory or args.loading or args.check  # a run of its own, into its own section
+    args.gpu = args.gpu or (torch.cuda.is_available() and not own)
     unknown = sorted(set(args.cells or ()) - set(names))
     if unknown:
         parser.error(f"unknown cell(s) {unknown}: see --list for the names")
@@ -150,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True)
     if args.loading:
         return run_loading(args)
+    if args.check:
+        return run_check_timing(args)
     settings = matrix.Settings(threads=args.threads)
     for name in dict.fromkeys(c.workload for c in cells):
         settings.data_roots[name] = matrix.WORKLOADS[name].write_data(args.out / "data")
@@ -218,6 +227,43 @@ def run_loading(args: argparse.Namespace) -> int:
         replace_between(args.docs, LOADING_DOCS, f"{how}\n\n{text}")
     print(text)
     return 0
+
+
+def run_check_timing(args: argparse.Namespace) -> int:
+    """``--check``: ``python train.py check=true`` on the default MLP and a synthetic MNIST of
+    the real size (60,000 training images, 10,000 test), timed from start to exit, ``--rounds``
+    times (default 2); the last run's table and the median into the page's check section."""
+    from trainkit.data.synthetic import write_mnist
+
+    root = write_mnist(args.out / "data", 60_000, 10_000)
+    seconds, table, failed = [], "", False
+    for _ in range(args.rounds or 2):
+        started = time.monotonic()
+        proc = subprocess.run(
+            [sys.executable, str(ROOT_DIR / "train.py"), "check=true", f"data.root={root}",
+             "data.download=false",
+             f"paths.log_dir={args.out / 'logs'}"],
+            capture_output=True, text=True, cwd=ROOT_DIR,
+        )  # fmt: skip
+        seconds.append(time.monotonic() - started)
+        failed |= proc.returncode != 0
+        table = proc.stdout[proc.stdout.find("check:") :].split("\nreport:")[0].strip()
+    m = machine()
+    text = (
+        f"`python train.py check=true` on the default MLP and MNIST's size: "
+        f"{statistics.median(seconds):.0f} s from start to exit (median of {len(seconds)}: "
+        f"{', '.join(f'{s:.0f}' for s in seconds)} s), goal <= 60 s. The last run's table:\n\n"
+        f"```\n{table}\n```"
+    )
+    (args.out / "results.json").write_text(json.dumps({"machine": m, "seconds": seconds}) + "\n")
+    if args.docs:
+        how = (
+            f"One run of `make bench ARGS=--check` at commit {m.get('commit', '?')} on "
+            f"{m['cpu']}, {m['cores']} cores, written here by the benchmark:"
+        )
+        replace_between(args.docs, CHECK_DOCS, f"{how}\n\n{text}")
+    print(text)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -443,6 +443,7 @@ DOCS_START, DOCS_END = "<!-- bench:results:start -->", "<!-- bench:results:end -
 MEMORY_DOCS = ("<!-- bench:memory:start -->", "<!-- bench:memory:end -->")
 GPU_DOCS = ("<!-- bench:gpu:start -->", "<!-- bench:gpu:end -->")
 LOADING_DOCS = ("<!-- bench:loading:start -->", "<!-- bench:loading:end -->")
+CHECK_DOCS = ("<!-- bench:check:start -->", "<!-- bench:check:end -->")
 
 
 def write_docs(
