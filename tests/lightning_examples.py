@@ -2,6 +2,9 @@
 trainkit in them: the code a new user brings. Tests plug them in through config only, as
 ``tests/lightning_docs.py``'s.
 
+- ``Backbone``, ``LitClassifier``, ``MyDataModule``: Lightning's backbone image classifier
+  example (``examples/pytorch/basics``): a module given its backbone, a ``valid_loss`` logged
+  per step and per epoch, a datamodule that splits MNIST in ``__init__`` and never shuffles.
 - ``LitAutoEncoder``: Lightning's basic autoencoder example (an encoder and a decoder
   ``nn.Sequential``, a reconstruction MSE logged with ``on_step=True`` in every stage, no
   ``sync_dist``), trained on ``lightning_docs.MNISTDataModule``.
@@ -43,7 +46,7 @@ from torch.utils.data import DataLoader, random_split
 from torchmetrics import MaxMetric, MeanMetric
 from torchmetrics.classification import Accuracy
 from torchvision import transforms
-from torchvision.datasets import ImageFolder
+from torchvision.datasets import MNIST, ImageFolder
 
 from trainkit.strategies.pipeline_task import PipelineTask
 
@@ -104,6 +107,90 @@ class SelfShardedAutoEncoder(LitAutoEncoder):
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh)
         fully_shard(self, mesh=mesh)
+
+
+# --- Lightning's examples/pytorch/basics/backbone_image_classifier.py --------------------------
+
+
+class Backbone(torch.nn.Module):
+    def __init__(self, hidden_dim=128):
+        super().__init__()
+        self.l1 = torch.nn.Linear(28 * 28, hidden_dim)
+        self.l2 = torch.nn.Linear(hidden_dim, 10)
+
+    def forward(self, x):
+        x = x.view(x.size(0), -1)
+        x = torch.relu(self.l1(x))
+        return torch.relu(self.l2(x))
+
+
+class LitClassifier(L.LightningModule):
+    def __init__(self, backbone: Backbone | None = None, learning_rate: float = 0.0001):
+        super().__init__()
+        self.save_hyperparameters(ignore=["backbone"])
+        if backbone is None:
+            backbone = Backbone()
+        self.backbone = backbone
+
+    def forward(self, x):
+        # use forward for inference/predictions
+        return self.backbone(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        y_hat = self(x)
+        loss = F.cross_entropy(y_hat, y)
+        self.log("train_loss", loss, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        y_hat = self(x)
+        loss = F.cross_entropy(y_hat, y)
+        self.log("valid_loss", loss, on_step=True)
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        y_hat = self(x)
+        loss = F.cross_entropy(y_hat, y)
+        self.log("test_loss", loss)
+
+    def predict_step(self, batch, batch_idx, dataloader_idx=None):
+        x, _ = batch
+        return self(x)
+
+    def configure_optimizers(self):
+        # self.hparams available because we called self.save_hyperparameters()
+        return torch.optim.Adam(self.parameters(), lr=self.hparams.learning_rate)
+
+
+class MyDataModule(L.LightningDataModule):
+    """The example's: MNIST split once in ``__init__``, loaders that do not shuffle. Its data
+    comes from ``data_dir`` (the example downloads Lightning's copy), and the split's sizes are
+    arguments (the example's: 55,000 and 5,000)."""
+
+    def __init__(self, batch_size: int = 32, data_dir: str = ".", split: tuple = (55000, 5000)):
+        super().__init__()
+        dataset = MNIST(data_dir, train=True, download=False, transform=transforms.ToTensor())
+        self.mnist_test = MNIST(
+            data_dir, train=False, download=False, transform=transforms.ToTensor()
+        )
+        self.mnist_train, self.mnist_val = random_split(
+            dataset, list(split), generator=torch.Generator().manual_seed(42)
+        )
+        self.batch_size = batch_size
+
+    def train_dataloader(self):
+        return DataLoader(self.mnist_train, batch_size=self.batch_size)
+
+    def val_dataloader(self):
+        return DataLoader(self.mnist_val, batch_size=self.batch_size)
+
+    def test_dataloader(self):
+        return DataLoader(self.mnist_test, batch_size=self.batch_size)
+
+    def predict_dataloader(self):
+        return DataLoader(self.mnist_test, batch_size=self.batch_size)
 
 
 # --- Lightning's examples/pytorch/basics/transformer.py ----------------------------------------

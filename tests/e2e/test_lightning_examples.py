@@ -72,6 +72,11 @@ net:
 compile: false
 """,
     "model/lit_gan.yaml": "_target_: lightning_examples.GAN\n",
+    "model/lit_backbone.yaml": "_target_: lightning_examples.LitClassifier\n",
+    "data/lit_backbone_mnist.yaml": (
+        "_target_: lightning_examples.MyDataModule\ndata_dir: ${paths.data_dir}\n"
+        "batch_size: 32\nsplit: [803, 200]\n"
+    ),
     "model/lit_self_sharded.yaml": "_target_: lightning_examples.SelfShardedAutoEncoder\n",
     "data/lit_mnist.yaml": (
         "_target_: lightning_docs.MNISTDataModule\ndata_dir: ${paths.data_dir}\n"
@@ -462,4 +467,34 @@ def test_a_data_dir_the_checkpoints_data_does_not_take_is_refused_naming_the_key
         f"paths.data_dir={tmp_path}: the checkpoint's data config takes nothing from its run's "
         f"paths.data_dir ({trained_data_dir}), so it would not move; give the data's own key "
         f"instead: data.root={mnist_root}"
+    )
+
+
+# --- Lightning's backbone image classifier, through check=true -----------------------------------
+
+
+def test_the_backbone_classifier_trains_one_devices_weights_under_every_strategy(
+    user_conf: Path, data: dict, tmp_path: Path
+) -> None:
+    """``examples/pytorch/basics/backbone_image_classifier.py``: its loaders never shuffle, so
+    ``check=true`` compares every layout's first gradient and weights with one device's; every
+    data-parallel layout trains them, the pipeline refuses the module in one line naming the
+    change (shown to run on the transformer above), and the configured layout passes."""
+    log_dir = tmp_path / "logs"
+    proc = run_python(
+        "train.py", "check=true", f"hydra.searchpath=[file://{user_conf}]",
+        "model=lit_backbone", "data=lit_backbone_mnist", f"paths.data_dir={data['mnist']}",
+        "monitor=valid_loss_epoch", "monitor_mode=min", log_dir=log_dir,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (report,) = (log_dir / "check").iterdir()
+    rows = {r["layout"]: r for r in json.loads((report / "check.json").read_text())}
+    for name in ("ddp x2", "dp x2", "fsdp x2"):
+        row = rows[name]
+        assert row["ok"] and row["runs"] == "runs", row
+        assert row["gradients"].startswith("equal") and row["weights"].startswith("equal"), row
+        assert row["metrics"] == "equal (2 values)", row  # the epoch value, as valid_loss(_epoch)
+    assert rows["ddp x2"]["replicas"] == rows["fsdp x2"]["replicas"] == "agree"
+    assert rows["pipeline x2"]["runs"].startswith(
+        "refused: strategy=pipeline cuts LitClassifier.net (an nn.Sequential of blocks)"
     )
