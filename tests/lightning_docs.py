@@ -12,7 +12,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, IterableDataset, random_split
+from torch.utils.data import DataLoader, IterableDataset, Subset, random_split
 from torchmetrics.classification import Accuracy
 from torchvision import transforms
 from torchvision.datasets import MNIST
@@ -168,3 +168,36 @@ class DropLastMNISTDataModule(MNISTDataModule):
         return DataLoader(
             self.mnist_train, batch_size=self.batch_size, shuffle=True, drop_last=True
         )
+
+
+class TwoTestSetsDataModule(MNISTDataModule):
+    """Two validation and two test loaders, as Lightning's docs return several: a list (the
+    halves of each set, of uneven sizes)."""
+
+    def val_dataloader(self):
+        return [DataLoader(part, batch_size=self.batch_size) for part in halves(self.mnist_val)]
+
+    def test_dataloader(self):
+        return [DataLoader(part, batch_size=self.batch_size) for part in halves(self.mnist_test)]
+
+
+def halves(dataset) -> list[Subset]:
+    n = len(dataset) // 2 + 1
+    return [Subset(dataset, range(n)), Subset(dataset, range(n, len(dataset)))]
+
+
+class LitSeveralLoaders(LitBackbone):
+    """Its evaluation steps take ``dataloader_idx``, as Lightning's docs write them for several
+    loaders; the logged values get each loader's suffix (``/dataloader_idx_<i>``)."""
+
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        x, y = batch
+        logits = self.backbone(x)
+        self.log("val_loss", F.cross_entropy(logits, y))
+        self.log("val_acc", (logits.argmax(dim=1) == y).float().mean())
+
+    def test_step(self, batch, batch_idx, dataloader_idx=0):
+        x, y = batch
+        logits = self.backbone(x)
+        self.log("test_loss", F.cross_entropy(logits, y))
+        self.log("test_acc", (logits.argmax(dim=1) == y).float().mean())

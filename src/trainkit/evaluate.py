@@ -24,7 +24,7 @@ from trainkit.launch import isolated_job
 from trainkit.loggers import ending_tracker_runs
 from trainkit.preflight import check_built_run, why_cannot
 from trainkit.run_dir import owning_run_dir
-from trainkit.run_files import as_floats, write_config, write_json
+from trainkit.run_files import stage_metrics, write_config, write_json
 from trainkit.run_plan import evaluation_plan
 
 log = logging.getLogger(__name__)
@@ -153,7 +153,7 @@ def _evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
                     ckpt_path=cfg.ckpt_path,
                     weights_only=cfg.weights_only,
                 )
-                results[stage] = as_floats(ran[0])
+                results[stage] = stage_metrics(ran)  # every dataloader's
     checkpoint = str(Path(cfg.ckpt_path).resolve())
     write_json(output_dir / "metrics.json", {**results, "checkpoint": checkpoint})
     return results

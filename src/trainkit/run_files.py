@@ -22,3 +22,10 @@ def write_config(path: Path, cfg: DictConfig) -> None:
 
 def as_floats(metrics: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items()}
+
+
+def stage_metrics(results: list[dict[str, Any]]) -> dict[str, float]:
+    """What ``trainer.validate`` or ``trainer.test`` returned, one dict per dataloader, as one:
+    a value logged by several loaders is named ``<name>/dataloader_idx_<i>`` in each (Lightning's
+    keys), so every loader's values are kept."""
+    return as_floats({k: v for per_loader in results for k, v in per_loader.items()})

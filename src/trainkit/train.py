@@ -29,7 +29,7 @@ from trainkit.plan import Settings, check_fits, table
 from trainkit.preflight import check_built_run, why_cannot
 from trainkit.resume import composing_overrides, job_overrides, record_launch
 from trainkit.run_dir import left_unused, owning_run_dir
-from trainkit.run_files import as_floats, write_config, write_json
+from trainkit.run_files import as_floats, stage_metrics, write_config, write_json
 from trainkit.run_plan import RunPlan, training_plan
 from trainkit.runtime import tune_malloc
 
@@ -143,7 +143,7 @@ def _fit_and_test(
         tested = trainer.test(
             model, datamodule=datamodule, ckpt_path=best or None, weights_only=weights_only
         )
-        test_metrics = as_floats(tested[0]) if tested else {}  # (limit_test_batches=0: none)
+        test_metrics = stage_metrics(tested)  # every test loader's (none: limit_test_batches=0)
     write_json(
         Path(cfg.paths.output_dir) / "metrics.json",
         {"fit": fit_metrics, "test": test_metrics, "best_checkpoint": best},

@@ -40,6 +40,16 @@ batch_size: 64
 train_fraction: 0.8
 download: false
 """,
+    "model/several_loaders.yaml": """
+_target_: lightning_docs.LitSeveralLoaders
+backbone:
+  _target_: lightning_docs.mnist_backbone
+""",
+    "data/two_test_sets.yaml": """
+defaults:
+  - lit
+_target_: lightning_docs.TwoTestSetsDataModule
+""",
     "data/stream.yaml": """
 defaults:
   - lit
@@ -147,6 +157,28 @@ def test_standard_lightning_code_trains_and_tests_right(
     for key, value in single.items():
         assert metrics["test"][key] == pytest.approx(value, abs=1e-6), key
     assert 0 < single["test_acc"] < 1  # a metric that a padded or a missing sample would move
+
+
+def test_several_evaluation_loaders_each_give_their_values(
+    user_conf: Path, odd_mnist: Path, run_script: Callable[..., Path], run_here: Callable[..., Path]
+) -> None:
+    """Two validation and two test loaders, as Lightning's docs write them: the monitor names
+    the second loader's loss; metrics.json, of train.py on ddp x3 and of eval.py on one device,
+    holds each loader's test values, equal to one another (101 and 100 validation, 126 and 125
+    test samples on 3 ranks)."""
+    run = user_run(
+        user_conf, odd_mnist, "monitor=val_loss/dataloader_idx_1", "monitor_mode=min",
+        model="several_loaders", data="two_test_sets",
+    )  # fmt: skip
+    ddp = run_script("train.py", *run, "strategy=ddp", "devices=3", "strategy.timeout.seconds=60")
+    metrics = json.loads((ddp / "metrics.json").read_text())
+    keys = {f"test_{m}/dataloader_idx_{i}" for m in ("loss", "acc") for i in (0, 1)}
+    assert set(metrics["test"]) == keys
+    assert "val_loss/dataloader_idx_1" in metrics["fit"]
+    evaluated = run_here("eval.py", f"ckpt_path={metrics['best_checkpoint']}", "accelerator=cpu")
+    single = json.loads((evaluated / "metrics.json").read_text())["test"]
+    assert single == pytest.approx(metrics["test"], rel=1e-6)
+    assert single["test_loss/dataloader_idx_0"] != single["test_loss/dataloader_idx_1"]
 
 
 def refused(proc, log_dir: Path, *says: str) -> None:

@@ -15,7 +15,7 @@ class MonitoredMetric(L.Callback):
         self.monitor = monitor
 
     def on_sanity_check_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        logged = sorted(trainer.callback_metrics)
+        logged = sorted(logged_names(trainer))
         if self.monitor is None or trainer.val_dataloaders is None:
             return
         # every rank decides alike (a metric logged with rank_zero_only is on rank 0 only)
@@ -30,3 +30,19 @@ class MonitoredMetric(L.Callback):
             f"by it: set monitor=<one of them> (monitor_mode=min for a loss), or monitor=null "
             f"(for a metric only training logs, also trainer.num_sanity_val_steps=0)"
         )
+
+
+def logged_names(trainer: L.Trainer) -> set[str]:
+    """Every name by which the validation's values reach ``trainer.callback_metrics`` (and a
+    ModelCheckpoint's monitor): after the sanity check Lightning shows none of a module's values
+    logged under several dataloaders there, so they are read from the validation's results, each
+    as Lightning names it (``<name>``, ``<name>_epoch`` where it is logged per step too, and
+    ``/dataloader_idx_<i>`` after each for the i-th loader)."""
+    names = set(trainer.callback_metrics)
+    for result in (trainer._results or {}).values():
+        meta = result.meta
+        forms = [meta.name, *((f"{meta.name}_epoch",) if meta.forked else ())]
+        indexed = meta.add_dataloader_idx and meta.dataloader_idx is not None
+        suffix = f"/dataloader_idx_{meta.dataloader_idx}" if indexed else ""
+        names.update(f"{form}{suffix}" for form in forms)
+    return names

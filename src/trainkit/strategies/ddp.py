@@ -52,6 +52,12 @@ class DDPStrategy(ExactMeanReduce, LightningDDPStrategy):
     # find_unused_parameters is for those.)
 
     def configure_ddp(self) -> None:
+        if self._ddp_kwargs.get("find_unused_parameters") is None:
+            # settled before training: a module that optimizes manually (several optimizers,
+            # toggle_optimizer) runs backward passes that each reach part of its parameters,
+            # which DDP without find_unused_parameters refuses at the next step
+            manual = not self.lightning_module.automatic_optimization
+            self._ddp_kwargs["find_unused_parameters"] = manual
         super().configure_ddp()
         self._wrapped_trainable = trainable(self.lightning_module)
         params = self.lightning_module.parameters()
