@@ -22,7 +22,7 @@ from trainkit.console import quiet
 from trainkit.errors import ConfigError
 from trainkit.launch import isolated_job
 from trainkit.loggers import ending_tracker_runs
-from trainkit.preflight import check_built_run, why_cannot
+from trainkit.preflight import check_built_run, check_runnable_stages
 from trainkit.run_dir import owning_run_dir
 from trainkit.run_files import stage_metrics, write_config, write_json
 from trainkit.run_plan import evaluation_plan
@@ -128,10 +128,7 @@ def _evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
     trainer = build_trainer(cfg, dims, callbacks=callbacks)
     prepare_data_once(datamodule, dims)
     check_built_run(cfg, dims, datamodule, model, trainer.strategy, training=False)
-    for stage in stages:
-        reason = why_cannot(stage, model, datamodule)
-        if reason:
-            raise ConfigError(f"stages={list(stages)}: {reason}; leave {stage} out of stages")
+    check_runnable_stages(stages, model, datamodule)  # what they cannot run, said once
 
     results: dict[str, dict[str, float]] = {}
     with ending_tracker_runs(trainer.loggers):

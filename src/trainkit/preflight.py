@@ -386,6 +386,35 @@ def why_cannot(stage: str, model: Any, datamodule: Any) -> str | None:
     return None
 
 
+def check_runnable_stages(stages: list[str], model: Any, datamodule: Any) -> None:
+    """eval.py's ``stages`` that the task and data cannot run, refused in one line that names
+    those they can, or says that there is nothing to evaluate: not one refusal per stage in
+    turn."""
+    cannot = {s: why_cannot(s, model, datamodule) for s in STAGE_NEEDS}
+    refused = [s for s in stages if cannot[s]]
+    if not refused:
+        return
+    runnable = [s for s, why in cannot.items() if not why]
+    reasons = "; ".join(cannot[s] for s in refused)
+    fix = (
+        f"it can run stages=[{','.join(runnable)}]"
+        if runnable
+        else "it can run none of validate, test and predict: there is nothing to evaluate"
+    )
+    raise ConfigError(f"stages={list(stages)}: {reasons}; {fix}")
+
+
+def check_monitored_validation(cfg: DictConfig, model: Any, datamodule: Any) -> None:
+    """A ``monitor`` for a task or data without a validation: nothing would ever log it, and
+    Lightning's checkpoint callback would warn at every epoch and keep no best checkpoint."""
+    reason = why_cannot("validate", model, datamodule)
+    if cfg.get("monitor") is not None and reason:
+        raise ConfigError(
+            f"monitor={cfg.monitor}: {reason}, so nothing logs it and no best checkpoint could "
+            f"be chosen by it: set monitor=null (the last checkpoint is kept and tested)"
+        )
+
+
 def check_threaded_forward(module: nn.Module, dims: ParallelDims, caps: Capabilities) -> None:
     """strategy=dp on several GPUs runs the module's forward in a thread per GPU on a copy of the
     module: ``self.log`` and metric updates there would be lost or count one GPU's part of the
@@ -421,6 +450,7 @@ def check_built_run(
     check_logged_reductions(model)
     if not training:
         return
+    check_monitored_validation(cfg, model, datamodule)
     batch_size = cfg.data.get("batch_size")
     if launches_others(dims):
         batch_size = check_train_data(datamodule, dims.replicas, caps.full_batches) or batch_size

@@ -31,6 +31,8 @@ from trainkit.parallel import LIGHTNING, ParallelDims, capabilities
 from trainkit.preflight import (
     check_compile,
     check_logged_reductions,
+    check_monitored_validation,
+    check_runnable_stages,
     check_threaded_forward,
     preflight,
     set_threads,
@@ -370,6 +372,37 @@ def test_a_stage_the_task_or_data_lacks_is_named_before_it_starts() -> None:
     assert why_cannot("validate", TrainsOnly(), data) == "TrainsOnly has no validation_step"
     assert why_cannot("predict", TrainsOnly(), data) is None  # Lightning's default predict_step
     assert why_cannot("test", module, TrainDataOnly()) == "TrainDataOnly has no test_dataloader"
+
+
+def test_eval_stages_a_module_cannot_run_are_refused_once_naming_those_it_can() -> None:
+    """Not one refusal per stage in turn: the line names every stage asked for that cannot run,
+    and those that can; a module and data with nothing to evaluate are told so."""
+    data = lightning_docs.MNISTDataModule()
+    check_runnable_stages(["predict"], TrainsOnly(), data)  # (Lightning has a predict_step)
+    with pytest.raises(ConfigError) as refused:
+        check_runnable_stages(["validate", "test"], TrainsOnly(), data)
+    assert str(refused.value) == (
+        "stages=['validate', 'test']: TrainsOnly has no validation_step; TrainsOnly has no "
+        "test_step; it can run stages=[predict]"
+    )
+    with pytest.raises(ConfigError) as nothing:
+        check_runnable_stages(["test"], TrainsOnly(), TrainDataOnly())
+    assert str(nothing.value).endswith(
+        "it can run none of validate, test and predict: there is nothing to evaluate"
+    )
+
+
+def test_a_monitor_without_a_validation_is_refused_naming_monitor_null(compose) -> None:
+    cfg = compose()  # monitor=val/acc
+    with pytest.raises(ConfigError) as refused:
+        check_monitored_validation(cfg, TrainsOnly(), lightning_docs.MNISTDataModule())
+    assert str(refused.value) == (
+        "monitor=val/acc: TrainsOnly has no validation_step, so nothing logs it and no best "
+        "checkpoint could be chosen by it: set monitor=null (the last checkpoint is kept and "
+        "tested)"
+    )
+    cfg.monitor = None
+    check_monitored_validation(cfg, TrainsOnly(), lightning_docs.MNISTDataModule())
 
 
 @pytest.mark.parametrize(
