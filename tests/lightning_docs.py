@@ -11,6 +11,7 @@ keeping the ``nn.Module`` it was given.
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, Subset, random_split
 from torchmetrics.classification import Accuracy
@@ -201,3 +202,13 @@ class LitSeveralLoaders(LitBackbone):
         logits = self.backbone(x)
         self.log("test_loss", F.cross_entropy(logits, y))
         self.log("test_acc", (logits.argmax(dim=1) == y).float().mean())
+
+
+class LitWithCallbacks(LitBackbone):
+    """Its own callbacks, as Lightning's docs return them from ``configure_callbacks``: early
+    stopping on its validation loss, and a checkpoint of the best one (in place of the run's)."""
+
+    def configure_callbacks(self):
+        early_stop = EarlyStopping(monitor="val_loss", mode="min")
+        checkpoint = ModelCheckpoint(monitor="val_loss")
+        return [early_stop, checkpoint]

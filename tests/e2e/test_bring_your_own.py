@@ -45,6 +45,11 @@ _target_: lightning_docs.LitSeveralLoaders
 backbone:
   _target_: lightning_docs.mnist_backbone
 """,
+    "model/with_callbacks.yaml": """
+_target_: lightning_docs.LitWithCallbacks
+backbone:
+  _target_: lightning_docs.mnist_backbone
+""",
     "data/two_test_sets.yaml": """
 defaults:
   - lit
@@ -179,6 +184,28 @@ def test_several_evaluation_loaders_each_give_their_values(
     single = json.loads((evaluated / "metrics.json").read_text())["test"]
     assert single == pytest.approx(metrics["test"], rel=1e-6)
     assert single["test_loss/dataloader_idx_0"] != single["test_loss/dataloader_idx_1"]
+
+
+def test_a_modules_own_callbacks_run_under_ddp_and_fsdp(
+    user_conf: Path, mnist_root: Path, tmp_path: Path
+) -> None:
+    """``configure_callbacks`` returning early stopping and a checkpoint of its own, as
+    Lightning's docs write it, through ``check=true`` on ddp x2 and fsdp x2: both run, their
+    replicas agree and their validation values equal one device's."""
+    log_dir = tmp_path / "logs"
+    proc = run_python(
+        "train.py", "check=true", "check.strategies=[ddp,fsdp]",
+        *user_run(user_conf, mnist_root, "monitor=val_loss", "monitor_mode=min",
+                  model="with_callbacks"),
+        log_dir=log_dir,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (report,) = (log_dir / "check").iterdir()
+    rows = json.loads((report / "check.json").read_text())
+    assert [r["layout"] for r in rows] == ["one device", "ddp x2", "fsdp x2"]
+    for row in rows[1:]:
+        assert row["ok"] and row["replicas"] == "agree", row
+        assert row["metrics"] == "equal (1 value)", row
 
 
 def refused(proc, log_dir: Path, *says: str) -> None:

@@ -59,6 +59,26 @@ def test_the_default_mlp_passes_under_every_layout(
     print(f"check=true on the default MLP: {took:.1f} s")  # (the time is in the report's line)
 
 
+def test_accumulation_clipping_and_validation_mid_epoch_equal_one_device_everywhere(
+    overrides: tuple[str, ...], tmp_path: Path
+) -> None:
+    """Lightning's Trainer features as one sets them: gradients accumulated over 2 batches,
+    clipped by norm at 0.05 (below the gradients' own), validation twice an epoch; plain SGD,
+    whose step shows a gradient's scale. 8 batches, 4 optimizer steps: every layout's first
+    gradient (accumulated, before clipping) and weights equal one device's."""
+    code, rows, out, _ = check(
+        tmp_path, *overrides, "data.batch_size=64", "check.steps=8",
+        "trainer.accumulate_grad_batches=2", "trainer.gradient_clip_val=0.05",
+        "trainer.val_check_interval=0.5",
+        "model.optimizer._target_=torch.optim.SGD", "~model.optimizer.weight_decay",
+    )  # fmt: skip
+    assert code == 0, out[-3000:]
+    for row in rows:
+        assert row["ok"] and row["runs"] == "runs", row
+        if row["layout"] != "one device":
+            assert row["gradients"].startswith("equal") and row["weights"].startswith("equal")
+
+
 def test_lightning_transformer_example_runs_and_the_pipeline_names_its_change(
     tmp_path: Path,
 ) -> None:
