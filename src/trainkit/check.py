@@ -31,6 +31,7 @@ import torch
 from omegaconf import DictConfig
 from torch.utils.data import RandomSampler
 
+from trainkit.parallel import capabilities, device_count
 from trainkit.resume import job_overrides
 from trainkit.run_files import as_floats
 
@@ -119,29 +120,26 @@ def run_check(cfg: DictConfig) -> int:
     typed = job_overrides()
     base = [o for o in typed if top_key(o) not in LAYOUT_KEYS]
     searchpath = [o for o in HydraConfig.get().overrides.hydra if o.startswith("hydra.searchpath=")]
-    configured = configured_layout(cfg)
-    own = tuple(o for o in typed if top_key(o) in ("strategy", "devices", "num_nodes"))
+    configured, own, own_replicas = configured_layout(cfg)
     chosen = cfg.check.get("strategies")
     layouts = {
         name: layout
         for name, layout in LAYOUTS.items()
         if chosen is None or name == "one device" or name.split()[0] in chosen
     }
-    if own or configured not in layouts:  # the configured layout with its own options
-        timeout = "timeout" in cfg.strategy and not any(
-            o.startswith("strategy.timeout") for o in own
-        )
-        layouts[configured] = (*own, *((HUNG,) if timeout else ()))
+    layouts[configured] = own  # with its own options (the same as ours where it is one of them)
+    replicas = {**REPLICAS, configured: own_replicas}
     work = Path(tempfile.mkdtemp(prefix="trainkit-check-"))
     try:
         results = {}
         for name, layout in layouts.items():
             out = work / name.replace(" ", "_")
+            batch, incomparable = batch_for(cfg, replicas.get(name, 1))
             argv = [
                 *searchpath,
                 *base,
                 *layout,
-                *batch_for(cfg, REPLICAS.get(name, 1)),
+                *batch,
                 "accelerator=cpu",
                 f"trainer.limit_train_batches={steps}",
                 "trainer.max_epochs=1",
@@ -153,7 +151,7 @@ def run_check(cfg: DictConfig) -> int:
                 "+callbacks.trainkit_check._target_=trainkit.check.Probe",
                 f"+callbacks.trainkit_check.out={out}",
             ]
-            results[name] = launch(argv, out)
+            results[name] = {**launch(argv, out), "incomparable": incomparable}
         rows = verdicts(results, configured)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -173,28 +171,39 @@ def top_key(override: str) -> str:
     return override.split("=")[0].lstrip("+~").split(".")[0]
 
 
-def configured_layout(cfg: DictConfig) -> str:
-    """The name of the run's own layout among ``LAYOUTS``, or one of its own."""
+def configured_layout(cfg: DictConfig) -> tuple[str, tuple[str, ...], int]:
+    """The run's own layout as CPU processes on this machine: its name, its overrides (the
+    strategy with the options typed for it, every node's devices as processes here) and its
+    data-parallel replicas."""
     from hydra.core.hydra_config import HydraConfig
 
     strategy = HydraConfig.get().runtime.choices.get("strategy", "auto")
-    devices = str(cfg.devices)
-    if strategy == "auto" and devices == "1":
-        return "one device"
-    name = f"{strategy} x{devices}"
-    return name if name in LAYOUTS else f"{name} (configured)"
+    processes = device_count(cfg.devices, "cpu") * int(cfg.num_nodes)
+    stages = int(cfg.strategy.get("stages") or 1)
+    replicas = 1 if capabilities(cfg.strategy).single_process else max(1, processes // stages)
+    if strategy == "auto" and processes == 1:
+        return "one device", LAYOUTS["one device"], 1
+    options = [o for o in job_overrides() if top_key(o) == "strategy" and "." in o.split("=")[0]]
+    timed = "timeout" in cfg.strategy and not any("strategy.timeout" in o for o in options)
+    overrides = (f"strategy={strategy}", *options, f"devices={processes}", "num_nodes=1")
+    return f"{strategy} x{processes}", (*overrides, *((HUNG,) if timed else ())), replicas
 
 
-def batch_for(cfg: DictConfig, replicas: int) -> tuple[str, ...]:
+def batch_for(cfg: DictConfig, replicas: int) -> tuple[tuple[str, ...], str | None]:
     """The data's per-device batch that keeps the global batch one device's, where the data
-    config has ``batch_size`` and the replicas divide it; full batches only, where it has
-    ``drop_last`` (the pipeline takes no other: every layout trains on the same batches)."""
+    config has ``batch_size`` and the replicas divide it, and every batch full where it has
+    ``drop_last`` (the pipeline takes no other: every layout trains on the same batches); else
+    why this layout's steps cannot be compared with one device's."""
     data = cfg.get("data", {})
     full = ("data.drop_last=true",) if "drop_last" in data else ()
     batch = data.get("batch_size")
-    if replicas == 1 or not isinstance(batch, int) or batch % replicas:
-        return full
-    return (*full, f"data.batch_size={batch // replicas}")
+    if replicas == 1:
+        return full, None
+    if not isinstance(batch, int):
+        return full, "the data config has no batch_size to divide over the replicas"
+    if batch % replicas:
+        return full, f"data.batch_size={batch} does not split over {replicas} replicas"
+    return (*full, f"data.batch_size={batch // replicas}"), None
 
 
 def launch(argv: list[str], out: Path) -> dict[str, Any]:
@@ -239,12 +248,14 @@ def verdicts(results: dict[str, dict[str, Any]], configured: str) -> list[Row]:
             row.replicas = agreement(probes)
             row.ok &= row.replicas == "agree"
         if ref_probe is not None and name != "one device":
-            row.gradients = compare_tensors(ref_probe, probes, "gradients")
-            row.weights = compare_tensors(ref_probe, probes, "weights")
+            other = result["incomparable"]  # another global batch than one device's
+            for what in ("gradients", "weights"):
+                found = f"n/a: {other}" if other else compare_tensors(ref_probe, probes, what)
+                setattr(row, what, found)
             initial = ref_probe.get("initial", {}), probes[0].get("initial", {})
             row.metrics = compare_metrics(*initial)
-            found = (row.gradients, row.weights, row.metrics)
-            row.ok &= not any(v.startswith("differ") for v in found)
+            columns = (row.gradients, row.weights, row.metrics)
+            row.ok &= not any(v.startswith("differ") for v in columns)
         rows.append(row)
     return rows
 

@@ -6,8 +6,6 @@ import json
 import time
 from pathlib import Path
 
-import pytest
-
 from helpers import run_python, write_user_conf
 from trainkit.data.synthetic import write_wikitext
 
@@ -127,9 +125,3 @@ def test_ranks_that_diverge_fail_the_configured_layout(
         "stopped: the data-parallel replicas hold different weights at step 4 (epoch 0)"
     )
     assert "the configured layout (ddp x2): FAILS" in out
-
-
-@pytest.mark.parametrize("typed", ["check=true", "check.run=true"])
-def test_check_true_is_the_switch_and_keeps_the_blocks_settings(typed: str, compose) -> None:
-    cfg = compose(typed, "check.steps=2")
-    assert cfg.check.run is True and cfg.check.steps == 2
