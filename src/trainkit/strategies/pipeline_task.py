@@ -59,10 +59,14 @@ def check_pipeline_task(module: nn.Module, attribute: str = "net") -> None:
     ``loss_fn``, or runs its model through a ``forward`` of its own."""
     name = type(module).__name__
     blocks = getattr(module, attribute, None)
-    subclass = isinstance(module, PipelineTask)
-    missing = [what for what, ok in (("PipelineTask", subclass),
-                                     ("loss_fn", callable(getattr(module, "loss_fn", None))))
-               if not ok]  # fmt: skip
+    missing = [
+        what
+        for what, ok in (
+            ("PipelineTask", isinstance(module, PipelineTask)),
+            ("loss_fn", callable(getattr(module, "loss_fn", None))),
+        )
+        if not ok
+    ]
     if not isinstance(blocks, nn.Sequential):
         has = f"is {type(blocks).__name__}" if hasattr(module, attribute) else "does not exist"
         raise ConfigError(
