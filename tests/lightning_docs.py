@@ -212,3 +212,12 @@ class LitWithCallbacks(LitBackbone):
         early_stop = EarlyStopping(monitor="val_loss", mode="min")
         checkpoint = ModelCheckpoint(monitor="val_loss")
         return [early_stop, checkpoint]
+
+
+class LitUnusedHead(LitBackbone):
+    """A second head kept for later and never used in a step: no loss reaches its
+    parameters."""
+
+    def __init__(self, backbone: nn.Module, learning_rate: float = 1e-3):
+        super().__init__(backbone, learning_rate)
+        self.head = nn.Linear(10, 10)

@@ -50,6 +50,11 @@ _target_: lightning_docs.LitWithCallbacks
 backbone:
   _target_: lightning_docs.mnist_backbone
 """,
+    "model/unused_head.yaml": """
+_target_: lightning_docs.LitUnusedHead
+backbone:
+  _target_: lightning_docs.mnist_backbone
+""",
     "data/two_test_sets.yaml": """
 defaults:
   - lit
@@ -206,6 +211,25 @@ def test_a_modules_own_callbacks_run_under_ddp_and_fsdp(
     for row in rows[1:]:
         assert row["ok"] and row["replicas"] == "agree", row
         assert row["metrics"] == "equal (1 value)", row
+
+
+def test_a_parameter_no_loss_reaches_is_named_in_one_line_and_the_fix_runs(
+    user_conf: Path, mnist_root: Path, tmp_path: Path, run_script: Callable[..., Path]
+) -> None:
+    """A layer that no step uses, under ddp x2: at the first step's backward, before any
+    update, one line names its parameters and the fix, where DDP failed at the second step in a
+    traceback; the fix it names trains."""
+    run = user_run(
+        user_conf, mnist_root, "strategy=ddp", "devices=2", "strategy.timeout.seconds=60",
+        "monitor=val_loss", "monitor_mode=min", model="unused_head",
+    )  # fmt: skip
+    proc = run_python("train.py", *run, log_dir=tmp_path)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "Traceback" not in output, output[-3000:]
+    assert "head.weight, head.bias got no gradient from the first training step under ddp" in output
+    assert "set strategy.find_unused_parameters=true" in output
+    fixed = run_script("train.py", *run, "strategy.find_unused_parameters=true")
+    assert set(json.loads((fixed / "metrics.json").read_text())["test"]) == {"test_loss"}
 
 
 def refused(proc, log_dir: Path, *says: str) -> None:

@@ -63,6 +63,7 @@ class DDPStrategy(ExactMeanReduce, LightningDDPStrategy):
         params = self.lightning_module.parameters()
         # the parameters this wrapper does not all-reduce
         self._outside = [p for p, t in zip(params, self._wrapped_trainable, strict=True) if not t]
+        self._first_backward = True  # of this wrapper: its unused parameters are checked there
         self._pl_static_graph_delay_done = False  # (Lightning's, per wrapper)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -79,6 +80,9 @@ class DDPStrategy(ExactMeanReduce, LightningDDPStrategy):
         super().post_backward(closure_loss)
         if not isinstance(self.model, DistributedDataParallel):
             return
+        if self._first_backward:
+            self._first_backward = False
+            self._refuse_unused()
         local = [p for p in self._outside if p.requires_grad and p.grad is not None]
         if local:
             names = {id(p): n for n, p in self.lightning_module.named_parameters()}
@@ -90,6 +94,27 @@ class DDPStrategy(ExactMeanReduce, LightningDDPStrategy):
                 f"apart. Unfreeze in on_train_epoch_start or on_train_batch_start (where a "
                 f"BaseFinetuning callback's finetune_function runs): the model is wrapped again "
                 f"before the next forward"
+            )
+
+    def _refuse_unused(self) -> None:
+        """Parameters that require grad and got none from the wrapper's first backward: without
+        ``find_unused_parameters`` (or ``static_graph``) DDP waits for their gradients and fails
+        at the next step, in a traceback about an unfinished reduction; said here instead, in
+        one line, before the first optimizer step."""
+        options = self._ddp_kwargs
+        if options.get("find_unused_parameters") or options.get("static_graph"):
+            return
+        module = self.lightning_module
+        unused = [n for n, p in module.named_parameters() if p.requires_grad and p.grad is None]
+        if unused:
+            shown = ", ".join(unused[:3]) + (
+                f" and {len(unused) - 3} more" if len(unused) > 3 else ""
+            )
+            raise ConfigError(
+                f"{shown} got no gradient from the first training step under ddp (no loss reaches "
+                f"them: a layer left unused, a branch not taken), and DDP would fail at the next "
+                f"step waiting for them: set strategy.find_unused_parameters=true (DDP then looks "
+                f"for them at every step), or freeze them (requires_grad=False)"
             )
 
     def _configure_launcher(self) -> None:
