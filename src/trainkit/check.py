@@ -31,6 +31,7 @@ import torch
 from omegaconf import DictConfig
 from torch.utils.data import RandomSampler
 
+from trainkit.errors import ConfigError
 from trainkit.parallel import capabilities, device_count
 from trainkit.resume import job_overrides
 from trainkit.run_files import as_floats
@@ -121,7 +122,7 @@ def run_check(cfg: DictConfig) -> int:
     base = [o for o in typed if top_key(o) not in LAYOUT_KEYS]
     searchpath = [o for o in HydraConfig.get().overrides.hydra if o.startswith("hydra.searchpath=")]
     configured, own, own_replicas = configured_layout(cfg)
-    chosen = cfg.check.get("strategies")
+    chosen = chosen_strategies(cfg)
     layouts = {
         name: layout
         for name, layout in LAYOUTS.items()
@@ -164,6 +165,21 @@ def run_check(cfg: DictConfig) -> int:
     (report / "check.json").write_text(json.dumps([vars(r) for r in rows], indent=1) + "\n")
     print(f"report: {report / 'check.md'}")
     return 0 if next(r for r in rows if r.layout == configured).ok else 1
+
+
+def chosen_strategies(cfg: DictConfig) -> list[str] | None:
+    """``check.strategies``: the layouts to try beside one device (None: all of them)."""
+    chosen = cfg.check.get("strategies")
+    if chosen is None:
+        return None
+    known = [name.split()[0] for name in LAYOUTS if name != "one device"]
+    unknown = [s for s in chosen if s not in known]
+    if unknown:
+        raise ConfigError(
+            f"check.strategies={list(chosen)}: {', '.join(map(str, unknown))} is not one the check "
+            f"tries; give some of {', '.join(known)} (null: all of them)"
+        )
+    return list(chosen)
 
 
 def top_key(override: str) -> str:

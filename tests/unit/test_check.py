@@ -4,7 +4,14 @@ run is known by, the comparisons. Its runs: e2e/test_check.py."""
 import pytest
 import torch
 
-from trainkit.check import batch_for, compare_metrics, compare_tensors, failure_line
+from trainkit.check import (
+    batch_for,
+    chosen_strategies,
+    compare_metrics,
+    compare_tensors,
+    failure_line,
+)
+from trainkit.errors import ConfigError
 
 
 def test_each_layout_keeps_one_devices_global_batch_or_says_why_it_cannot(compose) -> None:
@@ -41,3 +48,14 @@ def test_values_and_tensors_are_compared_with_one_devices() -> None:
 def test_check_true_is_the_switch_and_keeps_the_blocks_settings(typed: str, compose) -> None:
     cfg = compose(typed, "check.steps=2")
     assert cfg.check.run is True and cfg.check.steps == 2
+
+
+def test_the_strategies_to_check_are_named_or_refused_with_those_there_are(compose) -> None:
+    assert chosen_strategies(compose()) is None
+    assert chosen_strategies(compose("check.strategies=[ddp,fsdp]")) == ["ddp", "fsdp"]
+    with pytest.raises(ConfigError) as typo:
+        chosen_strategies(compose("check.strategies=[ddpp]"))
+    assert str(typo.value) == (
+        "check.strategies=['ddpp']: ddpp is not one the check tries; give some of ddp, dp, "
+        "fsdp, pipeline (null: all of them)"
+    )
