@@ -14,7 +14,6 @@ gets only the report. Exit code 1 where the configured layout fails.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import subprocess
@@ -35,8 +34,6 @@ from trainkit.errors import ConfigError
 from trainkit.parallel import capabilities, device_count
 from trainkit.resume import job_overrides
 from trainkit.run_files import as_floats
-
-log = logging.getLogger(__name__)
 
 # name -> overrides: the layouts every check tries
 HUNG = "strategy.timeout.seconds=60"  # a rank that waits for another fails in a minute

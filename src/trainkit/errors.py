@@ -38,3 +38,9 @@ def offline_hint(dataset: str, out: str = "data/synthetic") -> str:
 def one_line(err: BaseException) -> str:
     """An exception's message on one line (torchvision's download errors span several)."""
     return " ".join(str(err).split())
+
+
+def listed(names: list[str], shown: int = 3) -> str:
+    """The first ``shown`` of ``names`` for a message, and how many more there are."""
+    more = len(names) - shown
+    return ", ".join(names[:shown]) + (f" and {more} more" if more > 0 else "")

@@ -239,12 +239,9 @@ def run_check_timing(args: argparse.Namespace) -> int:
     seconds, table, failed = [], "", False
     for _ in range(args.rounds or 2):
         started = time.monotonic()
-        proc = subprocess.run(
-            [sys.executable, str(ROOT_DIR / "train.py"), "check=true", f"data.root={root}",
-             "data.download=false",
-             f"paths.log_dir={args.out / 'logs'}"],
-            capture_output=True, text=True, cwd=ROOT_DIR,
-        )  # fmt: skip
+        command = [sys.executable, str(ROOT_DIR / "train.py"), "check=true"]
+        data = [f"data.root={root}", "data.download=false", f"paths.log_dir={args.out / 'logs'}"]
+        proc = subprocess.run([*command, *data], capture_output=True, text=True, cwd=ROOT_DIR)
         seconds.append(time.monotonic() - started)
         failed |= proc.returncode != 0
         table = proc.stdout[proc.stdout.find("check:") :].split("\nreport:")[0].strip()

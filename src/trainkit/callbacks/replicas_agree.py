@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from trainkit.callbacks.non_finite_loss import good_checkpoints
-from trainkit.errors import ReplicasDisagree
+from trainkit.errors import ReplicasDisagree, listed
 from trainkit.parallel import data_parallel_group
 
 SHOWN = 4  # parameters named in the message; the rest counted
@@ -82,11 +82,9 @@ class ReplicasAgree(L.Callback):
             return
         ranks = list(dist.get_process_group_ranks(group) if group is not None else range(replicas))
         row, names = differ[0]
-        more = len(names) - SHOWN
-        shown = ", ".join(names[:SHOWN]) + (f" and {more} more" if more > 0 else "")
         raise ReplicasDisagree(
             f"the data-parallel replicas hold different weights at step {trainer.global_step} "
-            f"(epoch {trainer.current_epoch}), {when}: rank {ranks[row]}'s {shown} "
+            f"(epoch {trainer.current_epoch}), {when}: rank {ranks[row]}'s {listed(names, SHOWN)} "
             f"({len(names)} of {len(named)} parameters) differ from rank {ranks[0]}'s. Something "
             f"changed weights on some ranks only: code under `if self.global_rank == ...`, a "
             f"random change not seeded alike on every rank, or a gradient not averaged over the "

@@ -11,7 +11,7 @@ from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from trainkit.errors import ConfigError
+from trainkit.errors import ConfigError, listed
 from trainkit.launch import JobScriptLauncher
 from trainkit.parallel import LIGHTNING
 
@@ -86,10 +86,9 @@ class DDPStrategy(ExactMeanReduce, LightningDDPStrategy):
         local = [p for p in self._outside if p.requires_grad and p.grad is not None]
         if local:
             names = {id(p): n for n, p in self.lightning_module.named_parameters()}
-            shown = ", ".join(names[id(p)] for p in local[:3])
-            shown += f" and {len(local) - 3} more" if len(local) > 3 else ""
+            unfrozen = listed([names[id(p)] for p in local])
             raise ConfigError(
-                f"{shown} started to require grad during a training step under ddp, after its "
+                f"{unfrozen} started to require grad during a training step under ddp, after its "
                 f"forward pass: its gradient is each rank's own, and the ranks would train "
                 f"apart. Unfreeze in on_train_epoch_start or on_train_batch_start (where a "
                 f"BaseFinetuning callback's finetune_function runs): the model is wrapped again "
@@ -107,14 +106,12 @@ class DDPStrategy(ExactMeanReduce, LightningDDPStrategy):
         module = self.lightning_module
         unused = [n for n, p in module.named_parameters() if p.requires_grad and p.grad is None]
         if unused:
-            shown = ", ".join(unused[:3]) + (
-                f" and {len(unused) - 3} more" if len(unused) > 3 else ""
-            )
             raise ConfigError(
-                f"{shown} got no gradient from the first training step under ddp (no loss reaches "
-                f"them: a layer left unused, a branch not taken), and DDP would fail at the next "
-                f"step waiting for them: set strategy.find_unused_parameters=true (DDP then looks "
-                f"for them at every step), or freeze them (requires_grad=False)"
+                f"{listed(unused)} got no gradient from the first training step under ddp (no "
+                f"loss reaches them: a layer left unused, a branch not taken), and DDP would "
+                f"fail at the next step waiting for them: set strategy.find_unused_parameters="
+                f"true (DDP then looks for them at every step), or freeze them "
+                f"(requires_grad=False)"
             )
 
     def _configure_launcher(self) -> None:
