@@ -39,14 +39,16 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks.finetuning import BaseFinetuning
 from lightning.pytorch.demos import Transformer, WikiText2
+from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.model_helpers import get_torchvision_model
 from torch import nn, optim
-from torch.optim.lr_scheduler import MultiStepLR
+from torch.optim.lr_scheduler import LambdaLR, MultiStepLR
 from torch.utils.data import DataLoader, random_split
 from torchmetrics import MaxMetric, MeanMetric
 from torchmetrics.classification import Accuracy
 from torchvision import transforms
-from torchvision.datasets import MNIST, ImageFolder
+from torchvision.datasets import CIFAR10, MNIST, ImageFolder
 
 from trainkit.strategies.pipeline_task import PipelineTask
 
@@ -713,3 +715,199 @@ class GAN(L.LightningModule):
     def on_train_epoch_end(self):
         z = self.validation_z.type_as(self.generator.model[0].weight)
         self.sample_imgs = self(z)
+
+
+# --- Lightning's examples/pytorch/basics/profiler_example.py -----------------------------------
+
+
+class ModelToProfile(L.LightningModule):
+    """As the example: ``training_step`` chosen in ``__init__`` (an instance attribute) between
+    automatic and manual optimization. ``weights=None`` where the example downloads ImageNet
+    weights ("DEFAULT")."""
+
+    def __init__(self, name: str = "resnet18", automatic_optimization: bool = True):
+        super().__init__()
+        self.model = get_torchvision_model(name, weights=None)
+        self.criterion = torch.nn.CrossEntropyLoss()
+        self.automatic_optimization = automatic_optimization
+        self.training_step = (
+            self.automatic_optimization_training_step
+            if automatic_optimization
+            else self.manual_optimization_training_step
+        )
+
+    def automatic_optimization_training_step(self, batch, batch_idx):
+        inputs, labels = batch
+        outputs = self.model(inputs)
+        loss = self.criterion(outputs, labels)
+        self.log("train_loss", loss)
+        return loss
+
+    def manual_optimization_training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        inputs, labels = batch
+        outputs = self.model(inputs)
+        loss = self.criterion(outputs, labels)
+        self.log("train_loss", loss)
+        self.manual_backward(loss)
+        opt.step()
+
+    def validation_step(self, batch, batch_idx):
+        inputs, labels = batch
+        outputs = self.model(inputs)
+        loss = self.criterion(outputs, labels)
+        self.log("val_loss", loss)
+
+    def predict_step(self, batch, batch_idx, dataloader_idx: int | None = None):
+        inputs = batch[0]
+        return self.model(inputs)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.001, momentum=0.9)
+
+
+class CIFAR10Files(CIFAR10):
+    """torchvision's reader of CIFAR-10's python batches, for the files the tests write: the
+    official archive's md5 sums, which torchvision checks, are not theirs (``None``: any file)."""
+
+    train_list = [[f"data_batch_{i}", None] for i in range(1, 6)]
+    test_list = [["test_batch", None]]
+    meta = {**CIFAR10.meta, "md5": None}
+
+
+class CIFAR10DataModule(L.LightningDataModule):
+    """As the example, reading ``data_dir`` (the tests' files) where it downloads to
+    ``DATASETS_PATH``."""
+
+    transform = transforms.Compose(
+        [transforms.Resize(256), transforms.CenterCrop(224), transforms.ToTensor()]
+    )
+
+    def __init__(self, data_dir: str = "."):
+        super().__init__()
+        self.data_dir = data_dir
+
+    def train_dataloader(self, *args, **kwargs):
+        trainset = CIFAR10Files(root=self.data_dir, train=True, transform=self.transform)
+        return torch.utils.data.DataLoader(trainset, batch_size=2, shuffle=True, num_workers=0)
+
+    def val_dataloader(self, *args, **kwargs):
+        valset = CIFAR10Files(root=self.data_dir, train=False, transform=self.transform)
+        return torch.utils.data.DataLoader(valset, batch_size=2, shuffle=True, num_workers=0)
+
+
+# --- Lightning's examples/pytorch/domain_templates/imagenet.py ---------------------------------
+
+
+class ImageNetLightningModel(L.LightningModule):
+    """As the example, unchanged: a torchvision ResNet of 1,000 classes, its own ImageFolder
+    datasets built in ``setup`` and its own loaders, the batch divided among the processes of a
+    ``ParallelStrategy``."""
+
+    def __init__(
+        self,
+        data_path: str,
+        arch: str = "resnet18",
+        weights: str | None = None,
+        lr: float = 0.1,
+        momentum: float = 0.9,
+        weight_decay: float = 1e-4,
+        batch_size: int = 256,
+        workers: int = 4,
+    ):
+        super().__init__()
+        self.arch = arch
+        self.weights = weights
+        self.lr = lr
+        self.momentum = momentum
+        self.weight_decay = weight_decay
+        self.data_path = data_path
+        self.batch_size = batch_size
+        self.workers = workers
+        self.model = get_torchvision_model(self.arch, weights=self.weights)
+        self.train_dataset = None
+        self.eval_dataset = None
+        self.train_acc1 = Accuracy(task="multiclass", num_classes=1000, top_k=1)
+        self.train_acc5 = Accuracy(task="multiclass", num_classes=1000, top_k=5)
+        self.eval_acc1 = Accuracy(task="multiclass", num_classes=1000, top_k=1)
+        self.eval_acc5 = Accuracy(task="multiclass", num_classes=1000, top_k=5)
+
+    def forward(self, x):
+        return self.model(x)
+
+    def training_step(self, batch, batch_idx):
+        images, target = batch
+        output = self.model(images)
+        loss_train = F.cross_entropy(output, target)
+        self.log("train_loss", loss_train)
+        self.train_acc1(output, target)
+        self.train_acc5(output, target)
+        self.log("train_acc1", self.train_acc1, prog_bar=True)
+        self.log("train_acc5", self.train_acc5, prog_bar=True)
+        return loss_train
+
+    def eval_step(self, batch, batch_idx, prefix: str):
+        images, target = batch
+        output = self.model(images)
+        loss_val = F.cross_entropy(output, target)
+        self.log(f"{prefix}_loss", loss_val)
+        self.eval_acc1(output, target)
+        self.eval_acc5(output, target)
+        self.log(f"{prefix}_acc1", self.eval_acc1, prog_bar=True)
+        self.log(f"{prefix}_acc5", self.eval_acc5, prog_bar=True)
+        return loss_val
+
+    def validation_step(self, batch, batch_idx):
+        return self.eval_step(batch, batch_idx, "val")
+
+    def test_step(self, batch, batch_idx):
+        return self.eval_step(batch, batch_idx, "test")
+
+    def configure_optimizers(self):
+        optimizer = optim.SGD(
+            self.parameters(), lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay
+        )
+        scheduler = LambdaLR(optimizer, lambda epoch: 0.1 ** (epoch // 30))
+        return [optimizer], [scheduler]
+
+    def setup(self, stage: str):
+        if isinstance(self.trainer.strategy, ParallelStrategy):
+            # one process per device: the example divides the batch among them itself
+            num_processes = max(1, self.trainer.strategy.num_processes)
+            self.batch_size = int(self.batch_size / num_processes)
+            self.workers = int(self.workers / num_processes)
+        normalize = transforms.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])
+        if stage == "fit":
+            self.train_dataset = ImageFolder(
+                Path(self.data_path, "train"),
+                transforms.Compose([
+                    transforms.RandomResizedCrop(224),
+                    transforms.RandomHorizontalFlip(),
+                    transforms.ToTensor(),
+                    normalize,
+                ]),
+            )  # fmt: skip
+        self.eval_dataset = ImageFolder(
+            Path(self.data_path, "val"),
+            transforms.Compose([
+                transforms.Resize(256), transforms.CenterCrop(224), transforms.ToTensor(), normalize
+            ]),
+        )  # fmt: skip
+
+    def train_dataloader(self):
+        return DataLoader(
+            dataset=self.train_dataset,
+            batch_size=self.batch_size,
+            shuffle=True,
+            num_workers=self.workers,
+            pin_memory=True,
+        )
+
+    def val_dataloader(self):
+        return DataLoader(
+            self.eval_dataset, batch_size=self.batch_size, num_workers=self.workers, pin_memory=True
+        )
+
+    def test_dataloader(self):
+        return self.val_dataloader()

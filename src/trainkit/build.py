@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainkit.checkpoint_io import AtomicCheckpointIO
 from trainkit.config import settle
+from trainkit.data.module_loaders import ModuleLoaders
 from trainkit.errors import ConfigError
 from trainkit.launch import under_slurm
 from trainkit.parallel import Capabilities, ParallelDims
@@ -49,7 +50,7 @@ def asks_for(model: DictConfig, key: str) -> bool:
 
 
 def model_config(
-    cfg: DictConfig, datamodule: L.LightningDataModule, trained: bool = False
+    cfg: DictConfig, datamodule: L.LightningDataModule | None, trained: bool = False
 ) -> DictConfig:
     """``cfg.model`` completed with the data facts it asks for (``DATA_FACTS``: where its config
     has the key or its class takes the argument), from the datamodule's attributes of those names,
@@ -85,24 +86,40 @@ def model_config(
             if key == "input_shape":  # optional: only a pipeline balancing by FLOPs needs it
                 settle(cfg, "model.input_shape", None, "the data has no input_shape")
                 continue
+            source = type(datamodule).__name__ if datamodule is not None else "the run (~data)"
             raise ConfigError(
-                f"model.{key} is ??? (filled from the data), but {type(datamodule).__name__} "
-                f"has no {key} attribute: give the datamodule one, or set model.{key}=..."
+                f"model.{key} is ??? (filled from the data), but {source} has no {key} "
+                f"attribute: give the datamodule one, or set model.{key}=..."
             )
     if "compile" in model or cfg.get("compile"):
         settle(cfg, "model.compile", bool(cfg.get("compile")), "the run's compile")
     return cfg.model
 
 
-def build_datamodule(cfg: DictConfig) -> L.LightningDataModule:
+def build_datamodule(cfg: DictConfig) -> L.LightningDataModule | None:
     """The datamodule of ``cfg.data``, given plain lists and dicts (``_convert_="all"``): what it
     keeps, in ``save_hyperparameters()`` too, is never one of Hydra's containers, which a
-    ``weights_only`` checkpoint load refuses."""
+    ``weights_only`` checkpoint load refuses. None without a data config (``~data``)."""
+    if cfg.get("data") is None:
+        return None
     return instantiate_config(cfg.data, _convert_=cfg.data.get("_convert_", "all"))
 
 
+def build_data_and_model(
+    cfg: DictConfig, caps: Capabilities, trained: bool = False
+) -> tuple[L.LightningDataModule, L.LightningModule]:
+    """The run's datamodule and task (``build_model``). Without a data config (``~data``) the
+    task's own loaders are the datamodule's (``ModuleLoaders``)."""
+    datamodule = build_datamodule(cfg)
+    model = build_model(cfg, datamodule, caps, trained)
+    return datamodule if datamodule is not None else ModuleLoaders(model), model
+
+
 def build_model(
-    cfg: DictConfig, datamodule: L.LightningDataModule, caps: Capabilities, trained: bool = False
+    cfg: DictConfig,
+    datamodule: L.LightningDataModule | None,
+    caps: Capabilities,
+    trained: bool = False,
 ) -> L.LightningModule:
     """The task of ``cfg.model``, given plain lists and dicts (as ``build_datamodule``). Under a
     strategy that materialises each process's own blocks (``materialises_blocks``), a net that can

@@ -149,7 +149,12 @@ def run_check(cfg: DictConfig) -> int:
                 "+callbacks.trainkit_check._target_=trainkit.check.Probe",
                 f"+callbacks.trainkit_check.out={out}",
             ]
-            results[name] = {**launch(argv, out), "incomparable": incomparable}
+            evaluated = evaluation_for(cfg, replicas.get(name, 1))
+            results[name] = {
+                **launch(argv, out),
+                "incomparable": incomparable,
+                "evaluated": evaluated,
+            }
         rows = verdicts(results, configured)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -219,6 +224,16 @@ def batch_for(cfg: DictConfig, replicas: int) -> tuple[tuple[str, ...], str | No
     return (*full, f"data.batch_size={batch // replicas}"), None
 
 
+def evaluation_for(cfg: DictConfig, replicas: int) -> str | None:
+    """Why this layout's validation sees other samples than one device's, or None. A limit on
+    the validation batches counts each rank's batches: several replicas evaluate more samples,
+    and another subset of them, than one device does."""
+    limit = cfg.trainer.get("limit_val_batches")
+    if replicas == 1 or limit is None or limit == 1.0:
+        return None
+    return f"trainer.limit_val_batches={limit} limits each rank's part, not one device's set"
+
+
 def launch(argv: list[str], out: Path) -> dict[str, Any]:
     """One layout's ``train.py`` process, on CPU ranks (no GPU visible): its exit code, the line
     that explains a failure, and each rank's probe."""
@@ -266,7 +281,8 @@ def verdicts(results: dict[str, dict[str, Any]], configured: str) -> list[Row]:
                 found = f"n/a: {other}" if other else compare_tensors(ref_probe, probes, what)
                 setattr(row, what, found)
             initial = ref_probe.get("initial", {}), probes[0].get("initial", {})
-            row.metrics = compare_metrics(*initial)
+            evaluated = result["evaluated"]  # other validation samples than one device's
+            row.metrics = f"n/a: {evaluated}" if evaluated else compare_metrics(*initial)
             columns = (row.gradients, row.weights, row.metrics)
             row.ok &= not any(v.startswith("differ") for v in columns)
         rows.append(row)

@@ -10,8 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 import trainkit.resolvers  # noqa: F401  registers the resolvers that conf/ uses
 from trainkit.build import (
     arguments,
-    build_datamodule,
-    build_model,
+    build_data_and_model,
     build_trainer,
     prepare_data_once,
 )
@@ -50,15 +49,26 @@ def with_checkpoint_config(cfg: DictConfig) -> DictConfig:
     if why:
         raise ConfigError(f"ckpt_path={cfg.ckpt_path} is damaged ({why}): evaluate another one")
     trained = OmegaConf.create(read_checkpoint_config(cfg.ckpt_path, cfg.weights_only))
-    data = trained.data
+    # a run without a data config (~data) read its data in its module: its paths are model keys
+    own_loaders = trained.get("data") is None
+    data = trained.model if own_loaders else trained.data
     if cfg.paths.get("data_dir") is not None:
         move_data_dir(data, str(trained.paths.data_dir), str(cfg.paths.data_dir))
     given = {key: value for key, value in (cfg.get("data") or {}).items() if value is not None}
+    if own_loaders and given:
+        raise ConfigError(
+            f"data.{next(iter(given))}: the checkpoint's run had no data config (~data: its "
+            f"module's own loaders), so there is none to change; give paths.data_dir=<dir> to "
+            f"move the data its module reads"
+        )
     check_data_keys(data, given)
     for key, value in given.items():
         data[key] = value
     settle(cfg, "model", trained.model, "the checkpoint's")
-    settle(cfg, "data", data, "the checkpoint's, with the data keys given")
+    if own_loaders:
+        settle(cfg, "data", None, "the checkpoint's run read its data in its module (~data)")
+    else:
+        settle(cfg, "data", data, "the checkpoint's, with the data keys given")
     if cfg.precision is None:
         settle(cfg, "precision", trained.precision, "the checkpoint's")
     return cfg
@@ -119,8 +129,9 @@ def _evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
     check_stages(stages)
     planned = evaluation_plan(with_checkpoint_config(cfg))
     cfg, dims = planned.cfg, planned.dims
-    datamodule = build_datamodule(cfg)
-    model = build_model(cfg, datamodule, dims.caps, trained=True)  # compiled as eval's says
+    datamodule, model = build_data_and_model(
+        cfg, dims.caps, trained=True
+    )  # compiled as eval's says
     output_dir = Path(cfg.paths.output_dir)
     write_config(output_dir / "config.yaml", cfg)  # the model and data it evaluated, resolved
     writer = PredictionWriter(str(output_dir / PREDICTIONS_FILE))

@@ -698,15 +698,15 @@ def check_fits(planned: RunPlan) -> None:
 def meta_model(cfg: DictConfig) -> tuple[nn.Module, object]:
     """The run's task, built on the meta device (no memory), uncompiled; and its datamodule. The
     data facts that building settles stay out of the run's config."""
-    from trainkit.build import build_datamodule, build_model
+    from trainkit.build import build_data_and_model
 
     cfg = copy.deepcopy(cfg)
     if OmegaConf.select(cfg, "model.compile"):  # the same tensors; compiling is not planned
         cfg.model.compile = False
-    datamodule = build_datamodule(cfg)
     with torch.random.fork_rng(devices=[]), torch.device("meta"):  # the run's draws stay its own
         # every block is on the meta device already: none to materialise per process
-        return build_model(cfg, datamodule, LIGHTNING), datamodule
+        datamodule, model = build_data_and_model(cfg, LIGHTNING)
+    return model, datamodule
 
 
 def _mib(n: int) -> str:

@@ -190,7 +190,7 @@ def check_positive(cfg: DictConfig) -> None:
 def resolve_drop_last(cfg: DictConfig, caps: Capabilities) -> None:
     """``data.drop_last``: null becomes what the strategy requires (a pipeline fixes its shapes
     at the first step, so it requires full batches); an explicit ``false`` there is refused."""
-    data = cfg.data
+    data = cfg.get("data") or {}  # (~data: the module's own loaders)
     if "drop_last" not in data:  # a datamodule without the option asks the strategy itself
         return
     required = caps.full_batches
@@ -245,6 +245,27 @@ def check_full_checkpoints(cfg: DictConfig) -> None:
             )
 
 
+PYTORCH_PROFILER = "lightning.pytorch.profilers.PyTorchProfiler"
+
+
+def check_profiler(cfg: DictConfig, dims: ParallelDims) -> None:
+    """Lightning's ``PyTorchProfiler`` in a run of several processes on this torch: a segfault at
+    its teardown, or replicas whose weights differ when it stops (docs/design.md, "PyTorchProfiler
+    segfault at teardown"), in about half of the runs; ``debug=profile`` starts and stops
+    ``torch.profiler`` once and runs cleanly there."""
+    profiler = (cfg.get("trainer") or {}).get("profiler")
+    target = profiler.get("_target_") if isinstance(profiler, DictConfig) else profiler
+    if target not in ("pytorch", PYTORCH_PROFILER) or dims.world_size == 1:
+        return
+    raise ConfigError(
+        f"trainer.profiler={'pytorch' if target == 'pytorch' else target} with "
+        f"{dims.world_size} processes: Lightning's PyTorchProfiler crashes such runs at its "
+        f"teardown, or leaves their replicas' weights different, in about half of them on this "
+        f"torch. Use debug=profile (a torch.profiler trace of a few training steps, written by "
+        f"rank 0), or trainer.profiler=simple (Lightning's time per hook)"
+    )
+
+
 def preflight(cfg: DictConfig, training: bool = True) -> ParallelDims:
     """Validates the run's shape and applies process settings; returns its parallel layout.
     ``training=False`` (eval.py) skips what only training needs: full batches."""
@@ -255,6 +276,7 @@ def preflight(cfg: DictConfig, training: bool = True) -> ParallelDims:
     check_precision(cfg, dims.accelerator)
     check_strategy(cfg, dims)
     check_compile(cfg, dims)
+    check_profiler(cfg, dims)
     if training:
         resolve_drop_last(cfg, dims.caps)
     resolve_monitor_mode(cfg)
@@ -451,7 +473,7 @@ def check_built_run(
     if not training:
         return
     check_monitored_validation(cfg, model, datamodule)
-    batch_size = cfg.data.get("batch_size")
+    batch_size = (cfg.get("data") or {}).get("batch_size")
     if launches_others(dims):
         batch_size = check_train_data(datamodule, dims.replicas, caps.full_batches) or batch_size
     if hasattr(strategy, "check_run"):

@@ -9,7 +9,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
 import trainkit.resolvers  # noqa: F401  registers the resolvers that conf/ uses
-from trainkit.build import build_datamodule, build_model, build_trainer, prepare_data_once
+from trainkit.build import build_data_and_model, build_trainer, prepare_data_once
 from trainkit.callbacks import (
     LoggingInterval,
     MonitoredMetric,
@@ -41,8 +41,7 @@ def build(
 ) -> tuple[L.LightningDataModule, L.LightningModule, L.Trainer]:
     """Every object of a run, from its plan. Writes the resolved config into the run directory."""
     cfg, dims = planned.cfg, planned.dims
-    datamodule = build_datamodule(cfg)
-    model = build_model(cfg, datamodule, dims.caps)
+    datamodule, model = build_data_and_model(cfg, dims.caps)
     output_dir = Path(cfg.paths.output_dir)
     write_config(output_dir / "config.yaml", cfg)
     resolved = OmegaConf.to_container(cfg, resolve=True)

@@ -36,10 +36,11 @@ from helpers import (
     run_weights,
     sample_digest,
     shares_trained_run,
+    write_tree,
     write_user_conf,
 )
 from lightning_docs import MNISTDataModule
-from trainkit.data.synthetic import write_mnist, write_wikitext
+from trainkit.data.synthetic import write_cifar10, write_mnist, write_wikitext
 from trainkit.errors import ConfigError
 
 USER_CONF = {
@@ -78,6 +79,17 @@ compile: false
         "batch_size: 32\nsplit: [803, 200]\n"
     ),
     "model/lit_self_sharded.yaml": "_target_: lightning_examples.SelfShardedAutoEncoder\n",
+    "model/lit_profiler.yaml": (
+        "_target_: lightning_examples.ModelToProfile\nautomatic_optimization: true\n"
+    ),
+    "data/lit_profiler_cifar.yaml": (
+        "_target_: lightning_examples.CIFAR10DataModule\ndata_dir: ${paths.data_dir}\n"
+    ),
+    # its own loaders: the run has no data config (~data); a smaller batch and no workers
+    "model/lit_imagenet.yaml": (
+        "_target_: lightning_examples.ImageNetLightningModel\ndata_path: ${paths.data_dir}\n"
+        "batch_size: 4\nworkers: 0\nlr: 0.001\n"
+    ),
     "data/lit_mnist.yaml": (
         "_target_: lightning_docs.MNISTDataModule\ndata_dir: ${paths.data_dir}\n"
         "batch_size: 64\ndownload: false\n"
@@ -499,3 +511,113 @@ def test_the_backbone_classifier_trains_one_devices_weights_under_every_strategy
     assert rows["pipeline x2"]["runs"].startswith(
         "refused: strategy=pipeline cuts LitClassifier.net (an nn.Sequential of blocks)"
     )
+
+
+# --- Lightning's profiler example and its ImageNet example, through check=true ------------------
+
+
+def check_rows(log_dir: Path) -> dict[str, dict]:
+    (report,) = (log_dir / "check").iterdir()
+    return {r["layout"]: r for r in json.loads((report / "check.json").read_text())}
+
+
+@pytest.mark.xdist_group(name="lit_profiler")
+def test_the_profiler_example_runs_where_its_profiler_does_and_its_fix_everywhere(
+    user_conf: Path, tmp_path: Path
+) -> None:
+    """``examples/pytorch/basics/profiler_example.py``: a ResNet-18 at 224 px whose
+    ``training_step`` is chosen in ``__init__``, with Lightning's ``PyTorchProfiler``. That
+    profiler crashes runs of several processes (docs/design.md): on ddp and fsdp it is refused in
+    one line naming ``debug=profile``, which then runs every layout, with automatic and with
+    manual optimization."""
+    cifar = write_cifar10(tmp_path / "cifar", n_per_batch=8, n_test=16)
+    example = (
+        "train.py", "check=true", f"hydra.searchpath=[file://{user_conf}]", "model=lit_profiler",
+        "data=lit_profiler_cifar", f"paths.data_dir={cifar}", "monitor=val_loss",
+        "monitor_mode=min",
+    )  # fmt: skip
+    as_written = tmp_path / "as_written"
+    proc = run_python(
+        *example, "trainer.profiler=pytorch", "model.automatic_optimization=false",
+        "check.strategies=[ddp,fsdp]", log_dir=as_written,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = check_rows(as_written)
+    assert rows["one device"]["runs"] == "runs", rows  # one process: its profiler runs
+    for name in ("ddp x2", "fsdp x2"):
+        assert rows[name]["runs"].startswith(
+            "refused: trainer.profiler=pytorch with 2 processes: Lightning's PyTorchProfiler "
+        ), rows[name]
+        assert "Use debug=profile" in rows[name]["runs"]
+    fixed = tmp_path / "fixed"
+    # the example's two training steps: automatic optimization under every layout, manual on ddp
+    every = {"one device", "ddp x2", "dp x2", "fsdp x2", "pipeline x2"}
+    for automatic, layouts, shown in (
+        ("true", "null", every),
+        ("false", "[ddp]", {"one device", "ddp x2"}),
+    ):
+        proc = run_python(
+            *example, "debug=profile", "trainer.limit_val_batches=1.0",  # every sample validated
+            f"model.automatic_optimization={automatic}", f"check.strategies={layouts}",
+            log_dir=fixed / automatic,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        rows = check_rows(fixed / automatic)
+        assert set(rows) == shown
+        for name, row in rows.items():
+            if name == "pipeline x2":
+                assert row["runs"].startswith("refused: strategy=pipeline cuts"), row
+            if name in ("one device", "pipeline x2"):
+                continue
+            assert row["ok"] and row["runs"] == "runs", row
+            assert row["metrics"] == "equal (1 value)", row  # val_loss
+            assert row["replicas"] == ("-" if name == "dp x2" else "agree"), row
+
+
+@pytest.mark.xdist_group(name="lit_imagenet")
+def test_the_imagenet_example_trains_on_its_own_loaders_under_every_strategy(
+    user_conf: Path, tmp_path: Path
+) -> None:
+    """``examples/pytorch/domain_templates/imagenet.py``: a ResNet-18 of 1,000 classes whose
+    module builds its ImageFolder datasets in ``setup`` and defines its own loaders, with no
+    datamodule (``~data``), and divides its batch by ``strategy.num_processes`` under a parallel
+    strategy. ``check=true`` runs it under ddp, dp and fsdp with one device's validation values;
+    a ddp run's best checkpoint evaluates on one device to the run's test values, its data moved
+    too; a data key given to eval.py, where the run had no data config, is refused."""
+    images = tmp_path / "imagenet"
+    write_tree(images, {"train": 8, "val": 4})  # 24 training and 12 validation images
+    example = (
+        f"hydra.searchpath=[file://{user_conf}]", "model=lit_imagenet", "~data",
+        f"paths.data_dir={images}", "monitor=val_acc1",
+    )  # fmt: skip
+    proc = run_python("train.py", *example, "check=true", log_dir=tmp_path / "check")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = check_rows(tmp_path / "check")
+    for name in ("ddp x2", "dp x2", "fsdp x2"):
+        assert rows[name]["ok"] and rows[name]["runs"] == "runs", rows[name]
+        assert rows[name]["metrics"] == "equal (3 values)", rows[name]  # val_loss, _acc1, _acc5
+    assert rows["ddp x2"]["replicas"] == rows["fsdp x2"]["replicas"] == "agree"
+    trained = run_python(
+        "train.py", *example, CPU, "strategy=ddp", "devices=2", "trainer.max_epochs=1", TIMEOUT,
+        log_dir=tmp_path / "logs",
+    )  # fmt: skip
+    assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
+    (run,) = (tmp_path / "logs" / "train" / "runs").iterdir()
+    evaluated = run_python("eval.py", f"ckpt_path={best(run)}", CPU, log_dir=tmp_path / "logs")
+    assert evaluated.returncode == 0, evaluated.stdout[-3000:] + evaluated.stderr[-3000:]
+    (eval_run,) = (tmp_path / "logs" / "eval" / "runs").iterdir()
+    test, again = metrics(run)["test"], metrics(eval_run)["test"]
+    assert set(test) == {"test_loss", "test_acc1", "test_acc5"}, test
+    assert again == pytest.approx(test, rel=1e-5)
+    moved = images.rename(tmp_path / "moved")  # its model config's data_path follows
+    moved_eval = run_python(
+        "eval.py", f"ckpt_path={best(run)}", CPU, f"paths.data_dir={moved}",
+        log_dir=tmp_path / "moved_logs",
+    )  # fmt: skip
+    assert moved_eval.returncode == 0, moved_eval.stderr[-3000:]
+    (eval_run,) = (tmp_path / "moved_logs" / "eval" / "runs").iterdir()
+    assert metrics(eval_run)["test"] == pytest.approx(test, rel=1e-5)
+    refused = run_python("eval.py", f"ckpt_path={best(run)}", CPU, "data.batch_size=8")
+    assert refused.returncode == 1
+    assert "data.batch_size: the checkpoint's run had no data config (~data" in refused.stderr
+    assert "Traceback" not in refused.stderr

@@ -9,6 +9,7 @@ from trainkit.check import (
     chosen_strategies,
     compare_metrics,
     compare_tensors,
+    evaluation_for,
     failure_line,
 )
 from trainkit.errors import ConfigError
@@ -22,6 +23,19 @@ def test_each_layout_keeps_one_devices_global_batch_or_says_why_it_cannot(compos
         ("data.drop_last=true",),
         "data.batch_size=64 does not split over 3 replicas",
     )
+
+
+def test_a_layout_validating_other_samples_than_one_device_says_so(compose) -> None:
+    """A limit on the validation batches counts each rank's: two replicas of
+    limit_val_batches=2 evaluate four batches, not one device's two."""
+    limited = compose("trainer.limit_val_batches=2")
+    assert evaluation_for(limited, 1) is None
+    assert evaluation_for(limited, 2) == (
+        "trainer.limit_val_batches=2 limits each rank's part, not one device's set"
+    )
+    assert evaluation_for(compose("trainer.limit_val_batches=0.5"), 2) is not None
+    assert evaluation_for(compose(), 2) is None  # every rank its part of the whole set
+    assert evaluation_for(compose("trainer.limit_val_batches=1.0"), 2) is None
 
 
 def test_a_failed_run_is_known_by_its_refusal_or_its_last_line() -> None:

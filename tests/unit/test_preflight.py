@@ -32,6 +32,7 @@ from trainkit.preflight import (
     check_compile,
     check_logged_reductions,
     check_monitored_validation,
+    check_profiler,
     check_runnable_stages,
     check_threaded_forward,
     preflight,
@@ -190,6 +191,24 @@ def test_compile_under_dp_on_several_gpus_is_refused(compose) -> None:
         check_compile(cfg, ParallelDims("gpu", 2, 1, single_process=True))
     check_compile(cfg, ParallelDims("cpu", 2, 1, single_process=True))  # dp on CPU: one device
     check_compile(cfg, ParallelDims("gpu", 2, 1, single_process=False))  # ddp
+
+
+@pytest.mark.parametrize(
+    "profiler", ["pytorch", "{_target_: lightning.pytorch.profilers.PyTorchProfiler}"]
+)
+def test_lightnings_pytorch_profiler_is_refused_where_several_processes_run(
+    compose, profiler: str
+) -> None:
+    cfg = compose(f"trainer.profiler={profiler}")
+    with pytest.raises(ConfigError, match=r"with 2 processes: .* Use debug=profile"):
+        check_profiler(cfg, ParallelDims("cpu", 2, 1, single_process=False))  # ddp, fsdp
+    with pytest.raises(ConfigError, match="with 4 processes"):
+        check_profiler(cfg, ParallelDims("gpu", 2, 2, single_process=False))  # two nodes
+    check_profiler(cfg, ParallelDims("cpu", 1, 1, single_process=False))  # one device
+    check_profiler(cfg, ParallelDims("gpu", 2, 1, single_process=True))  # dp: one process
+    several = ParallelDims("cpu", 2, 1, single_process=False)
+    check_profiler(compose("trainer.profiler=simple"), several)
+    check_profiler(compose("debug=profile"), several)  # its fix
 
 
 def test_compile_reaches_the_model_only_where_its_config_takes_it(compose) -> None:

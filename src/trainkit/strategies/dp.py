@@ -106,6 +106,13 @@ class DataParallelStrategy(ParallelStrategy):
         self._parallel_devices = devices
 
     @property
+    def num_processes(self) -> int:
+        """Processes on this node, as every other parallel strategy of Lightning's has it: one.
+        A module reads it to divide a global batch (Lightning's ImageNet example does): dp splits
+        the one process's batch over its GPUs itself."""
+        return 1
+
+    @property
     def root_device(self) -> torch.device:
         assert self.parallel_devices, "parallel_devices are set by the Trainer"
         return self.parallel_devices[0]
