@@ -203,6 +203,14 @@ TRAINED_RUN = ("seed=0", "trainer.max_epochs=1")
 shares_trained_run = pytest.mark.xdist_group(name="trained_run")
 
 
+# --- equivalence that sees a gradient's scale ---------------------------------------------------
+
+# The template model's optimizer made plain SGD (no momentum, no weight decay, no clipping): its
+# step is lr times the gradient, so a dropped replica average or a wrong 1/accumulate factor moves
+# the weights; Adam's step is invariant to a constant factor on the gradient and hides both.
+PLAIN_SGD = ("model.optimizer._target_=torch.optim.SGD", "model.optimizer.lr=0.1")
+
+
 # --- launchers' environments ----------------------------------------------------------------------
 
 # what SLURM sets in a task of job 42, and torchrun in a worker (as Lightning detects them)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import max_diff, readme_run, run_python, run_weights, start_python
+from helpers import PLAIN_SGD, max_diff, readme_run, run_python, run_weights, start_python
 from trainkit.data.synthetic import write_cifar10
 from trainkit.runtime import free_port
 
@@ -62,6 +62,9 @@ def runs(
             (*overrides, *EPOCH, *two, "strategy=fsdp"), log_dir / "stopped"
         ),
         "single": run_here("train.py", *overrides, *EPOCH, "data.batch_size=64"),
+        # twins in plain SGD, whose weights show a gradient's scale (Adam's hide it)
+        "fsdp_sgd": run_script("train.py", *overrides, *EPOCH, *two, "strategy=fsdp", *PLAIN_SGD),
+        "single_sgd": run_here("train.py", *overrides, *EPOCH, "data.batch_size=64", *PLAIN_SGD),
         "single3": run_here("train.py", *overrides, *EPOCH, *THREE, "data.batch_size=96"),
     }
 
@@ -126,8 +129,10 @@ def test_ddp_holds_the_whole_model_on_each_rank(runs: dict) -> None:
 
 
 @shares_runs
-@pytest.mark.parametrize(("name", "single"), [("fsdp", "single"), ("fsdp3", "single3"),
-                                              ("ddp", "single")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "single"),
+    [("fsdp", "single"), ("fsdp3", "single3"), ("ddp", "single"), ("fsdp_sgd", "single_sgd")],
+)
 def test_fsdp_weights_equal_single_device(runs: dict, name: str, single: str) -> None:
     """Same seed, same data order, same global batch: one device's weights after an epoch."""
     assert max_diff(run_weights(runs[name]), run_weights(runs[single])) < WEIGHT_ATOL

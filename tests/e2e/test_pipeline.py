@@ -19,7 +19,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from helpers import quiet_trainer, readme_run, run_python
+from helpers import PLAIN_SGD, quiet_trainer, readme_run, run_python
 from trainkit.config import compose_config
 from trainkit.data.synthetic import write_mnist
 from trainkit.parallel import ParallelDims
@@ -75,6 +75,7 @@ def runs(
     one_epoch = (*base, "trainer.max_epochs=1")
     out = {
         "single": run_here("train.py", *one_epoch, "threads=1"),  # batch 256
+        "single_sgd": run_here("train.py", *one_epoch, "threads=1", *PLAIN_SGD),
         "single3": run_here("train.py", *one_epoch, "threads=1", HIDDEN3),
         "single3_128": run_here(
             "train.py", *one_epoch, "threads=1", HIDDEN3, "data.batch_size=128"
@@ -93,6 +94,9 @@ def runs(
         "interleaved": readme_run("pipeline_interleaved", *one_epoch),
         # 2 stages x 2 data-parallel replicas: 128 per replica, the single device's 256
         "replicas": readme_run("pipeline_replicas", *one_epoch),
+        # twins in plain SGD, whose weights show a gradient's scale (Adam's hide it)
+        "gpipe_sgd": readme_run("pipeline_gpipe", *one_epoch, *PLAIN_SGD),
+        "replicas_sgd": readme_run("pipeline_replicas", *one_epoch, *PLAIN_SGD),
     }
     out |= {k: run_script("train.py", *v, log_dir=log_dir) for k, v in commands.items()}
     out["held"] = log_dir
@@ -131,7 +135,12 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str
 @shares_runs
 @pytest.mark.parametrize(
     ("name", "reference"),
-    [("gpipe", "single"), ("pipe3", "single3"), ("interleaved", "single3_128")],
+    [
+        ("gpipe", "single"),
+        ("pipe3", "single3"),
+        ("interleaved", "single3_128"),
+        ("gpipe_sgd", "single_sgd"),
+    ],
 )
 def test_pipeline_weights_equal_single_device(runs: dict, name: str, reference: str) -> None:
     """Same seed, data order and batches: after an epoch, the weights of one device."""
@@ -149,6 +158,14 @@ def test_stages_times_replicas_equal_single_device(runs: dict) -> None:
         "train.log",
         *(f"train_ddp_process_{r}.log" for r in (1, 2, 3)),
     ]
+
+
+@shares_runs
+def test_stages_times_replicas_equal_single_device_in_plain_sgd(runs: dict) -> None:
+    """The twin in plain SGD: each stage's gradient the mean of its 2 replicas' (a sum, or one
+    replica's alone, would move every weight by far more than this)."""
+    diffs = max_diff(weights(runs["single_sgd"]), weights(runs["replicas_sgd"]))
+    assert max(diffs.values()) < WEIGHT_ATOL, diffs
 
 
 @shares_runs
@@ -433,6 +450,11 @@ def clip_runs(
                                *CLIP_AND_ACCUMULATE),
         "single_unclipped": run_here("train.py", *common, "threads=1",
                                      "trainer.accumulate_grad_batches=3"),
+        # accumulated in plain SGD, unclipped: the 1/3 factor of each batch's loss shows
+        "single_sgd": run_here("train.py", *common, "threads=1", *PLAIN_SGD,
+                               "trainer.accumulate_grad_batches=3"),
+        "pipeline_sgd": run_script("train.py", *common, "strategy=pipeline", "devices=2",
+                                   *PLAIN_SGD, "trainer.accumulate_grad_batches=3"),
     }  # fmt: skip
 
 
@@ -442,6 +464,16 @@ def test_clipped_accumulated_pipeline_equals_single_device(clip_runs: dict[str, 
     assert single["global_step"] == pipeline["global_step"] == 4  # 12 batches / 3 accumulated
     diffs = max_diff(single["state_dict"], pipeline["state_dict"])
     assert max(diffs.values()) < WEIGHT_ATOL
+
+
+@shares_clip_runs
+def test_accumulated_pipeline_equals_single_device_in_plain_sgd(clip_runs: dict[str, Path]) -> None:
+    """The twin of the clipped case that clipping cannot hide: each micro-batch's loss scaled by
+    the accumulation's 1/3 and the stage's share, as one device scales it."""
+    single, pipeline = checkpoint(clip_runs["single_sgd"]), checkpoint(clip_runs["pipeline_sgd"])
+    assert single["global_step"] == pipeline["global_step"] == 4
+    diffs = max_diff(single["state_dict"], pipeline["state_dict"])
+    assert max(diffs.values()) < WEIGHT_ATOL, diffs
 
 
 @shares_clip_runs

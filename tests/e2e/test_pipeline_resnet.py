@@ -35,7 +35,8 @@ PIPE = ("strategy=pipeline", "devices=2")
 def base(tmp_path_factory) -> tuple[str, ...]:
     root = write_cifar10(tmp_path_factory.mktemp("pipe-cifar"), n_per_batch=20, n_test=16)
     return (
-        *("model=resnet50", "model.net.norm=group", "model.optimizer.lr=0.01"),
+        *("model=resnet50", "model.net.norm=group"),
+        *("model.optimizer._target_=torch.optim.SGD", "model.optimizer.lr=0.01"),  # plain SGD
         *("data=cifar10", f"data.root={root}", "data.val_size=16", "data.download=false"),
         *("data.batch_size=8", "data.augment=false", "accelerator=cpu", "trainer.max_epochs=1"),
         *("trainer.limit_train_batches=3", "trainer.limit_val_batches=1"),

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import readme_run, run_python, run_weights, start_python
+from helpers import PLAIN_SGD, readme_run, run_python, run_weights, start_python
 from trainkit.data.synthetic import write_mnist
 from trainkit.runtime import usable_cores
 
 N_TRAIN_FILE, VAL, N_TEST = 1001, 201, 251  # 800 training images: 12.5 batches of 64
-WEIGHT_ATOL = 1e-5  # float sums in another order, amplified a little by Adam over 13 steps
+WEIGHT_ATOL = 1e-5  # float sums in another order, over 13 steps of plain SGD
 # The tests that read the module's runs (two train.py processes, one run in this process):
 # one worker makes them. (strategy=auto on 2 devices builds the same ddp: unit/test_strategies.py)
 shares_runs = pytest.mark.xdist_group(name="strategy_runs")
@@ -40,6 +40,7 @@ def base(odd_mnist: Path) -> tuple[str, ...]:
         "accelerator=cpu",
         "seed=0",
         "trainer.max_epochs=1",
+        *PLAIN_SGD,  # a gradient's scale shows in the weights
     )
 
 
