@@ -32,6 +32,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -249,6 +250,33 @@ class SignalAt(L.Callback):
             return
         if trainer.global_step == self.step and trainer.global_rank == self.rank:
             os.kill(os.getpid(), getattr(signal, self.signal))
+
+
+class KillInSave(L.Callback):
+    """SIGKILLs this rank (``rank``) while it writes its part of the epoch ``epoch`` checkpoint
+    (``strategy.checkpoint=sharded``): as soon as its part's file appears in the new directory,
+    before the index and the metadata that complete it. Not in a resumed run (which composes
+    this callback again from the checkpoint's command line)."""
+
+    def __init__(self, epoch: int, rank: int = 0) -> None:
+        self.epoch, self.rank = epoch, rank
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        if trainer.current_epoch != self.epoch or trainer.global_rank != self.rank:
+            return
+        if trainer.ckpt_path is not None:
+            return
+        folder = Path(trainer.default_root_dir) / "checkpoints"
+        before = set(folder.glob(".*.ckpt.*"))
+
+        def kill_when_written() -> None:
+            while True:
+                for new in set(folder.glob(".*.ckpt.*")) - before:
+                    if any(new.glob(f"__{self.rank}_*.distcp")):
+                        os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(0.001)
+
+        threading.Thread(target=kill_when_written, daemon=True).start()
 
 
 class PauseAt(L.Callback):

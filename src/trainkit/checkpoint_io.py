@@ -1,6 +1,8 @@
 """Checkpoint files that are whole or absent, never truncated: written beside the target, fsync'ed
 and renamed over it (docs/design.md, "Atomic checkpoint writes" and "Lightning's checkpoint temp
-file in $TMPDIR").
+file in $TMPDIR"). A sharded checkpoint (``strategy.checkpoint=sharded``) is a directory in
+``torch.distributed.checkpoint``'s format, each rank's part written by that rank, reached through
+a link that is swapped in one rename once every part is in place.
 """
 
 import contextlib
@@ -12,6 +14,8 @@ import pickle
 import re
 import shutil
 import socket
+import tempfile
+import uuid
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -131,11 +135,7 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
         if _disk_full(err):
             raise DiskFullError(_disk_full_message(obj, path)) from err
         raise
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _fsync_directory(path.parent)
 
 
 def _disk_full(err: BaseException | None) -> bool:
@@ -163,7 +163,12 @@ def _disk_full_message(obj: Any, path: Path) -> str:
 def damage(path: str | os.PathLike) -> str | None:
     """Why a checkpoint file is damaged, or None if it is whole: ``torch.save`` writes a zip whose
     every record carries a CRC-32 of its bytes, which ``torch.load`` does not check (a zeroed
-    block loads as zeros); this reads the file once and checks them all."""
+    block loads as zeros); this reads the file once and checks them all. A sharded checkpoint:
+    its index and its metadata file, whose records are checked so."""
+    if Path(path).is_dir():
+        if not (Path(path) / DCP_INDEX).is_file():
+            return f"a directory without {DCP_INDEX}: not a sharded checkpoint"
+        path = Path(path) / SHARDED_META
     try:
         with zipfile.ZipFile(path) as archive:
             bad = archive.testzip()
@@ -210,6 +215,8 @@ def read_checkpoint_config(ckpt_path: str | Path, weights_only: bool = True) -> 
 def read_checkpoint(ckpt_path: str | Path, weights_only: bool = True) -> dict[str, Any]:
     """A trainkit checkpoint, memory-mapped; a one-line ConfigError where it is not one."""
     path = Path(ckpt_path).expanduser()
+    if is_sharded(path):  # its config is in its metadata file
+        path = path / SHARDED_META
     if not path.is_file():
         raise ConfigError(
             f"ckpt_path={ckpt_path} does not exist: give a checkpoint file written by train.py, "
@@ -234,6 +241,97 @@ def read_checkpoint(ckpt_path: str | Path, weights_only: bool = True) -> dict[st
     return checkpoint
 
 
+# --- sharded checkpoints: a directory in torch.distributed.checkpoint's format -------------------
+
+SHARDED_META = "meta.pt"  # what is not a tensor of the model or optimizers (Lightning's name)
+DCP_INDEX = ".metadata"  # torch.distributed.checkpoint's index of every rank's part
+
+
+def is_sharded(path: str | os.PathLike) -> bool:
+    """A sharded checkpoint: its index and its metadata file in place (written last)."""
+    path = Path(path)
+    return path.is_dir() and (path / DCP_INDEX).is_file() and (path / SHARDED_META).is_file()
+
+
+def save_sharded(checkpoint: dict[str, Any], path: Path, strategy: Any) -> None:
+    """Each rank writes its part of the weights and optimizer state (``torch.distributed.
+    checkpoint``) into a new directory beside ``path``, rank 0 the rest (loop state, config) as
+    ``meta.pt``; once every rank is done, rank 0 points ``path``, a symbolic link, at it in one
+    rename and removes the directory it pointed at. A save killed half-way leaves ``path`` at the
+    previous checkpoint; no rank ever holds the whole model to save it."""
+    import torch.distributed.checkpoint as dcp
+
+    token = strategy.broadcast(uuid.uuid4().hex[:12])  # one name on every rank
+    target = path.parent / f".{path.name}.{token}"
+    state = {"state_dict": checkpoint.pop("state_dict")}
+    for i, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
+        state[f"optimizer_{i}"] = optimizer_state
+    dcp.save(state, checkpoint_id=target)
+    if strategy.global_rank == 0:
+        atomic_torch_save(checkpoint, target / SHARDED_META)
+    strategy.barrier("sharded checkpoint written")
+    if strategy.global_rank == 0:
+        previous = path.resolve() if path.is_symlink() else None
+        if path.is_dir() and not path.is_symlink():  # a directory of another writer's
+            shutil.rmtree(path)
+        link = path.parent / f".{path.name}.link-{token}"
+        os.symlink(target.name, link)
+        os.replace(link, path)  # the swap: path is the old checkpoint, then the new one
+        _fsync_directory(path.parent)
+        if previous is not None and previous != target.resolve():
+            shutil.rmtree(previous, ignore_errors=True)
+    strategy.barrier("sharded checkpoint in place")
+
+
+def remove_sharded(path: Path) -> None:
+    """A sharded checkpoint's link and the directory it points at (a file: removed)."""
+    target = path.resolve() if path.is_symlink() else None
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+    if target is not None:
+        shutil.rmtree(target, ignore_errors=True)
+
+
+def consolidated(path: str | os.PathLike) -> dict[str, Any]:
+    """A sharded checkpoint as the one file a single process reads: the whole weights and
+    optimizer states (keyed by each parameter's place, as a one-device run saves them) beside its
+    metadata. Through torch's own DCP-to-``torch.save`` converter."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    path = Path(path)
+    checkpoint = torch.load(path / SHARDED_META, map_location="cpu", weights_only=True)
+    with tempfile.TemporaryDirectory(prefix="trainkit-consolidate-") as tmp:
+        dcp_to_torch_save(path, Path(tmp) / "whole.pt")
+        whole = torch.load(Path(tmp) / "whole.pt", map_location="cpu", weights_only=True)
+    checkpoint["state_dict"] = whole["state_dict"]
+    optimizers = sorted((k for k in whole if k.startswith("optimizer_")), key=lambda k: int(k[10:]))
+    checkpoint["optimizer_states"] = [keyed_by_place(whole[k]) for k in optimizers]
+    return checkpoint
+
+
+def keyed_by_place(state: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state dict keyed by parameter name (a sharded save's) keyed by each
+    parameter's place in the optimizer's groups, as ``optimizer.state_dict()`` keys it."""
+    order = [name for group in state["param_groups"] for name in group["params"]]
+    place = {name: i for i, name in enumerate(order)}
+    return {
+        "state": {place[name]: value for name, value in state["state"].items()},
+        "param_groups": [
+            {**g, "params": [place[n] for n in g["params"]]} for g in state["param_groups"]
+        ],
+    }
+
+
+def _fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Lightning's torch checkpoint IO, writing local files with ``atomic_torch_save``; remote
     URLs (s3://, gs://, ...) keep Lightning's own path."""
@@ -245,3 +343,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if storage_options is not None or not isinstance(fs, LocalFileSystem):
             return super().save_checkpoint(checkpoint, path, storage_options)
         atomic_torch_save(checkpoint, path)
+
+    def load_checkpoint(self, path: Any, *args: Any, **kwargs: Any) -> Any:
+        """A sharded checkpoint (fsdp's ``strategy.checkpoint=sharded``) read whole, under a
+        strategy that does not shard (one device, ddp, dp, the pipeline)."""
+        if is_sharded(path):
+            return consolidated(path)
+        return super().load_checkpoint(path, *args, **kwargs)

@@ -179,13 +179,26 @@ def resumed_config(cfg: DictConfig, path: Path, checkpoint: dict) -> DictConfig:
 
 
 def merge_overrides(saved: list[str], typed: list[str]) -> list[str]:
-    """``saved`` less those of a key or group that ``typed`` sets again, then ``typed``."""
+    """``saved`` less those of a key or group that ``typed`` sets again, and less the options of
+    a group ``typed`` chooses another option of (``strategy=ddp`` after a run's ``strategy=fsdp
+    strategy.checkpoint=sharded``: ddp has no such key), then ``typed``."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parse = OverridesParser.create().parse_overrides
-    again = {(o.key_or_group, o.package) for o in parse(typed)}
-    pairs = zip(saved, parse(saved), strict=True)
-    kept = [s for s, o in pairs if (o.key_or_group, o.package) not in again]
+    typed_parsed, saved_parsed = parse(typed), parse(saved)
+    again = {(o.key_or_group, o.package) for o in typed_parsed}
+    chosen = {o.key_or_group: o.value() for o in saved_parsed if "." not in o.key_or_group}
+    switched = {
+        o.key_or_group
+        for o in typed_parsed
+        if o.key_or_group in chosen and o.value() != chosen[o.key_or_group]
+    }
+    kept = [
+        s
+        for s, o in zip(saved, saved_parsed, strict=True)
+        if (o.key_or_group, o.package) not in again
+        and o.key_or_group.split(".", 1)[0] not in switched
+    ]
     return kept + typed
 
 

@@ -104,6 +104,17 @@ def test_fsdp_config_builds_our_fsdp_strategy(tmp_path: Path) -> None:
     assert strategy._timeout == timedelta(seconds=30)
 
 
+def test_fsdp_checkpoint_form_is_full_or_sharded(tmp_path: Path) -> None:
+    cfg = compose_config("train", tmp_path, ["strategy=fsdp", "strategy.checkpoint=sharded"])
+    assert instantiate(cfg.strategy).checkpoint == "sharded"
+    assert (
+        instantiate(compose_config("train", tmp_path, ["strategy=fsdp"]).strategy).checkpoint
+        == "full"
+    )
+    with pytest.raises(ConfigError, match=r"strategy\.checkpoint=shard: give full .* or sharded"):
+        FSDPStrategy(checkpoint="shard")
+
+
 def unit_names(model: torch.nn.Module, wrap: list[str] | None = None) -> list[str]:
     names = {module: name for name, module in model.named_modules()}
     return [names[unit] for unit in FSDPStrategy(wrap=wrap).units(model)]

@@ -37,6 +37,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin
 
+from trainkit.checkpoint_io import is_sharded, remove_sharded, save_sharded
 from trainkit.errors import ConfigError
 from trainkit.launch import JobScriptLauncher
 from trainkit.models.blocks import BlockSequence
@@ -74,6 +75,9 @@ def sharded_already(module: nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in module.modules())
 
 
+CHECKPOINT_FORMS = ("full", "sharded")
+
+
 class FSDPStrategy(ExactMeanReduce, ModelParallelStrategy):
     """Each rank holds 1/N of every unit's parameters, gradients and optimizer state; a unit's
     whole parameters exist only during its own forward and backward (all-gathered, then freed
@@ -99,15 +103,22 @@ class FSDPStrategy(ExactMeanReduce, ModelParallelStrategy):
         wrap: Sequence[str] | None = None,
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
+        checkpoint: str = "full",
         process_group_backend: str | None = None,
         timeout: timedelta = timedelta(seconds=180),
     ) -> None:
+        if checkpoint not in CHECKPOINT_FORMS:
+            raise ConfigError(
+                f"strategy.checkpoint={checkpoint}: give full (one file, rank 0 gathers the "
+                f"model) or sharded (a directory, each rank writes its part)"
+            )
         super().__init__(
             tensor_parallel_size=1,
-            save_distributed_checkpoint=False,
+            save_distributed_checkpoint=checkpoint == "sharded",
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
+        self.checkpoint = checkpoint
         self.wrap = None if wrap is None else list(wrap)
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
@@ -217,6 +228,19 @@ class FSDPStrategy(ExactMeanReduce, ModelParallelStrategy):
                 # prefetch list replaces the implicit prefetch; itself is already gathered)
                 unit.set_modules_to_backward_prefetch([unit])
 
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        """``checkpoint=sharded``: each rank's part, swapped in whole (``save_sharded``)."""
+        if self.checkpoint != "sharded":
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        save_sharded(checkpoint, Path(self.broadcast(str(filepath))), self)
+        return None
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            remove_sharded(Path(filepath))
+
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
         """Lightning's load of a full checkpoint, its optimizer part mended: a test after fit
         found the fit's optimizers still there and loaded their state too, and a stateless
@@ -229,14 +253,22 @@ class FSDPStrategy(ExactMeanReduce, ModelParallelStrategy):
         )
 
         module = self.lightning_module
+        fitting = module.trainer.state.fn == TrainerFn.FITTING
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if is_sharded(path):  # each rank reads its part, on any number of ranks (DCP reshards)
+            optimizers = enumerate(self.optimizers if fitting else [])
+            state = {"state_dict": self.model, **{f"optimizer_{i}": o for i, o in optimizers}}
+            return _load_checkpoint(
+                path, state, strict=module.strict_loading, weights_only=weights_only
+            )
         checkpoint = _load_checkpoint(
-            path=Path(self.broadcast(checkpoint_path)),
+            path=path,
             state={"state_dict": self.model},
             strict=module.strict_loading,
             optimizer_states_from_list=True,
             weights_only=weights_only,
         )
-        if module.trainer.state.fn != TrainerFn.FITTING:
+        if not fitting:
             return checkpoint
         options = StateDictOptions(
             full_state_dict=True, broadcast_from_rank0=True, strict=module.strict_loading

@@ -1,0 +1,164 @@
+"""``strategy=fsdp strategy.checkpoint=sharded``: each rank writes its part of the weights and
+optimizer state (``torch.distributed.checkpoint``), and the checkpoint travels: resumed on 3 ranks,
+under ddp and on one device, evaluated on any layout, consolidated into the one file every
+strategy reads; a save killed half-way leaves the previous checkpoint as ``last``.
+
+Every run trains the MLP with SGD and momentum (linear in the gradient, so a wrong scale shows in
+the weights, and with a state per parameter to shard and reshard) on 768 images, a global batch
+of 96 on every layout (8 steps an epoch).
+"""
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import max_diff, run_python, run_weights
+from trainkit.checkpoint_io import consolidated, is_sharded
+from trainkit.data.synthetic import write_mnist
+
+SGD = ("model.optimizer._target_=torch.optim.SGD", "model.optimizer.lr=0.1",
+       "+model.optimizer.momentum=0.9")  # fmt: skip
+SHARDED = ("strategy=fsdp", "strategy.checkpoint=sharded")
+# float sums in another order (reduce-scatter over 2 or 3 ranks), over 18 steps: measured 1.3e-6
+WEIGHT_ATOL = 1e-5
+pytestmark = pytest.mark.xdist_group(name="sharded_checkpoints")
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> tuple[str, ...]:
+    root = write_mnist(tmp_path_factory.mktemp("sharded-mnist"), 1001, 251, seed=3)
+    return (
+        *(f"data.root={root}", "data.val_size=233", "data.download=false"),
+        *("accelerator=cpu", "seed=0", "threads=1", *SGD),
+        *("monitor=val/loss", "monitor_mode=min"),  # falls every epoch: best is each epoch's
+    )
+
+
+@pytest.fixture(scope="module")
+def runs(run_script: Callable[..., Path], run_here: Callable[..., Path], base) -> dict:
+    """An epoch on fsdp x2, sharded and full; then from the sharded last checkpoint a second epoch
+    on fsdp x3, ddp x2 and one device, and from fsdp x3's a third on one device; from a ddp x2
+    one-file checkpoint a second epoch on fsdp x2, sharded. One device's 2 and 3 epochs."""
+    two = ("devices=2", "data.batch_size=48")
+    out = {
+        "sharded": run_script("train.py", *base, *SHARDED, *two, "trainer.max_epochs=1"),
+        "full": run_script("train.py", *base, "strategy=fsdp", *two, "trainer.max_epochs=1"),
+        "ddp": run_script("train.py", *base, "strategy=ddp", *two, "trainer.max_epochs=1"),
+        "single2": run_here("train.py", *base, "data.batch_size=96", "trainer.max_epochs=2"),
+        "single3": run_here("train.py", *base, "data.batch_size=96", "trainer.max_epochs=3"),
+    }
+    resume = f"ckpt_path={out['sharded'] / 'checkpoints' / 'last.ckpt'}"
+    epoch2 = (*base, resume, "trainer.max_epochs=2")
+    out["fsdp3"] = run_script("train.py", *epoch2, *SHARDED, "devices=3", "data.batch_size=32")
+    out["ddp2"] = run_script("train.py", *epoch2, "strategy=ddp", *two)
+    out["one"] = run_script("train.py", *epoch2, "strategy=auto", "devices=1", "data.batch_size=96")
+    out["one_from3"] = run_script(
+        "train.py", *base, f"ckpt_path={out['fsdp3'] / 'checkpoints' / 'last.ckpt'}",
+        "trainer.max_epochs=3", "strategy=auto", "devices=1", "data.batch_size=96",
+    )  # fmt: skip
+    out["from_ddp"] = run_script(
+        "train.py", *base, f"ckpt_path={out['ddp'] / 'checkpoints' / 'last.ckpt'}",
+        "trainer.max_epochs=2", *SHARDED, *two,
+    )  # fmt: skip
+    return out
+
+
+def last(run_dir: Path) -> Path:
+    return run_dir / "checkpoints" / "last.ckpt"
+
+
+def whole(path: Path) -> dict:
+    return consolidated(path) if path.is_dir() else torch.load(path, weights_only=True)
+
+
+def metrics(run_dir: Path) -> dict:
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+def test_each_rank_writes_its_part_into_a_directory(runs: dict) -> None:
+    for name in ("best.ckpt", "last.ckpt"):
+        path = runs["sharded"] / "checkpoints" / name
+        assert path.is_symlink() and is_sharded(path), name
+        parts = sorted(p.name for p in path.iterdir())
+        assert parts == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"], parts
+        meta = torch.load(path / "meta.pt", weights_only=True)  # no pickles
+        assert "state_dict" not in meta and "optimizer_states" not in meta
+        assert meta["global_step"] == 8
+    # the checkpoints are all there is: no directory of an earlier save is left
+    kept = {p.resolve() for p in (runs["sharded"] / "checkpoints").glob("*.ckpt")}
+    assert set((runs["sharded"] / "checkpoints").glob(".*")) == kept
+
+
+def test_consolidated_is_the_full_checkpoint_fsdp_gathers(runs: dict, tmp_path: Path) -> None:
+    """``python -m trainkit.checkpoint consolidate``: the one file of the same run saved full,
+    to the bit (weights and momentum buffers, keyed by place), which weights_only loads."""
+    dst = tmp_path / "one.ckpt"
+    proc = run_python("-m", "trainkit.checkpoint", "consolidate", str(last(runs["sharded"])),
+                      str(dst))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    one = torch.load(dst, weights_only=True)
+    full = torch.load(last(runs["full"]), weights_only=True)
+    assert one["state_dict"].keys() == full["state_dict"].keys()
+    assert all(torch.equal(one["state_dict"][k], full["state_dict"][k]) for k in full["state_dict"])
+    mine, theirs = one["optimizer_states"][0], full["optimizer_states"][0]
+    assert mine["state"].keys() == theirs["state"].keys() and len(mine["state"]) == 6
+    for key, state in theirs["state"].items():
+        assert torch.equal(mine["state"][key]["momentum_buffer"], state["momentum_buffer"]), key
+    assert mine["param_groups"] == theirs["param_groups"]
+    assert (one["global_step"], one["epoch"]) == (full["global_step"], full["epoch"])
+    refused = run_python("-m", "trainkit.checkpoint", "consolidate", str(dst), str(tmp_path / "x"))
+    assert refused.returncode == 2 and "is not a sharded checkpoint" in refused.stderr
+
+
+@pytest.mark.parametrize(
+    ("name", "reference", "steps"),
+    [("fsdp3", "single2", 16), ("ddp2", "single2", 16), ("one", "single2", 16),
+     ("one_from3", "single3", 24), ("from_ddp", "single2", 16)],
+)  # fmt: skip
+def test_a_sharded_checkpoint_resumes_on_any_layout(
+    runs: dict, name: str, reference: str, steps: int
+) -> None:
+    """2 ranks -> 3 ranks -> one device, 2 ranks -> ddp, a ddp one-file checkpoint -> fsdp
+    sharded: one device's weights after the same epochs."""
+    resumed = whole(last(runs[name]))
+    assert resumed["global_step"] == steps
+    diffs = max_diff(resumed["state_dict"], run_weights(runs[reference]))
+    assert diffs < WEIGHT_ATOL, (name, diffs)
+    assert is_sharded(last(runs[name])) == (name in ("fsdp3", "from_ddp"))
+
+
+@pytest.mark.parametrize("layout", [(), ("strategy=fsdp", "devices=3")])
+def test_eval_on_a_sharded_checkpoint_equals_the_runs_test(
+    runs: dict, run_here: Callable[..., Path], run_script: Callable[..., Path], layout: tuple
+) -> None:
+    best = runs["sharded"] / "checkpoints" / "best.ckpt"
+    evaluate = run_script if layout else run_here
+    evaluated = metrics(evaluate("eval.py", f"ckpt_path={best}", "accelerator=cpu", *layout))
+    logged = metrics(runs["sharded"])["test"]
+    assert evaluated["test"]["test/acc"] == logged["test/acc"]
+    assert evaluated["test"]["test/loss"] == pytest.approx(logged["test/loss"], rel=1e-5)
+
+
+def test_a_save_killed_half_way_leaves_the_previous_checkpoint(base, tmp_path: Path) -> None:
+    """Rank 0 SIGKILLed as soon as its part of epoch 1's checkpoint is on disk: ``last`` is still
+    epoch 0's, whole, and a resume from it runs."""
+    kill = ("+callbacks.kill._target_=helpers.KillInSave", "+callbacks.kill.epoch=1")
+    proc = run_python(
+        "train.py", *base, *SHARDED, "devices=2", "data.batch_size=48", "trainer.max_epochs=2",
+        "strategy.timeout.seconds=30", *kill, log_dir=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    (run,) = (tmp_path / "train" / "runs").iterdir()
+    folder = run / "checkpoints"
+    assert is_sharded(last(run)) and whole(last(run))["global_step"] == 8
+    half = [p for p in folder.glob(".*.ckpt.*") if p.resolve() != last(run).resolve()]
+    half = [p for p in half if p.resolve() != (folder / "best.ckpt").resolve()]
+    assert half and not any(is_sharded(p) for p in half)  # the killed save's, never a checkpoint
+    resumed = run_python(
+        "train.py", *base, *SHARDED, "devices=2", "data.batch_size=48", "trainer.max_epochs=2",
+        f"ckpt_path={last(run)}", log_dir=tmp_path / "resumed",
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
