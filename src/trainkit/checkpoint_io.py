@@ -245,6 +245,17 @@ def read_checkpoint(ckpt_path: str | Path, weights_only: bool = True) -> dict[st
 
 SHARDED_META = "meta.pt"  # what is not a tensor of the model or optimizers (Lightning's name)
 DCP_INDEX = ".metadata"  # torch.distributed.checkpoint's index of every rank's part
+CHECKPOINT_FORMS = ("full", "sharded")  # strategy.checkpoint of fsdp and the pipeline
+
+
+def checkpoint_form(form: str) -> str:
+    """``strategy.checkpoint``, checked."""
+    if form not in CHECKPOINT_FORMS:
+        raise ConfigError(
+            f"strategy.checkpoint={form}: give full (one file, the model gathered to rank 0) or "
+            f"sharded (a directory, each rank writes its part)"
+        )
+    return form
 
 
 def is_sharded(path: str | os.PathLike) -> bool:
@@ -283,6 +294,24 @@ def save_sharded(checkpoint: dict[str, Any], path: Path, strategy: Any) -> None:
     strategy.barrier("sharded checkpoint in place")
 
 
+class ShardedSave:
+    """A strategy's saves under ``strategy.checkpoint=sharded`` (where ``saves_sharded()``): every
+    rank writes its part (``save_sharded``); a removed checkpoint takes its directory along."""
+
+    def saves_sharded(self) -> bool:
+        raise NotImplementedError
+
+    def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Any = None) -> None:
+        if not self.saves_sharded():
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        save_sharded(checkpoint, Path(self.broadcast(str(filepath))), self)
+        return None
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            remove_sharded(Path(filepath))
+
+
 def remove_sharded(path: Path) -> None:
     """A sharded checkpoint's link and the directory it points at (a file: removed)."""
     target = path.resolve() if path.is_symlink() else None
@@ -311,13 +340,32 @@ def consolidated(path: str | os.PathLike) -> dict[str, Any]:
     return checkpoint
 
 
+def read_sharded_part(path: Path, keys: set[str]) -> dict[str, Any]:
+    """The entries of a sharded checkpoint named by ``keys`` (flattened: ``state_dict.<name>``,
+    ``optimizer_0.state.<name>``), read by this process alone, and its metadata: a pipeline stage
+    reads its own blocks' part, whatever wrote it."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    # (dcp.load fills a copy of the dict it is given: torch's own converter calls this instead)
+    part: dict[str, Any] = {}
+    planner = _EmptyStateDictLoadPlanner(keys=keys)
+    _load_state_dict(part, storage_reader=FileSystemReader(path), planner=planner, no_dist=True)
+    checkpoint = torch.load(path / SHARDED_META, map_location="cpu", weights_only=True)
+    checkpoint["state_dict"] = part.get("state_dict", {})
+    optimizers = sorted((k for k in part if k.startswith("optimizer_")), key=lambda k: int(k[10:]))
+    checkpoint["optimizer_states"] = [keyed_by_place(part[k]) for k in optimizers]
+    return checkpoint
+
+
 def keyed_by_place(state: dict[str, Any]) -> dict[str, Any]:
     """An optimizer state dict keyed by parameter name (a sharded save's) keyed by each
     parameter's place in the optimizer's groups, as ``optimizer.state_dict()`` keys it."""
     order = [name for group in state["param_groups"] for name in group["params"]]
     place = {name: i for i, name in enumerate(order)}
     return {
-        "state": {place[name]: value for name, value in state["state"].items()},
+        "state": {place[name]: value for name, value in state.get("state", {}).items()},
         "param_groups": [
             {**g, "params": [place[n] for n in g["params"]]} for g in state["param_groups"]
         ],

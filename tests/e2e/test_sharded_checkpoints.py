@@ -1,7 +1,8 @@
-"""``strategy=fsdp strategy.checkpoint=sharded``: each rank writes its part of the weights and
-optimizer state (``torch.distributed.checkpoint``), and the checkpoint travels: resumed on 3 ranks,
-under ddp and on one device, evaluated on any layout, consolidated into the one file every
-strategy reads; a save killed half-way leaves the previous checkpoint as ``last``.
+"""``strategy.checkpoint=sharded`` under fsdp and the pipeline: each rank writes its part of the
+weights and optimizer state (``torch.distributed.checkpoint``), and the checkpoint travels: fsdp's
+resumed on 3 ranks, under ddp and on one device, the pipeline's under the pipeline, fsdp and one
+device, evaluated on any layout, consolidated into the one file every strategy reads; a save
+killed half-way leaves the previous checkpoint as ``last``.
 
 Every run trains the MLP with SGD and momentum (linear in the gradient, so a wrong scale shows in
 the weights, and with a state per parameter to shard and reshard) on 768 images, a global batch
@@ -59,6 +60,21 @@ def runs(run_script: Callable[..., Path], run_here: Callable[..., Path], base) -
         "train.py", *base, f"ckpt_path={out['fsdp3'] / 'checkpoints' / 'last.ckpt'}",
         "trainer.max_epochs=3", "strategy=auto", "devices=1", "data.batch_size=96",
     )  # fmt: skip
+    pipe = ("strategy=pipeline", "strategy.checkpoint=sharded", "devices=2", "data.batch_size=96")
+    out["pipe"] = run_script("train.py", *base, *pipe, "trainer.max_epochs=1")
+    out["pipe_full"] = run_script(
+        "train.py", *base, "strategy=pipeline", "devices=2", "data.batch_size=96",
+        "trainer.max_epochs=1",
+    )  # fmt: skip
+    out["pipe_replicas"] = run_script(  # 2 stages x 2 replicas of 48
+        "train.py", *base, *pipe[:2], "devices=4", "data.batch_size=48", "trainer.max_epochs=1"
+    )
+    from_pipe = (*base, f"ckpt_path={last(out['pipe'])}", "trainer.max_epochs=2")
+    out["pipe_then_pipe"] = run_script("train.py", *from_pipe, *pipe)
+    out["pipe_then_fsdp"] = run_script("train.py", *from_pipe, "strategy=fsdp", *two)
+    out["pipe_then_one"] = run_script(
+        "train.py", *from_pipe, "strategy=auto", "devices=1", "data.batch_size=96"
+    )
     out["from_ddp"] = run_script(
         "train.py", *base, f"ckpt_path={out['ddp'] / 'checkpoints' / 'last.ckpt'}",
         "trainer.max_epochs=2", *SHARDED, *two,
@@ -78,9 +94,11 @@ def metrics(run_dir: Path) -> dict:
     return json.loads((run_dir / "metrics.json").read_text())
 
 
-def test_each_rank_writes_its_part_into_a_directory(runs: dict) -> None:
+@pytest.mark.parametrize("run", ["sharded", "pipe"])
+def test_each_rank_writes_its_part_into_a_directory(runs: dict, run: str) -> None:
+    """fsdp's ranks each their shard of every tensor, the pipeline's stages each their blocks."""
     for name in ("best.ckpt", "last.ckpt"):
-        path = runs["sharded"] / "checkpoints" / name
+        path = runs[run] / "checkpoints" / name
         assert path.is_symlink() and is_sharded(path), name
         parts = sorted(p.name for p in path.iterdir())
         assert parts == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"], parts
@@ -88,19 +106,23 @@ def test_each_rank_writes_its_part_into_a_directory(runs: dict) -> None:
         assert "state_dict" not in meta and "optimizer_states" not in meta
         assert meta["global_step"] == 8
     # the checkpoints are all there is: no directory of an earlier save is left
-    kept = {p.resolve() for p in (runs["sharded"] / "checkpoints").glob("*.ckpt")}
-    assert set((runs["sharded"] / "checkpoints").glob(".*")) == kept
+    kept = {p.resolve() for p in (runs[run] / "checkpoints").glob("*.ckpt")}
+    assert set((runs[run] / "checkpoints").glob(".*")) == kept
 
 
-def test_consolidated_is_the_full_checkpoint_fsdp_gathers(runs: dict, tmp_path: Path) -> None:
-    """``python -m trainkit.checkpoint consolidate``: the one file of the same run saved full,
-    to the bit (weights and momentum buffers, keyed by place), which weights_only loads."""
+@pytest.mark.parametrize(("sharded", "full"), [("sharded", "full"), ("pipe", "pipe_full")])
+def test_consolidated_is_the_full_checkpoint_of_the_same_run(
+    runs: dict, tmp_path: Path, sharded: str, full: str
+) -> None:
+    """``python -m trainkit.checkpoint consolidate``: the one file of the same run saved full
+    (fsdp's gathered to rank 0, the pipeline's stages sent to it), to the bit (weights and
+    momentum buffers, keyed by place), which weights_only loads."""
     dst = tmp_path / "one.ckpt"
-    proc = run_python("-m", "trainkit.checkpoint", "consolidate", str(last(runs["sharded"])),
+    proc = run_python("-m", "trainkit.checkpoint", "consolidate", str(last(runs[sharded])),
                       str(dst))  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     one = torch.load(dst, weights_only=True)
-    full = torch.load(last(runs["full"]), weights_only=True)
+    full = torch.load(last(runs[full]), weights_only=True)
     assert one["state_dict"].keys() == full["state_dict"].keys()
     assert all(torch.equal(one["state_dict"][k], full["state_dict"][k]) for k in full["state_dict"])
     mine, theirs = one["optimizer_states"][0], full["optimizer_states"][0]
@@ -116,28 +138,47 @@ def test_consolidated_is_the_full_checkpoint_fsdp_gathers(runs: dict, tmp_path: 
 @pytest.mark.parametrize(
     ("name", "reference", "steps"),
     [("fsdp3", "single2", 16), ("ddp2", "single2", 16), ("one", "single2", 16),
-     ("one_from3", "single3", 24), ("from_ddp", "single2", 16)],
+     ("one_from3", "single3", 24), ("from_ddp", "single2", 16), ("pipe_then_pipe", "single2", 16),
+     ("pipe_then_fsdp", "single2", 16), ("pipe_then_one", "single2", 16)],
 )  # fmt: skip
 def test_a_sharded_checkpoint_resumes_on_any_layout(
     runs: dict, name: str, reference: str, steps: int
 ) -> None:
-    """2 ranks -> 3 ranks -> one device, 2 ranks -> ddp, a ddp one-file checkpoint -> fsdp
-    sharded: one device's weights after the same epochs."""
+    """fsdp: 2 ranks -> 3 ranks -> one device, 2 ranks -> ddp, a ddp one-file checkpoint -> fsdp
+    sharded; the pipeline's 2 stages -> 2 stages, fsdp, one device: one device's weights after
+    the same epochs."""
     resumed = whole(last(runs[name]))
     assert resumed["global_step"] == steps
     diffs = max_diff(resumed["state_dict"], run_weights(runs[reference]))
     assert diffs < WEIGHT_ATOL, (name, diffs)
-    assert is_sharded(last(runs[name])) == (name in ("fsdp3", "from_ddp"))
+    assert is_sharded(last(runs[name])) == (name in ("fsdp3", "from_ddp", "pipe_then_pipe"))
 
 
-@pytest.mark.parametrize("layout", [(), ("strategy=fsdp", "devices=3")])
+def test_replicas_of_a_stage_write_its_part_once(runs: dict) -> None:
+    """2 stages x 2 replicas: the stages' parts, each once, make the model the same layout
+    trains; one device's within the replicas' float sums."""
+    whole_model = whole(last(runs["pipe_replicas"]))
+    full = torch.load(last(runs["pipe_full"]), weights_only=True)
+    assert max_diff(whole_model["state_dict"], full["state_dict"]) < WEIGHT_ATOL
+    assert (
+        whole_model["optimizer_states"][0]["state"].keys()
+        == full["optimizer_states"][0]["state"].keys()
+    )
+
+
+@pytest.mark.parametrize(
+    ("run", "layout"),
+    [("sharded", ()), ("sharded", ("strategy=fsdp", "devices=3")), ("pipe", ()),
+     ("pipe", ("strategy=pipeline", "devices=2"))],
+)  # fmt: skip
 def test_eval_on_a_sharded_checkpoint_equals_the_runs_test(
-    runs: dict, run_here: Callable[..., Path], run_script: Callable[..., Path], layout: tuple
-) -> None:
-    best = runs["sharded"] / "checkpoints" / "best.ckpt"
+    runs: dict, run_here: Callable[..., Path], run_script: Callable[..., Path], run: str,
+    layout: tuple,
+) -> None:  # fmt: skip
+    best = runs[run] / "checkpoints" / "best.ckpt"
     evaluate = run_script if layout else run_here
     evaluated = metrics(evaluate("eval.py", f"ckpt_path={best}", "accelerator=cpu", *layout))
-    logged = metrics(runs["sharded"])["test"]
+    logged = metrics(runs[run])["test"]
     assert evaluated["test"]["test/acc"] == logged["test/acc"]
     assert evaluated["test"]["test/loss"] == pytest.approx(logged["test/loss"], rel=1e-5)
 

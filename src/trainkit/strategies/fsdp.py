@@ -37,7 +37,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin
 
-from trainkit.checkpoint_io import is_sharded, remove_sharded, save_sharded
+from trainkit.checkpoint_io import ShardedSave, checkpoint_form, is_sharded
 from trainkit.errors import ConfigError
 from trainkit.launch import JobScriptLauncher
 from trainkit.models.blocks import BlockSequence
@@ -75,10 +75,7 @@ def sharded_already(module: nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in module.modules())
 
 
-CHECKPOINT_FORMS = ("full", "sharded")
-
-
-class FSDPStrategy(ExactMeanReduce, ModelParallelStrategy):
+class FSDPStrategy(ShardedSave, ExactMeanReduce, ModelParallelStrategy):
     """Each rank holds 1/N of every unit's parameters, gradients and optimizer state; a unit's
     whole parameters exist only during its own forward and backward (all-gathered, then freed
     again where ``reshard_after_forward``; on CPU with the collectives below, which hold nothing
@@ -107,14 +104,9 @@ class FSDPStrategy(ExactMeanReduce, ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta = timedelta(seconds=180),
     ) -> None:
-        if checkpoint not in CHECKPOINT_FORMS:
-            raise ConfigError(
-                f"strategy.checkpoint={checkpoint}: give full (one file, rank 0 gathers the "
-                f"model) or sharded (a directory, each rank writes its part)"
-            )
         super().__init__(
             tensor_parallel_size=1,
-            save_distributed_checkpoint=checkpoint == "sharded",
+            save_distributed_checkpoint=checkpoint_form(checkpoint) == "sharded",
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
@@ -228,18 +220,8 @@ class FSDPStrategy(ExactMeanReduce, ModelParallelStrategy):
                 # prefetch list replaces the implicit prefetch; itself is already gathered)
                 unit.set_modules_to_backward_prefetch([unit])
 
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
-    ) -> None:
-        """``checkpoint=sharded``: each rank's part, swapped in whole (``save_sharded``)."""
-        if self.checkpoint != "sharded":
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
-        save_sharded(checkpoint, Path(self.broadcast(str(filepath))), self)
-        return None
-
-    def remove_checkpoint(self, filepath: Any) -> None:
-        if self.is_global_zero:
-            remove_sharded(Path(filepath))
+    def saves_sharded(self) -> bool:
+        return self.checkpoint == "sharded"
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
         """Lightning's load of a full checkpoint, its optimizer part mended: a test after fit

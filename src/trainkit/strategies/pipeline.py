@@ -38,6 +38,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from functools import cache
 from itertools import chain
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -57,6 +58,7 @@ from torch.distributed.pipelining import (
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode
 
+from trainkit.checkpoint_io import ShardedSave, checkpoint_form, is_sharded, read_sharded_part
 from trainkit.errors import ConfigError
 from trainkit.parallel import LIGHTNING
 from trainkit.strategies.ddp import DDPStrategy
@@ -196,7 +198,7 @@ def global_norm_clipping(plugin: Precision) -> GlobalNormClipping:
     return clipping
 
 
-class PipelineStrategy(DDPStrategy):
+class PipelineStrategy(ShardedSave, DDPStrategy):
     """GPipe / 1F1B pipeline over ``stages`` processes (one per device), through Lightning."""
 
     strategy_name = "pipeline"
@@ -214,9 +216,11 @@ class PipelineStrategy(DDPStrategy):
         split_points: list[int] | None = None,
         balance: str = "flops",
         module: str = "net",
+        checkpoint: str = "full",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self.checkpoint = checkpoint_form(checkpoint)
         if schedule not in SCHEDULES:
             raise PipelineConfigError(
                 f"strategy.schedule={schedule!r}: use one of {', '.join(SCHEDULES)}"
@@ -669,11 +673,22 @@ class PipelineStrategy(DDPStrategy):
             everything.update(recv_state(stage, group=self._pipe_group, device=self.root_device))
         return everything
 
+    def saves_sharded(self) -> bool:
+        """Each stage saves its own part (``checkpoint=sharded``), once the model is cut."""
+        return self.checkpoint == "sharded" and bool(self._chunks)
+
+    def _held_keys(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """This process's blocks' entries and those that are no block's (every stage holds)."""
+        return {k: v for k, v in state.items() if self._is_block_of(k) in (None, self.stage)}
+
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The whole model's weights on the writer; its own blocks' weights elsewhere."""
+        """The whole model's weights on the writer, its own blocks' weights elsewhere; sharded:
+        what this process holds, on every process."""
         state = super().lightning_module_state_dict()
         if not self._chunks:  # before set-up cut the model: rank 0 holds it whole
             return state
+        if self.saves_sharded():
+            return self._held_keys(state)
         return self._to_writer(self._own_keys(state), state)
 
     def _own_param_indices(self, optimizer: Any) -> set[int]:
@@ -685,6 +700,12 @@ class PipelineStrategy(DDPStrategy):
         params = [p for group in optimizer.param_groups for p in group["params"]]  # state's order
         return {i for i, p in enumerate(params) if id(p) in own}
 
+    def _param_names(self, optimizer: Any) -> list[str]:
+        """The name of each parameter of ``optimizer``, in its state dict's order."""
+        names = {id(p): n for n, p in self.lightning_module.named_parameters()}
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """Every stage's optimizer state of its own parameters, on the writer."""
         state = super().optimizer_state(optimizer)
@@ -692,6 +713,14 @@ class PipelineStrategy(DDPStrategy):
             return state
         own_indices = self._own_param_indices(optimizer)
         own = {i: s for i, s in state["state"].items() if i in own_indices}
+        if self.saves_sharded():  # keyed by name: the stages' parts are one state dict in the files
+            names = self._param_names(optimizer)
+            return {
+                "state": {names[i]: s for i, s in own.items()},
+                "param_groups": [
+                    {**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]
+                ],
+            }
         merged = self._to_writer(own, dict(own))
         return {"state": dict(sorted(merged.items())), "param_groups": state["param_groups"]}
 
@@ -701,11 +730,23 @@ class PipelineStrategy(DDPStrategy):
         """A local checkpoint memory-mapped: a process reads the pages of its own blocks' weights
         and optimizer state, not the whole file (a remote one as Lightning loads it)."""
         path = str(checkpoint_path)
+        if is_sharded(path):  # this stage's part, whatever layout wrote it
+            return self._read_own_part(Path(path))
         if "://" in path:
             return super().load_checkpoint(checkpoint_path, weights_only)
         return torch.load(
             path, map_location="cpu", mmap=True, weights_only=weights_only is not False
         )
+
+    def _read_own_part(self, path: Path) -> dict[str, Any]:
+        """From a sharded checkpoint: the weights this process holds and its parameters'
+        optimizer state, read by this process alone."""
+        lm = self.lightning_module
+        keys = {f"state_dict.{k}" for k in self._held_keys(lm.state_dict())}
+        own = {n for n, _ in lm.named_parameters() if self._is_block_of(n) in (None, self.stage)}
+        for i, _ in enumerate(self.optimizers):
+            keys |= {f"optimizer_{i}.param_groups", *(f"optimizer_{i}.state.{n}" for n in own)}
+        return read_sharded_part(path, keys)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """This process's blocks and everything that is not a block; the other stages' blocks stay
