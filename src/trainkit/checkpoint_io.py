@@ -14,7 +14,6 @@ import pickle
 import re
 import shutil
 import socket
-import tempfile
 import uuid
 import zipfile
 from collections.abc import Mapping
@@ -282,16 +281,46 @@ def save_sharded(checkpoint: dict[str, Any], path: Path, strategy: Any) -> None:
         atomic_torch_save(checkpoint, target / SHARDED_META)
     strategy.barrier("sharded checkpoint written")
     if strategy.global_rank == 0:
-        previous = path.resolve() if path.is_symlink() else None
-        if path.is_dir() and not path.is_symlink():  # a directory of another writer's
-            shutil.rmtree(path)
-        link = path.parent / f".{path.name}.link-{token}"
-        os.symlink(target.name, link)
-        os.replace(link, path)  # the swap: path is the old checkpoint, then the new one
-        _fsync_directory(path.parent)
-        if previous is not None and previous != target.resolve():
-            shutil.rmtree(previous, ignore_errors=True)
+        _point(path, target)
     strategy.barrier("sharded checkpoint in place")
+
+
+def _point(path: Path, target: Path) -> None:
+    """``path`` made a link to ``target`` (beside it) in one rename; the directory it pointed at
+    before is removed."""
+    previous = path.resolve() if path.is_symlink() else None
+    if path.is_dir() and not path.is_symlink():  # a directory of another writer's
+        shutil.rmtree(path)
+    link = path.parent / f".{path.name}.link-{target.name}"
+    os.symlink(target.name, link)
+    os.replace(link, path)  # the swap: path is the old checkpoint, then the new one
+    _fsync_directory(path.parent)
+    if previous is not None and previous != target.resolve():
+        shutil.rmtree(previous, ignore_errors=True)
+
+
+def is_checkpoint(path: str | os.PathLike) -> bool:
+    """A checkpoint on disk: one file, or a sharded directory."""
+    return Path(path).is_file() or is_sharded(path)
+
+
+def saved_step(path: str | os.PathLike) -> int:
+    """The global step a checkpoint was saved at, read from its file or its metadata."""
+    path = Path(path) / SHARDED_META if is_sharded(path) else Path(path)
+    return int(torch.load(path, map_location="cpu", mmap=True, weights_only=True)["global_step"])
+
+
+def copy_checkpoint(source: Path, path: Path) -> None:
+    """``path`` becomes a copy of the checkpoint ``source``, whole or not at all (written beside
+    it first)."""
+    if is_sharded(source):
+        target = path.parent / f".{path.name}.{uuid.uuid4().hex[:12]}"
+        shutil.copytree(source.resolve(), target)
+        _point(path, target)
+        return
+    partial = path.with_name(path.name + ".partial")
+    shutil.copyfile(source, partial)
+    os.replace(partial, path)
 
 
 class ShardedSave:
@@ -326,29 +355,21 @@ def remove_sharded(path: Path) -> None:
 def consolidated(path: str | os.PathLike) -> dict[str, Any]:
     """A sharded checkpoint as the one file a single process reads: the whole weights and
     optimizer states (keyed by each parameter's place, as a one-device run saves them) beside its
-    metadata. Through torch's own DCP-to-``torch.save`` converter."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    path = Path(path)
-    checkpoint = torch.load(path / SHARDED_META, map_location="cpu", weights_only=True)
-    with tempfile.TemporaryDirectory(prefix="trainkit-consolidate-") as tmp:
-        dcp_to_torch_save(path, Path(tmp) / "whole.pt")
-        whole = torch.load(Path(tmp) / "whole.pt", map_location="cpu", weights_only=True)
-    checkpoint["state_dict"] = whole["state_dict"]
-    optimizers = sorted((k for k in whole if k.startswith("optimizer_")), key=lambda k: int(k[10:]))
-    checkpoint["optimizer_states"] = [keyed_by_place(whole[k]) for k in optimizers]
-    return checkpoint
+    metadata. The whole model is assembled in this process."""
+    return read_sharded(Path(path))
 
 
-def read_sharded_part(path: Path, keys: set[str]) -> dict[str, Any]:
-    """The entries of a sharded checkpoint named by ``keys`` (flattened: ``state_dict.<name>``,
-    ``optimizer_0.state.<name>``), read by this process alone, and its metadata: a pipeline stage
-    reads its own blocks' part, whatever wrote it."""
+def read_sharded(path: Path, keys: set[str] | None = None) -> dict[str, Any]:
+    """A sharded checkpoint's entries named by ``keys`` (flattened: ``state_dict.<name>``,
+    ``optimizer_0.state.<name>``; None: all), read by this process alone, with its metadata and
+    its optimizer states keyed by place: a pipeline stage reads its own blocks' part, whatever
+    wrote it."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    # (dcp.load fills a copy of the dict it is given: torch's own converter calls this instead)
+    # the planner and loader of torch's own dcp_to_torch_save: the public dcp.load fills a copy
+    # of the dict it is given, and needs every tensor's shape in it beforehand
     part: dict[str, Any] = {}
     planner = _EmptyStateDictLoadPlanner(keys=keys)
     _load_state_dict(part, storage_reader=FileSystemReader(path), planner=planner, no_dist=True)
@@ -393,8 +414,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         atomic_torch_save(checkpoint, path)
 
     def load_checkpoint(self, path: Any, *args: Any, **kwargs: Any) -> Any:
-        """A sharded checkpoint (fsdp's ``strategy.checkpoint=sharded``) read whole, under a
-        strategy that does not shard (one device, ddp, dp, the pipeline)."""
+        """A sharded checkpoint (``strategy.checkpoint=sharded``) read whole, by a strategy that
+        does not shard (one device, ddp, dp)."""
         if is_sharded(path):
             return consolidated(path)
         return super().load_checkpoint(path, *args, **kwargs)

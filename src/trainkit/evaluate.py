@@ -15,7 +15,7 @@ from trainkit.build import (
     prepare_data_once,
 )
 from trainkit.callbacks import PredictionWriter
-from trainkit.checkpoint_io import damage, read_checkpoint_config
+from trainkit.checkpoint_io import damage, is_checkpoint, read_checkpoint_config
 from trainkit.config import settle
 from trainkit.console import quiet
 from trainkit.errors import ConfigError
@@ -45,7 +45,7 @@ def with_checkpoint_config(cfg: DictConfig) -> DictConfig:
     """The eval config completed by the checkpoint's: its model, its data (moved where
     ``paths.data_dir`` is given, then ``cfg.data``'s non-null keys override), and its precision
     unless ``precision`` is given."""
-    why = damage(cfg.ckpt_path) if Path(cfg.ckpt_path).is_file() else None
+    why = damage(cfg.ckpt_path) if is_checkpoint(cfg.ckpt_path) else None
     if why:
         raise ConfigError(f"ckpt_path={cfg.ckpt_path} is damaged ({why}): evaluate another one")
     trained = OmegaConf.create(read_checkpoint_config(cfg.ckpt_path, cfg.weights_only))

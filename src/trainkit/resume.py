@@ -23,6 +23,7 @@ from trainkit.checkpoint_io import (
     OVERRIDES_KEY,
     TRACKERS_KEY,
     atomic_write_text,
+    is_checkpoint,
     newest_intact,
     read_checkpoint,
 )
@@ -115,7 +116,7 @@ def resolve_ckpt_path(cfg: DictConfig, restart: bool) -> str | None:
     ``ckpt_path=last`` finds none (``resume_from`` reads the file). ``restart``: this start is
     the launcher's restart of the run (``is_restart``), which resumes its own last checkpoint."""
     own = Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt"
-    if restart and own.is_file():
+    if restart and is_checkpoint(own):
         return str(newest_intact(own))
     if cfg.ckpt_path is None:
         return None
@@ -129,7 +130,7 @@ def resolve_ckpt_path(cfg: DictConfig, restart: bool) -> str | None:
             )
     else:
         path = Path(cfg.ckpt_path).expanduser()
-    if path.is_file():  # (a missing file: read_checkpoint names it)
+    if is_checkpoint(path):  # (a missing one: read_checkpoint names it)
         path = newest_intact(path)
     return str(path)
 

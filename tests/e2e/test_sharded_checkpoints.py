@@ -25,7 +25,6 @@ SGD = ("model.optimizer._target_=torch.optim.SGD", "model.optimizer.lr=0.1",
 SHARDED = ("strategy=fsdp", "strategy.checkpoint=sharded")
 # float sums in another order (reduce-scatter over 2 or 3 ranks), over 18 steps: measured 1.3e-6
 WEIGHT_ATOL = 1e-5
-pytestmark = pytest.mark.xdist_group(name="sharded_checkpoints")
 
 
 @pytest.fixture(scope="module")
@@ -38,47 +37,68 @@ def base(tmp_path_factory) -> tuple[str, ...]:
     )
 
 
+TWO = ("devices=2", "data.batch_size=48")
+PIPE = ("strategy=pipeline", "strategy.checkpoint=sharded", "devices=2", "data.batch_size=96")
+# each set of runs made once, by one xdist worker, beside the other's
+FSDP_RUNS, PIPE_RUNS = "sharded_fsdp_runs", "sharded_pipe_runs"
+
+
+def on(group: str, *values: object) -> pytest.ParameterSet:
+    """A test case that reads the runs of ``group``, on the worker that makes them."""
+    return pytest.param(group, *values, marks=pytest.mark.xdist_group(name=group))
+
+
 @pytest.fixture(scope="module")
-def runs(run_script: Callable[..., Path], run_here: Callable[..., Path], base) -> dict:
-    """An epoch on fsdp x2, sharded and full; then from the sharded last checkpoint a second epoch
-    on fsdp x3, ddp x2 and one device, and from fsdp x3's a third on one device; from a ddp x2
-    one-file checkpoint a second epoch on fsdp x2, sharded. One device's 2 and 3 epochs."""
-    two = ("devices=2", "data.batch_size=48")
+def runs(request: pytest.FixtureRequest) -> Callable[[str], dict]:
+    return lambda group: request.getfixturevalue(group)
+
+
+@pytest.fixture(scope="module")
+def sharded_fsdp_runs(run_script: Callable[..., Path], run_here: Callable[..., Path], base) -> dict:
+    """An epoch on fsdp x2, sharded and full, and on ddp x2; then from the sharded last
+    checkpoint a second epoch on fsdp x3, ddp x2 and one device, and from fsdp x3's a third on one
+    device; from ddp's one-file checkpoint a second epoch on fsdp x2, sharded. One device's 2 and
+    3 epochs."""
     out = {
-        "sharded": run_script("train.py", *base, *SHARDED, *two, "trainer.max_epochs=1"),
-        "full": run_script("train.py", *base, "strategy=fsdp", *two, "trainer.max_epochs=1"),
-        "ddp": run_script("train.py", *base, "strategy=ddp", *two, "trainer.max_epochs=1"),
+        "sharded": run_script("train.py", *base, *SHARDED, *TWO, "trainer.max_epochs=1"),
+        "full": run_script("train.py", *base, "strategy=fsdp", *TWO, "trainer.max_epochs=1"),
+        "ddp": run_script("train.py", *base, "strategy=ddp", *TWO, "trainer.max_epochs=1"),
         "single2": run_here("train.py", *base, "data.batch_size=96", "trainer.max_epochs=2"),
         "single3": run_here("train.py", *base, "data.batch_size=96", "trainer.max_epochs=3"),
     }
-    resume = f"ckpt_path={out['sharded'] / 'checkpoints' / 'last.ckpt'}"
-    epoch2 = (*base, resume, "trainer.max_epochs=2")
+    epoch2 = (*base, f"ckpt_path={last(out['sharded'])}", "trainer.max_epochs=2")
     out["fsdp3"] = run_script("train.py", *epoch2, *SHARDED, "devices=3", "data.batch_size=32")
-    out["ddp2"] = run_script("train.py", *epoch2, "strategy=ddp", *two)
+    out["ddp2"] = run_script("train.py", *epoch2, "strategy=ddp", *TWO)
     out["one"] = run_script("train.py", *epoch2, "strategy=auto", "devices=1", "data.batch_size=96")
     out["one_from3"] = run_script(
-        "train.py", *base, f"ckpt_path={out['fsdp3'] / 'checkpoints' / 'last.ckpt'}",
-        "trainer.max_epochs=3", "strategy=auto", "devices=1", "data.batch_size=96",
+        "train.py", *base, f"ckpt_path={last(out['fsdp3'])}", "trainer.max_epochs=3",
+        "strategy=auto", "devices=1", "data.batch_size=96",
     )  # fmt: skip
-    pipe = ("strategy=pipeline", "strategy.checkpoint=sharded", "devices=2", "data.batch_size=96")
-    out["pipe"] = run_script("train.py", *base, *pipe, "trainer.max_epochs=1")
-    out["pipe_full"] = run_script(
-        "train.py", *base, "strategy=pipeline", "devices=2", "data.batch_size=96",
-        "trainer.max_epochs=1",
-    )  # fmt: skip
-    out["pipe_replicas"] = run_script(  # 2 stages x 2 replicas of 48
-        "train.py", *base, *pipe[:2], "devices=4", "data.batch_size=48", "trainer.max_epochs=1"
+    out["from_ddp"] = run_script(
+        "train.py", *base, f"ckpt_path={last(out['ddp'])}", "trainer.max_epochs=2", *SHARDED, *TWO
     )
+    return out
+
+
+@pytest.fixture(scope="module")
+def sharded_pipe_runs(run_script: Callable[..., Path], run_here: Callable[..., Path], base) -> dict:
+    """An epoch on 2 stages, sharded and full, and on 2 stages x 2 replicas, sharded; from the
+    sharded last checkpoint a second epoch on 2 stages, fsdp x2 and one device. One device's 2
+    epochs."""
+    out = {
+        "pipe": run_script("train.py", *base, *PIPE, "trainer.max_epochs=1"),
+        "pipe_full": run_script("train.py", *base, *PIPE[:1], *PIPE[2:], "trainer.max_epochs=1"),
+        "pipe_replicas": run_script(  # 2 stages x 2 replicas of 48
+            "train.py", *base, *PIPE[:2], "devices=4", "data.batch_size=48", "trainer.max_epochs=1"
+        ),
+        "single2": run_here("train.py", *base, "data.batch_size=96", "trainer.max_epochs=2"),
+    }
     from_pipe = (*base, f"ckpt_path={last(out['pipe'])}", "trainer.max_epochs=2")
-    out["pipe_then_pipe"] = run_script("train.py", *from_pipe, *pipe)
-    out["pipe_then_fsdp"] = run_script("train.py", *from_pipe, "strategy=fsdp", *two)
+    out["pipe_then_pipe"] = run_script("train.py", *from_pipe, *PIPE)
+    out["pipe_then_fsdp"] = run_script("train.py", *from_pipe, "strategy=fsdp", *TWO)
     out["pipe_then_one"] = run_script(
         "train.py", *from_pipe, "strategy=auto", "devices=1", "data.batch_size=96"
     )
-    out["from_ddp"] = run_script(
-        "train.py", *base, f"ckpt_path={out['ddp'] / 'checkpoints' / 'last.ckpt'}",
-        "trainer.max_epochs=2", *SHARDED, *two,
-    )  # fmt: skip
     return out
 
 
@@ -94,9 +114,10 @@ def metrics(run_dir: Path) -> dict:
     return json.loads((run_dir / "metrics.json").read_text())
 
 
-@pytest.mark.parametrize("run", ["sharded", "pipe"])
-def test_each_rank_writes_its_part_into_a_directory(runs: dict, run: str) -> None:
+@pytest.mark.parametrize(("group", "run"), [on(FSDP_RUNS, "sharded"), on(PIPE_RUNS, "pipe")])
+def test_each_rank_writes_its_part_into_a_directory(runs, group: str, run: str) -> None:
     """fsdp's ranks each their shard of every tensor, the pipeline's stages each their blocks."""
+    runs = runs(group)
     for name in ("best.ckpt", "last.ckpt"):
         path = runs[run] / "checkpoints" / name
         assert path.is_symlink() and is_sharded(path), name
@@ -110,13 +131,17 @@ def test_each_rank_writes_its_part_into_a_directory(runs: dict, run: str) -> Non
     assert set((runs[run] / "checkpoints").glob(".*")) == kept
 
 
-@pytest.mark.parametrize(("sharded", "full"), [("sharded", "full"), ("pipe", "pipe_full")])
+@pytest.mark.parametrize(
+    ("group", "sharded", "full"),
+    [on(FSDP_RUNS, "sharded", "full"), on(PIPE_RUNS, "pipe", "pipe_full")],
+)
 def test_consolidated_is_the_full_checkpoint_of_the_same_run(
-    runs: dict, tmp_path: Path, sharded: str, full: str
+    runs, tmp_path: Path, group: str, sharded: str, full: str
 ) -> None:
     """``python -m trainkit.checkpoint consolidate``: the one file of the same run saved full
     (fsdp's gathered to rank 0, the pipeline's stages sent to it), to the bit (weights and
     momentum buffers, keyed by place), which weights_only loads."""
+    runs = runs(group)
     dst = tmp_path / "one.ckpt"
     proc = run_python("-m", "trainkit.checkpoint", "consolidate", str(last(runs[sharded])),
                       str(dst))  # fmt: skip
@@ -136,17 +161,19 @@ def test_consolidated_is_the_full_checkpoint_of_the_same_run(
 
 
 @pytest.mark.parametrize(
-    ("name", "reference", "steps"),
-    [("fsdp3", "single2", 16), ("ddp2", "single2", 16), ("one", "single2", 16),
-     ("one_from3", "single3", 24), ("from_ddp", "single2", 16), ("pipe_then_pipe", "single2", 16),
-     ("pipe_then_fsdp", "single2", 16), ("pipe_then_one", "single2", 16)],
+    ("group", "name", "reference", "steps"),
+    [on(FSDP_RUNS, "fsdp3", "single2", 16), on(FSDP_RUNS, "ddp2", "single2", 16),
+     on(FSDP_RUNS, "one", "single2", 16), on(FSDP_RUNS, "one_from3", "single3", 24),
+     on(FSDP_RUNS, "from_ddp", "single2", 16), on(PIPE_RUNS, "pipe_then_pipe", "single2", 16),
+     on(PIPE_RUNS, "pipe_then_fsdp", "single2", 16), on(PIPE_RUNS, "pipe_then_one", "single2", 16)],
 )  # fmt: skip
 def test_a_sharded_checkpoint_resumes_on_any_layout(
-    runs: dict, name: str, reference: str, steps: int
+    runs, group: str, name: str, reference: str, steps: int
 ) -> None:
     """fsdp: 2 ranks -> 3 ranks -> one device, 2 ranks -> ddp, a ddp one-file checkpoint -> fsdp
     sharded; the pipeline's 2 stages -> 2 stages, fsdp, one device: one device's weights after
     the same epochs."""
+    runs = runs(group)
     resumed = whole(last(runs[name]))
     assert resumed["global_step"] == steps
     diffs = max_diff(resumed["state_dict"], run_weights(runs[reference]))
@@ -154,9 +181,11 @@ def test_a_sharded_checkpoint_resumes_on_any_layout(
     assert is_sharded(last(runs[name])) == (name in ("fsdp3", "from_ddp", "pipe_then_pipe"))
 
 
-def test_replicas_of_a_stage_write_its_part_once(runs: dict) -> None:
+@pytest.mark.xdist_group(name=PIPE_RUNS)
+def test_replicas_of_a_stage_write_its_part_once(sharded_pipe_runs: dict) -> None:
     """2 stages x 2 replicas: the stages' parts, each once, make the model the same layout
     trains; one device's within the replicas' float sums."""
+    runs = sharded_pipe_runs
     whole_model = whole(last(runs["pipe_replicas"]))
     full = torch.load(last(runs["pipe_full"]), weights_only=True)
     assert max_diff(whole_model["state_dict"], full["state_dict"]) < WEIGHT_ATOL
@@ -167,14 +196,15 @@ def test_replicas_of_a_stage_write_its_part_once(runs: dict) -> None:
 
 
 @pytest.mark.parametrize(
-    ("run", "layout"),
-    [("sharded", ()), ("sharded", ("strategy=fsdp", "devices=3")), ("pipe", ()),
-     ("pipe", ("strategy=pipeline", "devices=2"))],
+    ("group", "run", "layout"),
+    [on(FSDP_RUNS, "sharded", ()), on(FSDP_RUNS, "sharded", ("strategy=fsdp", "devices=3")),
+     on(PIPE_RUNS, "pipe", ()), on(PIPE_RUNS, "pipe", ("strategy=pipeline", "devices=2"))],
 )  # fmt: skip
 def test_eval_on_a_sharded_checkpoint_equals_the_runs_test(
-    runs: dict, run_here: Callable[..., Path], run_script: Callable[..., Path], run: str,
+    runs, run_here: Callable[..., Path], run_script: Callable[..., Path], group: str, run: str,
     layout: tuple,
 ) -> None:  # fmt: skip
+    runs = runs(group)
     best = runs[run] / "checkpoints" / "best.ckpt"
     evaluate = run_script if layout else run_here
     evaluated = metrics(evaluate("eval.py", f"ckpt_path={best}", "accelerator=cpu", *layout))
@@ -183,6 +213,7 @@ def test_eval_on_a_sharded_checkpoint_equals_the_runs_test(
     assert evaluated["test"]["test/loss"] == pytest.approx(logged["test/loss"], rel=1e-5)
 
 
+@pytest.mark.xdist_group(name="sharded_killed_save")
 def test_a_save_killed_half_way_leaves_the_previous_checkpoint(base, tmp_path: Path) -> None:
     """Rank 0 SIGKILLed as soon as its part of epoch 1's checkpoint is on disk: ``last`` is still
     epoch 0's, whole, and a resume from it runs."""

@@ -12,7 +12,17 @@ import torch
 
 import lightning_examples
 from helpers import zero_block
-from trainkit.checkpoint_io import atomic_torch_save, damage, newest_intact, readable_hparams
+from trainkit.checkpoint_io import (
+    atomic_torch_save,
+    consolidated,
+    copy_checkpoint,
+    damage,
+    is_checkpoint,
+    is_sharded,
+    newest_intact,
+    readable_hparams,
+    saved_step,
+)
 from trainkit.errors import ConfigError
 
 
@@ -70,3 +80,48 @@ def test_hyperparameters_a_weights_only_load_refuses_are_stored_as_their_config(
     assert torch.load(tmp_path / "a.ckpt", weights_only=True)["hyper_parameters"] == readable
     assert module.hparams.optimizer.func is torch.optim.Adam  # the module keeps its own
     assert readable_hparams(lightning_examples.LitAutoEncoder(), {}) is None  # plain values
+
+
+# --- sharded checkpoints (a directory in torch.distributed.checkpoint's format) ------------------
+
+
+def sharded(folder: Path, name: str, step: int, weight: torch.Tensor) -> Path:
+    """``<folder>/<name>``: a link to a one-process DCP directory of one weight and its SGD
+    momentum, keyed by name as a sharded save keys them, and its metadata file."""
+    import torch.distributed.checkpoint as dcp
+
+    target = folder / f".{name}.{step}"
+    state = {
+        "state_dict": {"net.w": weight},
+        "optimizer_0": {
+            "state": {"net.w": {"momentum_buffer": weight * 2}},
+            "param_groups": [{"lr": 0.1, "params": ["net.w"]}],
+        },
+    }
+    dcp.save(state, checkpoint_id=target, no_dist=True)
+    atomic_torch_save({"global_step": step, "epoch": 0}, target / "meta.pt")
+    (folder / name).symlink_to(target.name)
+    return folder / name
+
+
+def test_a_sharded_checkpoint_is_read_whole_checked_and_copied(tmp_path: Path) -> None:
+    path = sharded(tmp_path, "last.ckpt", 7, torch.arange(6.0))
+    assert is_checkpoint(path) and is_sharded(path) and damage(path) is None
+    assert saved_step(path) == 7
+    whole = consolidated(path)  # as a one-device run saves it: optimizer state keyed by place
+    assert torch.equal(whole["state_dict"]["net.w"], torch.arange(6.0))
+    assert torch.equal(
+        whole["optimizer_states"][0]["state"][0]["momentum_buffer"], torch.arange(6.0) * 2
+    )
+    assert whole["optimizer_states"][0]["param_groups"] == [{"lr": 0.1, "params": [0]}]
+    copy = tmp_path / "copy.ckpt"
+    copy_checkpoint(path, copy)  # a directory of its own, behind a link
+    assert copy.is_symlink() and copy.resolve() != path.resolve() and saved_step(copy) == 7
+    (path / ".metadata").unlink()  # its index gone: a save that never finished
+    assert not is_checkpoint(path) and "without .metadata" in damage(path)
+
+
+def test_a_sharded_checkpoints_metadata_is_crc_checked(tmp_path: Path) -> None:
+    path = sharded(tmp_path, "last.ckpt", 3, torch.ones(4))
+    zero_block(path / "meta.pt", size=64)
+    assert damage(path) is not None

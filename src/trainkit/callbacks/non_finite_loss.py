@@ -1,5 +1,4 @@
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -7,6 +6,8 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
+
+from trainkit.checkpoint_io import copy_checkpoint, is_checkpoint, saved_step
 
 
 class NonFiniteLossStop(L.Callback):
@@ -119,17 +120,13 @@ def set_aside_checkpoints_from(trainer, step: int) -> None:
         os.replace(path, path.with_name(path.name + DIVERGED))
     left = sorted(paths - diverged, key=lambda p: steps[p])
     lasts = [p for p in diverged if p.name == "last.ckpt"]
-    if lasts and left:  # written beside it first, then moved over the name: never half a file
-        partial = lasts[0].with_name("last.ckpt.partial")
-        shutil.copyfile(left[-1], partial)
-        os.replace(partial, lasts[0])
+    if lasts and left:  # written beside it first, then moved over the name: never half of one
+        copy_checkpoint(left[-1], lasts[0])
 
 
 def _global_step(path: Path) -> int | None:
     try:
-        return int(
-            torch.load(path, map_location="cpu", mmap=True, weights_only=True)["global_step"]
-        )
+        return saved_step(path)
     except Exception:  # unreadable: not one to resume from
         return None
 
@@ -140,7 +137,7 @@ def checkpoints_on_disk(trainer) -> set[Path]:
         Path(p)
         for cb in trainer.checkpoint_callbacks
         for p in (cb.last_model_path, cb.best_model_path)
-        if p and Path(p).is_file()
+        if p and is_checkpoint(p)
     }
 
 

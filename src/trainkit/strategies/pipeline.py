@@ -58,7 +58,7 @@ from torch.distributed.pipelining import (
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode
 
-from trainkit.checkpoint_io import ShardedSave, checkpoint_form, is_sharded, read_sharded_part
+from trainkit.checkpoint_io import ShardedSave, checkpoint_form, is_sharded, read_sharded
 from trainkit.errors import ConfigError
 from trainkit.parallel import LIGHTNING
 from trainkit.strategies.ddp import DDPStrategy
@@ -746,7 +746,7 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
         own = {n for n, _ in lm.named_parameters() if self._is_block_of(n) in (None, self.stage)}
         for i, _ in enumerate(self.optimizers):
             keys |= {f"optimizer_{i}.param_groups", *(f"optimizer_{i}.state.{n}" for n in own)}
-        return read_sharded_part(path, keys)
+        return read_sharded(path, keys)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """This process's blocks and everything that is not a block; the other stages' blocks stay
