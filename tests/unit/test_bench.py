@@ -11,6 +11,7 @@ import torch
 from trainkit.bench.__main__ import main as bench_main
 from trainkit.bench.cells import (
     DEFAULT_MATRIX,
+    FSDP_WIDE,
     MEMORY_BASELINE,
     MEMORY_MATRIX,
     MEMORY_ONE_DEVICE,
@@ -18,6 +19,7 @@ from trainkit.bench.cells import (
     WORKLOADS,
     Cell,
     merge_rounds,
+    saving,
     turn,
 )
 from trainkit.bench.clock import PHASES, StepClock
@@ -245,6 +247,15 @@ def test_memory_per_rank_above_the_baseline_against_its_models_one_device(tmp_pa
             1.0,
             **{"strategy": "pipeline", "variant": "gpipe mb=4", "peak_mem_mb": [1900.0, 1700.0]},
         ),
+        _cell(  # its checkpoint saved sharded when training ends
+            saving(FSDP_WIDE, "sharded").name,
+            "mlp_wide",
+            "template",
+            2,
+            1.0,
+            **{"strategy": "fsdp", "variant": "save sharded", "peak_mem_mb": [1500.0, 1600.0]},
+            save_s=[1.25, 2.5],
+        ),
         _cell(transformer.name, "transformer_wide", "template", 1, 1.0, peak_mem_mb=[4700.0]),
         _cell(
             sharded.name,
@@ -257,7 +268,8 @@ def test_memory_per_rank_above_the_baseline_against_its_models_one_device(tmp_pa
     ]
     found = memory(cells)
     assert found["baseline_mb"] == 700.0
-    one, stages, one_transformer, shards = found["rows"]
+    one, stages, saved, one_transformer, shards = found["rows"]
+    assert saved["vs_one_device"] == [0.4, 0.45] and saved["save_s"] == [1.25, 2.5]
     assert (one["above_mb"], one["vs_one_device"], one["met"]) == ([2000.0], [1.0], None)
     assert stages["above_mb"] == [1200.0, 1000.0] and stages["vs_one_device"] == [0.6, 0.5]
     assert stages["largest"] == 0.6 and stages["met"] is True
@@ -282,6 +294,8 @@ def test_memory_per_rank_above_the_baseline_against_its_models_one_device(tmp_pa
         in table
     )
     assert "**0.65x** | <= 0.6x (missed) |" in table
+    assert "| mlp_wide: template fsdp x2 32-true save sharded | 800 MB (0.40x) |" in table
+    assert "**0.45x** | <= 0.6x (met) |  | 2.50 s |" in table  # the slowest rank's save
     assert memory(cells[1:]) is None  # no baseline, no table
 
     # `--memory` writes its own section of the page: the full matrix's tables stay

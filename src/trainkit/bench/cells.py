@@ -16,7 +16,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from hydra.utils import get_class, instantiate
@@ -199,14 +199,27 @@ MEMORY_ONE_DEVICE = {  # by workload
     "transformer_wide": Cell("transformer_wide", "template"),
     "resnet50_cifar": Cell("resnet50_cifar", "template"),
 }
+
+
+def saving(cell: Cell, form: str) -> Cell:
+    """``cell`` with a checkpoint saved in ``form`` (full, sharded) when training ends."""
+    extra = (*cell.extra, "+callbacks.bench_probe.save=true", f"strategy.checkpoint={form}")
+    return replace(cell, extra=extra, variant=f"{cell.variant} save {form}".strip())
+
+
+FSDP_WIDE = Cell("mlp_wide", "template", "fsdp", 2)
+FSDP_TRANSFORMER = Cell("transformer_wide", "template", "fsdp", 2)
 MEMORY_SPLITS = (
     pipeline("mlp_wide", 4),
     pipeline("mlp_wide", 4, stages=3),
-    Cell("mlp_wide", "template", "fsdp", 2),
-    Cell("transformer_wide", "template", "fsdp", 2),
+    FSDP_WIDE,
+    FSDP_TRANSFORMER,
     Cell("resnet50_cifar", "template", "fsdp", 2),
     pipeline("resnet50_cifar", 4),
-)
+    # the save: the whole model gathered to rank 0 (full) or each rank's part (sharded)
+    *(saving(c, form) for c in (FSDP_WIDE, pipeline("mlp_wide", 4), FSDP_TRANSFORMER)
+      for form in ("full", "sharded")),
+)  # fmt: skip
 MEMORY_MATRIX: tuple[Cell, ...] = (
     MEMORY_BASELINE,
     *MEMORY_ONE_DEVICE.values(),
@@ -368,6 +381,7 @@ def run_cell(cell: Cell, s: Settings, cell_dir: Path) -> dict[str, object]:
         "first_step_s": [records[0]["first_step_at"] - launched_at],
         "warmup_s": [records[0]["warmup_s"]],
         "peak_mem_mb": [r["peak_mem_mb"] for r in records],
+        "save_s": [r.get("save_s") for r in records],
     }
 
 
@@ -397,4 +411,5 @@ def merge_rounds(rounds: list[dict]) -> dict[str, object]:
         "first_step_s": statistics.median(t for r in rounds for t in r["first_step_s"]),
         "warmup_s": statistics.median(t for r in rounds for t in r["warmup_s"]),
         "peak_mem_mb": [max(mb) for mb in zip(*(r["peak_mem_mb"] for r in rounds), strict=True)],
+        "save_s": rounds[0].get("save_s"),
     }

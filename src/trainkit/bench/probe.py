@@ -1,3 +1,6 @@
+import time
+from pathlib import Path
+
 import lightning as L
 
 from trainkit.bench.clock import StepClock, write_record
@@ -7,10 +10,11 @@ from trainkit.parallel import data_shard
 class BenchProbe(L.Callback):
     """Added to a benchmark cell's ``train.py`` run: every rank times its training steps with the
     same clock as the plain loops, marks the same phases (forward, backward, optimizer), and writes
-    ``<out>.rank<N>.json`` when training ends."""
+    ``<out>.rank<N>.json`` when training ends; ``save``: after a checkpoint save there (in the
+    strategy's ``strategy.checkpoint`` form), timed, its memory within the process's peak."""
 
-    def __init__(self, warmup: int, steps: int, out: str) -> None:
-        self.clock, self.out = StepClock(warmup, steps), out
+    def __init__(self, warmup: int, steps: int, out: str, save: bool = False) -> None:
+        self.clock, self.out, self.save = StepClock(warmup, steps), out, save
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         self.clock.step_start(batch_idx)
@@ -29,6 +33,11 @@ class BenchProbe(L.Callback):
         self.clock.epoch_end()
 
     def on_train_end(self, trainer, pl_module) -> None:
+        saved = None
+        if self.save:
+            started = time.perf_counter()
+            trainer.save_checkpoint(Path(self.out).parent / "saved.ckpt")
+            saved = time.perf_counter() - started
         _, replicas = data_shard(trainer.strategy)
         record = self.clock.record(replicas, pl_module.device)
-        write_record(self.out, trainer.global_rank, record)
+        write_record(self.out, trainer.global_rank, {**record, "save_s": saved})

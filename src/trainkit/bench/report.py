@@ -175,7 +175,7 @@ def memory(cells: list[dict]) -> dict | None:
                 {"cell": cell.name, "label": f"{workload}: {_label(by_name[cell.name])}"}
                 | {"above_mb": above}
                 | {"vs_one_device": [mb / one for mb in above], "largest": largest, "met": met}
-                | {"planned_mb": planned}
+                | {"planned_mb": planned, "save_s": by_name[cell.name].get("save_s")}
             )
     return {"baseline_mb": base, "goal": MEMORY_GOAL, "rows": rows}
 
@@ -348,8 +348,8 @@ def markdown(report: dict) -> str:
             "",
             "| run | "
             + " | ".join(f"rank {r}" for r in range(ranks))
-            + " | largest | goal | planned (busiest rank) |",
-            "| --- |" + " --- |" * (ranks + 3),
+            + " | largest | goal | planned (busiest rank) | save (slowest rank) |",
+            "| --- |" + " --- |" * (ranks + 4),
         ]
         for row in mem["rows"]:
             per_rank = [
@@ -364,10 +364,12 @@ def markdown(report: dict) -> str:
             )
             planned = row.get("planned_mb")
             vs = f"{planned:,.0f} MB ({planned / max(row['above_mb']):.2f}x)" if planned else ""
+            seconds = [t for t in row.get("save_s") or [] if t is not None]
+            save = f"{max(seconds):.2f} s" if seconds else ""
             lines.append(
                 f"| {row['label']} | "
                 + " | ".join(per_rank)
-                + f" | **{row['largest']:.2f}x** | {goal} | {vs} |"
+                + f" | **{row['largest']:.2f}x** | {goal} | {vs} | {save} |"
             )
     if report.get("compile_warmup_s") is not None:
         lines += [
