@@ -380,6 +380,24 @@ def read_sharded(path: Path, keys: set[str] | None = None) -> dict[str, Any]:
     return checkpoint
 
 
+def keyed_by_name(state: dict[str, Any], optimizer: Any, module: nn.Module) -> dict[str, Any]:
+    """An optimizer's state dict keyed by parameter name, as ``set_optimizer_state_dict`` reads
+    it and a sharded save writes it: a one-device or ddp run saves it keyed by each parameter's
+    place in the optimizer (``keyed_by_place`` is the way back)."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+    def name(key: int | str) -> str:
+        return order[key] if isinstance(key, int) else key
+
+    return {
+        "state": {name(k): v for k, v in state["state"].items()},
+        "param_groups": [
+            {**g, "params": [name(k) for k in g["params"]]} for g in state["param_groups"]
+        ],
+    }
+
+
 def keyed_by_place(state: dict[str, Any]) -> dict[str, Any]:
     """An optimizer state dict keyed by parameter name (a sharded save's) keyed by each
     parameter's place in the optimizer's groups, as ``optimizer.state_dict()`` keys it."""

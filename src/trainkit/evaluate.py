@@ -129,9 +129,8 @@ def _evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
     check_stages(stages)
     planned = evaluation_plan(with_checkpoint_config(cfg))
     cfg, dims = planned.cfg, planned.dims
-    datamodule, model = build_data_and_model(
-        cfg, dims.caps, trained=True
-    )  # compiled as eval's says
+    # compiled as eval's config says
+    datamodule, model = build_data_and_model(cfg, dims.caps, trained=True)
     output_dir = Path(cfg.paths.output_dir)
     write_config(output_dir / "config.yaml", cfg)  # the model and data it evaluated, resolved
     writer = PredictionWriter(str(output_dir / PREDICTIONS_FILE))

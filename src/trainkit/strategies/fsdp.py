@@ -37,7 +37,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin
 
-from trainkit.checkpoint_io import ShardedSave, checkpoint_form, is_sharded
+from trainkit.checkpoint_io import ShardedSave, checkpoint_form, is_sharded, keyed_by_name
 from trainkit.errors import ConfigError
 from trainkit.launch import JobScriptLauncher
 from trainkit.models.blocks import BlockSequence
@@ -323,23 +323,6 @@ def _move_parameterless(module: nn.Module, device: torch.device) -> None:
             _move_parameterless(child, device)
         else:
             child.to(device)
-
-
-def keyed_by_name(state: dict[str, Any], optimizer: Any, module: nn.Module) -> dict[str, Any]:
-    """An optimizer's state dict keyed by parameter name, as ``set_optimizer_state_dict`` reads
-    it: a one-device or ddp run saves it keyed by each parameter's place in the optimizer."""
-    names = {id(p): n for n, p in module.named_parameters()}
-    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-
-    def name(key: int | str) -> str:
-        return order[key] if isinstance(key, int) else key
-
-    return {
-        "state": {name(k): v for k, v in state["state"].items()},
-        "param_groups": [
-            {**g, "params": [name(k) for k in g["params"]]} for g in state["param_groups"]
-        ],
-    }
 
 
 # FSDP's collectives on gloo (CPU). Gloo's all_gather_into_tensor and reduce_scatter_tensor each

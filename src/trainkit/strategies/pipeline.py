@@ -58,7 +58,13 @@ from torch.distributed.pipelining import (
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode
 
-from trainkit.checkpoint_io import ShardedSave, checkpoint_form, is_sharded, read_sharded
+from trainkit.checkpoint_io import (
+    ShardedSave,
+    checkpoint_form,
+    is_sharded,
+    keyed_by_name,
+    read_sharded,
+)
 from trainkit.errors import ConfigError
 from trainkit.parallel import LIGHTNING
 from trainkit.strategies.ddp import DDPStrategy
@@ -700,12 +706,6 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
         params = [p for group in optimizer.param_groups for p in group["params"]]  # state's order
         return {i for i, p in enumerate(params) if id(p) in own}
 
-    def _param_names(self, optimizer: Any) -> list[str]:
-        """The name of each parameter of ``optimizer``, in its state dict's order."""
-        names = {id(p): n for n, p in self.lightning_module.named_parameters()}
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
-        return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """Every stage's optimizer state of its own parameters, on the writer."""
         state = super().optimizer_state(optimizer)
@@ -714,13 +714,9 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
         own_indices = self._own_param_indices(optimizer)
         own = {i: s for i, s in state["state"].items() if i in own_indices}
         if self.saves_sharded():  # keyed by name: the stages' parts are one state dict in the files
-            names = self._param_names(optimizer)
-            return {
-                "state": {names[i]: s for i, s in own.items()},
-                "param_groups": [
-                    {**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]
-                ],
-            }
+            optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's own
+            own_state = {"state": own, "param_groups": state["param_groups"]}
+            return keyed_by_name(own_state, optimizer, self.lightning_module)
         merged = self._to_writer(own, dict(own))
         return {"state": dict(sorted(merged.items())), "param_groups": state["param_groups"]}
 
@@ -743,7 +739,7 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
         optimizer state, read by this process alone."""
         lm = self.lightning_module
         keys = {f"state_dict.{k}" for k in self._held_keys(lm.state_dict())}
-        own = {n for n, _ in lm.named_parameters() if self._is_block_of(n) in (None, self.stage)}
+        own = self._held_keys(dict(lm.named_parameters()))
         for i, _ in enumerate(self.optimizers):
             keys |= {f"optimizer_{i}.param_groups", *(f"optimizer_{i}.state.{n}" for n in own)}
         return read_sharded(path, keys)
