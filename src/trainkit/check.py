@@ -132,7 +132,8 @@ def run_check(cfg: DictConfig) -> int:
         results = {}
         for name, layout in layouts.items():
             out = work / name.replace(" ", "_")
-            batch, incomparable = batch_for(cfg, replicas.get(name, 1))
+            n = replicas.get(name, 1)
+            batch, incomparable = batch_for(cfg, n)
             argv = [
                 *searchpath,
                 *base,
@@ -149,11 +150,10 @@ def run_check(cfg: DictConfig) -> int:
                 "+callbacks.trainkit_check._target_=trainkit.check.Probe",
                 f"+callbacks.trainkit_check.out={out}",
             ]
-            evaluated = evaluation_for(cfg, replicas.get(name, 1))
             results[name] = {
                 **launch(argv, out),
-                "incomparable": incomparable,
-                "evaluated": evaluated,
+                "incomparable": incomparable,  # another global batch than one device's
+                "evaluated": evaluation_for(cfg, n),  # other validation samples
             }
         rows = verdicts(results, configured)
     finally:

@@ -15,9 +15,6 @@ class ModuleLoaders(L.LightningDataModule):
 
     def __init__(self, module: L.LightningModule) -> None:
         super().__init__()
-        self.module_name = type(module).__name__
         for hook in LOADER_HOOKS:
-            if is_overridden(hook, module, L.LightningModule):
-                setattr(
-                    self, hook, getattr(module, hook)
-                )  # the module's, called when Lightning asks
+            if is_overridden(hook, module, L.LightningModule):  # the module's, when Lightning asks
+                setattr(self, hook, getattr(module, hook))
