@@ -44,6 +44,7 @@ import pytest
 import torch
 from PIL import Image
 
+from trainkit.checkpoint_io import consolidated, is_sharded
 from trainkit.runtime import peak_rss_bytes
 
 TESTS = Path(__file__).resolve().parent
@@ -134,10 +135,17 @@ def zero_block(path: Path, size: int = 4096) -> None:
         f.write(bytes(size))
 
 
+def load_checkpoint(path: str | Path) -> dict:
+    """A checkpoint whole, on the CPU: a file with ``weights_only``, a sharded directory (fsdp's
+    and the pipeline's) consolidated."""
+    if is_sharded(path):
+        return consolidated(path)
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
 def run_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     """The weights of a run's ``checkpoints/last.ckpt``, on the CPU."""
-    path = run_dir / "checkpoints" / "last.ckpt"
-    return torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
+    return load_checkpoint(run_dir / "checkpoints" / "last.ckpt")["state_dict"]
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

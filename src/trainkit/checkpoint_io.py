@@ -89,17 +89,36 @@ def temp_name(path: Path) -> Path:
 
 
 def remove_stale_temp_files(directory: str | os.PathLike) -> list[Path]:
-    """The temporary files that saves on this host left when their process died mid-save
-    (SIGKILL, out of memory), removed: called when a run starts in its directory, where they
-    would stay forever. Returns what it removed."""
+    """What saves left when their process died mid-save (SIGKILL, out of memory), removed: the
+    temporary files of this host's dead processes, and the directories of sharded saves that no
+    checkpoint link points at. Called when a run starts in its directory (which no other run
+    writes: docs/design.md, "Every run a new directory"), where they would stay forever.
+    Returns what it removed."""
+    directory = Path(directory)
     removed = []
-    for path in Path(directory).glob(f".*.tmp-{socket.gethostname()}-*"):
+    for path in directory.glob(f".*.tmp-{socket.gethostname()}-*"):
         pid = path.name.rsplit("-", 1)[1]
         if pid.isdigit() and not _alive(int(pid)):
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
                 removed.append(path)
-    return removed
+    return removed + _remove_unlinked_saves(directory)
+
+
+def _remove_unlinked_saves(directory: Path) -> list[Path]:
+    """The sharded saves' directories (``.<name>.<id>``) and half-made links
+    (``.<name>.link-...``) that no checkpoint in ``directory`` points at."""
+    if not directory.is_dir():
+        return []
+    half_made = [p for p in directory.glob(".*") if _LINK_NAME.match(p.name) and p.is_symlink()]
+    for link in half_made:  # a rename that never happened
+        link.unlink()
+    kept = {p.resolve() for p in directory.iterdir() if p.is_symlink()}
+    saves = [p for p in directory.glob(".*") if _SAVE_NAME.match(p.name) and not p.is_symlink()]
+    unlinked = [p for p in saves if p.is_dir() and p.resolve() not in kept]
+    for save in unlinked:
+        shutil.rmtree(save, ignore_errors=True)
+    return sorted(half_made + unlinked)
 
 
 def _alive(pid: int) -> bool:
@@ -245,6 +264,9 @@ def read_checkpoint(ckpt_path: str | Path, weights_only: bool = True) -> dict[st
 SHARDED_META = "meta.pt"  # what is not a tensor of the model or optimizers (Lightning's name)
 DCP_INDEX = ".metadata"  # torch.distributed.checkpoint's index of every rank's part
 CHECKPOINT_FORMS = ("full", "sharded")  # strategy.checkpoint of fsdp and the pipeline
+# what save_sharded and _point name beside a checkpoint: ``.<name>.<id>``, ``.<name>.link-<...>``
+_SAVE_NAME = re.compile(r"^\..+\.[0-9a-f]{12}$")
+_LINK_NAME = re.compile(r"^\..+\.link-\..+\.[0-9a-f]{12}$")
 
 
 def checkpoint_form(form: str) -> str:

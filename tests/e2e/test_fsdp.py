@@ -15,7 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import PLAIN_SGD, max_diff, readme_run, run_python, run_weights, start_python
+from helpers import (
+    PLAIN_SGD,
+    load_checkpoint,
+    max_diff,
+    readme_run,
+    run_python,
+    run_weights,
+    start_python,
+)
 from trainkit.data.synthetic import write_cifar10
 from trainkit.runtime import free_port
 
@@ -170,9 +178,9 @@ def test_fsdp_stops_on_sigterm_and_resumes(runs: dict) -> None:
     ckpt_path=last (weights and each rank's shard of the Adam state) in the middle of the epoch:
     one device's epoch, with Adam's step count carried on."""
     stopped, resumed = runs["resumed"]
-    saved = torch.load(stopped / "checkpoints" / "last.ckpt", weights_only=True)
+    saved = load_checkpoint(stopped / "checkpoints" / "last.ckpt")
     assert saved["global_step"] == STOP_AT
-    final = torch.load(resumed / "checkpoints" / "last.ckpt", weights_only=True)
+    final = load_checkpoint(resumed / "checkpoints" / "last.ckpt")
     assert final["global_step"] == 13  # 800 images, 2 x 32 a step: 12.5 -> 13 steps
     assert max_diff(final["state_dict"], run_weights(runs["single"])) < WEIGHT_ATOL
     steps = {float(s["step"]) for s in final["optimizer_states"][0]["state"].values()}

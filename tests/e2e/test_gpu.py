@@ -13,7 +13,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from helpers import run_python, write_tree
+from helpers import load_checkpoint, run_python, write_tree
 from myproject.data.imagefolder import ImageFolderDataModule
 from trainkit.data.synthetic import write_cifar10
 
@@ -57,8 +57,7 @@ def metrics(run_dir: Path) -> dict:
 
 
 def checkpoint(run_dir: Path) -> dict:
-    path = run_dir / "checkpoints" / "last.ckpt"
-    return torch.load(path, map_location="cpu", weights_only=True)
+    return load_checkpoint(run_dir / "checkpoints" / "last.ckpt")
 
 
 @shares_runs

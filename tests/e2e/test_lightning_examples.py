@@ -30,6 +30,7 @@ from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, DistributedSampler
 
 from helpers import (
+    load_checkpoint,
     max_diff,
     quiet_trainer,
     run_python,
@@ -222,7 +223,7 @@ def validation_on_one_device(run_dir: Path, checkpoint: str) -> dict[str, float]
     validate stage cannot run it: the loader is passed as it is."""
     config = OmegaConf.load(run_dir / "config.yaml")
     module, datamodule = instantiate(config.model), instantiate(config.data)
-    module.load_state_dict(torch.load(checkpoint, weights_only=True)["state_dict"])
+    module.load_state_dict(load_checkpoint(checkpoint)["state_dict"])
     datamodule.setup("fit")
     (values,) = quiet_trainer(accelerator="cpu").validate(module, datamodule.val_dataloader())
     return values
@@ -250,7 +251,7 @@ def test_every_value_a_run_logs_equals_one_devices_evaluation(runs: dict, name: 
     last = validation_on_one_device(runs[name], str(runs[name] / "checkpoints" / "last.ckpt"))
     assert run["fit"][val] == pytest.approx(last[val], rel=1e-5)
     assert last_logged(runs[name], val) == pytest.approx(last[val], rel=1e-5)
-    checkpoint = torch.load(best(runs[name]), weights_only=True)
+    checkpoint = load_checkpoint(best(runs[name]))
     (score,) = (s["best_model_score"] for s in checkpoint["callbacks"].values() if s["monitor"])
     best_val = validation_on_one_device(runs[name], best(runs[name]))[val]
     assert float(score) == pytest.approx(best_val, rel=1e-5)
@@ -310,8 +311,8 @@ def test_an_fsdp_run_of_a_stateless_optimizer_resumes(runs: dict) -> None:
     starts where the first ended and trains on."""
     if runs["example"] != "language":
         pytest.skip("the autoencoder's Adam has a state: resumed in e2e/test_fsdp.py")
-    first = torch.load(runs["fsdp2"] / "checkpoints" / "last.ckpt", weights_only=True)
-    second = torch.load(runs["fsdp2_resumed"] / "checkpoints" / "last.ckpt", weights_only=True)
+    first = load_checkpoint(runs["fsdp2"] / "checkpoints" / "last.ckpt")
+    second = load_checkpoint(runs["fsdp2_resumed"] / "checkpoints" / "last.ckpt")
     assert second["global_step"] == 2 * first["global_step"] > 0
     assert second["optimizer_states"][0]["param_groups"][0]["lr"] == 0.1
     assert max_diff(first["state_dict"], second["state_dict"]) > 0

@@ -18,7 +18,7 @@ import lightning as L
 import pytest
 import torch
 
-from helpers import max_diff
+from helpers import load_checkpoint, max_diff
 from trainkit.config import compose_config
 from trainkit.data.synthetic import write_cifar10
 from trainkit.run_plan import training_plan
@@ -62,7 +62,7 @@ def runs(
 
 
 def last(run_dir: Path) -> dict:
-    return torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
+    return load_checkpoint(run_dir / "checkpoints" / "last.ckpt")
 
 
 @pytest.mark.parametrize("name", ["gpipe64", "interleaved64"])

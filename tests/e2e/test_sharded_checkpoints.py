@@ -1,4 +1,4 @@
-"""``strategy.checkpoint=sharded`` under fsdp and the pipeline: each rank writes its part of the
+"""Sharded checkpoints, fsdp's and the pipeline's default: each rank writes its part of the
 weights and optimizer state (``torch.distributed.checkpoint``), and the checkpoint travels: fsdp's
 resumed on 3 ranks, under ddp and on one device, the pipeline's under the pipeline, fsdp and one
 device, evaluated on any layout, consolidated into the one file every strategy reads; a save
@@ -22,7 +22,8 @@ from trainkit.data.synthetic import write_mnist
 
 SGD = ("model.optimizer._target_=torch.optim.SGD", "model.optimizer.lr=0.1",
        "+model.optimizer.momentum=0.9")  # fmt: skip
-SHARDED = ("strategy=fsdp", "strategy.checkpoint=sharded")
+SHARDED = ("strategy=fsdp",)  # its default form: sharded
+FULL = "strategy.checkpoint=full"
 # float sums in another order (reduce-scatter over 2 or 3 ranks), over 18 steps: measured 1.3e-6
 WEIGHT_ATOL = 1e-5
 
@@ -38,7 +39,7 @@ def base(tmp_path_factory) -> tuple[str, ...]:
 
 
 TWO = ("devices=2", "data.batch_size=48")
-PIPE = ("strategy=pipeline", "strategy.checkpoint=sharded", "devices=2", "data.batch_size=96")
+PIPE = ("strategy=pipeline", "devices=2", "data.batch_size=96")
 # each set of runs made once, by one xdist worker, beside the other's
 FSDP_RUNS, PIPE_RUNS = "sharded_fsdp_runs", "sharded_pipe_runs"
 
@@ -61,7 +62,7 @@ def sharded_fsdp_runs(run_script: Callable[..., Path], run_here: Callable[..., P
     3 epochs."""
     out = {
         "sharded": run_script("train.py", *base, *SHARDED, *TWO, "trainer.max_epochs=1"),
-        "full": run_script("train.py", *base, "strategy=fsdp", *TWO, "trainer.max_epochs=1"),
+        "full": run_script("train.py", *base, *SHARDED, FULL, *TWO, "trainer.max_epochs=1"),
         "ddp": run_script("train.py", *base, "strategy=ddp", *TWO, "trainer.max_epochs=1"),
         "single2": run_here("train.py", *base, "data.batch_size=96", "trainer.max_epochs=2"),
         "single3": run_here("train.py", *base, "data.batch_size=96", "trainer.max_epochs=3"),
@@ -87,9 +88,9 @@ def sharded_pipe_runs(run_script: Callable[..., Path], run_here: Callable[..., P
     epochs."""
     out = {
         "pipe": run_script("train.py", *base, *PIPE, "trainer.max_epochs=1"),
-        "pipe_full": run_script("train.py", *base, *PIPE[:1], *PIPE[2:], "trainer.max_epochs=1"),
+        "pipe_full": run_script("train.py", *base, *PIPE, FULL, "trainer.max_epochs=1"),
         "pipe_replicas": run_script(  # 2 stages x 2 replicas of 48
-            "train.py", *base, *PIPE[:2], "devices=4", "data.batch_size=48", "trainer.max_epochs=1"
+            "train.py", *base, *PIPE[:1], "devices=4", "data.batch_size=48", "trainer.max_epochs=1"
         ),
         "single2": run_here("train.py", *base, "data.batch_size=96", "trainer.max_epochs=2"),
     }
@@ -178,7 +179,8 @@ def test_a_sharded_checkpoint_resumes_on_any_layout(
     assert resumed["global_step"] == steps
     diffs = max_diff(resumed["state_dict"], run_weights(runs[reference]))
     assert diffs < WEIGHT_ATOL, (name, diffs)
-    assert is_sharded(last(runs[name])) == (name in ("fsdp3", "from_ddp", "pipe_then_pipe"))
+    sharded_by = ("fsdp3", "from_ddp", "pipe_then_pipe", "pipe_then_fsdp")  # fsdp, the pipeline
+    assert is_sharded(last(runs[name])) == (name in sharded_by)
 
 
 @pytest.mark.xdist_group(name=PIPE_RUNS)
@@ -216,7 +218,8 @@ def test_eval_on_a_sharded_checkpoint_equals_the_runs_test(
 @pytest.mark.xdist_group(name="sharded_killed_save")
 def test_a_save_killed_half_way_leaves_the_previous_checkpoint(base, tmp_path: Path) -> None:
     """Rank 0 SIGKILLed as soon as its part of epoch 1's checkpoint is on disk: ``last`` is still
-    epoch 0's, whole, and a resume from it runs."""
+    epoch 0's, whole, and a resume from it runs in the run's own directory, which it clears of
+    the killed save's parts."""
     kill = ("+callbacks.kill._target_=helpers.KillInSave", "+callbacks.kill.epoch=1")
     proc = run_python(
         "train.py", *base, *SHARDED, "devices=2", "data.batch_size=48", "trainer.max_epochs=2",
@@ -231,6 +234,8 @@ def test_a_save_killed_half_way_leaves_the_previous_checkpoint(base, tmp_path: P
     assert half and not any(is_sharded(p) for p in half)  # the killed save's, never a checkpoint
     resumed = run_python(
         "train.py", *base, *SHARDED, "devices=2", "data.batch_size=48", "trainer.max_epochs=2",
-        f"ckpt_path={last(run)}", log_dir=tmp_path / "resumed",
+        f"ckpt_path={last(run)}", f"hydra.run.dir={run}", log_dir=tmp_path,
     )  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert not any(p.exists() for p in half)
+    assert whole(last(run))["global_step"] == 16

@@ -21,6 +21,7 @@ from trainkit.checkpoint_io import (
     is_sharded,
     newest_intact,
     readable_hparams,
+    remove_stale_temp_files,
     saved_step,
 )
 from trainkit.errors import ConfigError
@@ -119,6 +120,28 @@ def test_a_sharded_checkpoint_is_read_whole_checked_and_copied(tmp_path: Path) -
     assert copy.is_symlink() and copy.resolve() != path.resolve() and saved_step(copy) == 7
     (path / ".metadata").unlink()  # its index gone: a save that never finished
     assert not is_checkpoint(path) and "without .metadata" in damage(path)
+
+
+def test_a_killed_sharded_saves_directory_is_removed_when_the_run_starts_again(
+    tmp_path: Path,
+) -> None:
+    """What a save killed before its link swap leaves (its parts, a link never renamed) goes;
+    the checkpoints and the directories their links point at stay."""
+    import torch.distributed.checkpoint as dcp
+
+    last = sharded(tmp_path, "last.ckpt", 7, torch.arange(6.0))
+    copy = tmp_path / "best.ckpt"
+    copy_checkpoint(last, copy)  # .best.ckpt.<id>, behind its link
+    killed = tmp_path / ".last.ckpt.0123456789ab"  # parts written, no meta.pt, no link
+    dcp.save({"state_dict": {"net.w": torch.zeros(6)}}, checkpoint_id=killed, no_dist=True)
+    half_link = tmp_path / f".last.ckpt.link-{killed.name}"
+    half_link.symlink_to(killed.name)
+    assert remove_stale_temp_files(tmp_path) == sorted([half_link, killed])
+    assert not killed.exists() and not half_link.is_symlink()
+    assert saved_step(last) == 7 and saved_step(copy) == 7
+    assert {p.name for p in tmp_path.iterdir()} == {
+        "last.ckpt", "best.ckpt", last.resolve().name, copy.resolve().name
+    }  # fmt: skip
 
 
 def test_a_sharded_checkpoints_metadata_is_crc_checked(tmp_path: Path) -> None:

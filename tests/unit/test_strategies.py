@@ -104,13 +104,12 @@ def test_fsdp_config_builds_our_fsdp_strategy(tmp_path: Path) -> None:
     assert strategy._timeout == timedelta(seconds=30)
 
 
-def test_fsdp_checkpoint_form_is_full_or_sharded(tmp_path: Path) -> None:
-    cfg = compose_config("train", tmp_path, ["strategy=fsdp", "strategy.checkpoint=sharded"])
-    assert instantiate(cfg.strategy).checkpoint == "sharded"
-    assert (
-        instantiate(compose_config("train", tmp_path, ["strategy=fsdp"]).strategy).checkpoint
-        == "full"
-    )
+@pytest.mark.parametrize("strategy", ["fsdp", "pipeline"])
+def test_checkpoint_form_is_sharded_or_full(tmp_path: Path, strategy: str) -> None:
+    cfg = compose_config("train", tmp_path, [f"strategy={strategy}", "strategy.checkpoint=full"])
+    assert instantiate(cfg.strategy).checkpoint == "full"
+    cfg = compose_config("train", tmp_path, [f"strategy={strategy}"])
+    assert instantiate(cfg.strategy).checkpoint == "sharded"  # each rank writes its part
     with pytest.raises(ConfigError, match=r"strategy\.checkpoint=shard: give full .* or sharded"):
         FSDPStrategy(checkpoint="shard")
 

@@ -2,13 +2,13 @@
 rank, on CPU (gloo) and GPU (NCCL), for any LightningModule.
 
 Lightning's ``ModelParallelStrategy`` does the rest: the process group and device mesh, the
-full-state checkpoint, its loading. Lightning expects the module's ``configure_model`` to shard
-it; here a module that does (any ``fully_shard`` in it) keeps its own units, and any other is
-sharded by a policy: ``wrap`` names the classes whose modules become units, and by default the
-repeated blocks do (``repeated_blocks``: each member of a block sequence, as torchtitan shards
-each transformer block); then each child of the module with parameters left. The module itself
-is the root unit, which takes its own, so nothing trains outside FSDP. Lightning's own
-``strategy="fsdp"`` (FSDP1) refuses a CPU accelerator (Lightning #21812).
+full-state checkpoint (``checkpoint=full``), its loading. Lightning expects the module's
+``configure_model`` to shard it; here a module that does (any ``fully_shard`` in it) keeps its own
+units, and any other is sharded by a policy: ``wrap`` names the classes whose modules become units,
+and by default the repeated blocks do (``repeated_blocks``: each member of a block sequence, as
+torchtitan shards each transformer block); then each child of the module with parameters left. The
+module itself is the root unit, which takes its own, so nothing trains outside FSDP. Lightning's
+own ``strategy="fsdp"`` (FSDP1) refuses a CPU accelerator (Lightning #21812).
 """
 
 from __future__ import annotations
@@ -80,8 +80,9 @@ class FSDPStrategy(ShardedSave, ExactMeanReduce, ModelParallelStrategy):
     whole parameters exist only during its own forward and backward (all-gathered, then freed
     again where ``reshard_after_forward``; on CPU with the collectives below, which hold nothing
     longer). The root unit's (the module's own) stay gathered from its forward to its backward,
-    as FSDP2 keeps a root's. Checkpoints are one full file, written by rank 0, that every
-    strategy and ``eval.py`` load. Mixed precision is Lightning's autocast, as under every other
+    as FSDP2 keeps a root's. Checkpoints are sharded, each rank writing its part
+    (``checkpoint_io.ShardedSave``), or one full file written by rank 0; every strategy and
+    ``eval.py`` load either. Mixed precision is Lightning's autocast, as under every other
     strategy (FSDP2's bf16 parameter policy would cast BatchNorm's weights but not its running
     statistics, and make bf16 gradients)."""
 
@@ -100,7 +101,7 @@ class FSDPStrategy(ShardedSave, ExactMeanReduce, ModelParallelStrategy):
         wrap: Sequence[str] | None = None,
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
-        checkpoint: str = "full",
+        checkpoint: str = "sharded",
         process_group_backend: str | None = None,
         timeout: timedelta = timedelta(seconds=180),
     ) -> None:

@@ -20,8 +20,9 @@ Traps this handles (docs/design.md, "Pipeline gradients zeroed by zero_grad" and
   aside and ``backward`` puts them back (scaled for gradient accumulation).
 - Only the last stage has the loss and the logits: they are broadcast, so every rank logs and
   monitors the same values and updates the same metrics.
-- A checkpoint holds the full model: the writer (rank 0) receives every other stage's blocks and
-  optimizer state, tensor by tensor, so resuming is exact and any strategy can load the weights.
+- A checkpoint holds the full model: each stage writes its own blocks and optimizer state into
+  a sharded directory (``checkpoint=full``: the writer, rank 0, receives every other stage's part,
+  tensor by tensor), so resuming is exact and any strategy can load the weights.
 - Replicas of a stage start from replica 0's weights of its blocks (broadcast once, as DDP does):
   under ``seed=null`` each process initialised its own, and the replicas trained apart.
 - A process holds only its own blocks (the others stay on the meta device): set-up, teardown,
@@ -222,7 +223,7 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
         split_points: list[int] | None = None,
         balance: str = "flops",
         module: str = "net",
-        checkpoint: str = "full",
+        checkpoint: str = "sharded",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
