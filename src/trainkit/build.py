@@ -147,12 +147,15 @@ def build_model(
 def instantiate_config(config: DictConfig, **kwargs: Any) -> Any:
     """Hydra's ``instantiate``, where a class that refuses its arguments (a ValueError or
     TypeError from its ``__init__``) is a one-line ConfigError naming the config key, not
-    Hydra's three-line wrapper (``HYDRA_FULL_ERROR=1`` shows the traceback)."""
+    Hydra's three-line wrapper (``HYDRA_FULL_ERROR=1`` shows the traceback); a ConfigError of
+    ours, which names its key already, as it is."""
     try:
         return instantiate(config, **kwargs)
     except InstantiationException as err:
         cause = err.__cause__
-        if not isinstance(cause, (ValueError, TypeError)) or isinstance(cause, ConfigError):
+        if isinstance(cause, ConfigError):
+            raise cause from err
+        if not isinstance(cause, (ValueError, TypeError)):
             raise
         where = re.search(r"full_key: (\S+)", str(err))
         key = where.group(1) if where else config.get("_target_", "the config")
@@ -187,7 +190,7 @@ def _closest_argument(config: DictConfig, key: str, cause: Exception) -> str:
 def build_strategy(cfg: DictConfig, dims: ParallelDims) -> Any:
     """A strategy option either gives a ``_target_`` to build or names a Lightning strategy."""
     if "_target_" in cfg.strategy:
-        return instantiate(cfg.strategy)
+        return instantiate_config(cfg.strategy)
     if cfg.strategy.name == "auto" and dims.world_size > 1:
         return DDPStrategy()  # Lightning's auto would pick its own DDP, whose ranks re-run a sweep
     return cfg.strategy.name

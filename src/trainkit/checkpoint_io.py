@@ -17,6 +17,7 @@ import socket
 import uuid
 import zipfile
 from collections.abc import Mapping
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -269,12 +270,18 @@ _SAVE_NAME = re.compile(r"^\..+\.[0-9a-f]{12}$")
 _LINK_NAME = re.compile(r"^\..+\.link-\..+\.[0-9a-f]{12}$")
 
 
-def checkpoint_form(form: str) -> str:
-    """``strategy.checkpoint``, checked."""
+def checkpoint_form(form: str, async_save: bool = False) -> str:
+    """``strategy.checkpoint``, checked, with ``strategy.async_save``."""
     if form not in CHECKPOINT_FORMS:
         raise ConfigError(
             f"strategy.checkpoint={form}: give full (one file, the model gathered to rank 0) or "
             f"sharded (a directory, each rank writes its part)"
+        )
+    if async_save and form != "sharded":
+        raise ConfigError(
+            f"strategy.async_save=true writes each rank's part of a sharded checkpoint in the "
+            f"background, but strategy.checkpoint={form}: use strategy.checkpoint=sharded, or "
+            f"strategy.async_save=false"
         )
     return form
 
@@ -293,18 +300,55 @@ def save_sharded(checkpoint: dict[str, Any], path: Path, strategy: Any) -> None:
     previous checkpoint; no rank ever holds the whole model to save it."""
     import torch.distributed.checkpoint as dcp
 
-    token = strategy.broadcast(uuid.uuid4().hex[:12])  # one name on every rank
-    target = path.parent / f".{path.name}.{token}"
-    state = {"state_dict": checkpoint.pop("state_dict")}
-    for i, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
-        state[f"optimizer_{i}"] = optimizer_state
+    target, state = _sharded_parts(checkpoint, path, strategy)
     dcp.save(state, checkpoint_id=target)
-    if strategy.global_rank == 0:
-        atomic_torch_save(checkpoint, target / SHARDED_META)
     strategy.barrier("sharded checkpoint written")
     if strategy.global_rank == 0:
         _point(path, target)
     strategy.barrier("sharded checkpoint in place")
+
+
+def _sharded_parts(
+    checkpoint: dict[str, Any], path: Path, strategy: Any
+) -> tuple[Path, dict[str, Any]]:
+    """The new directory of a sharded save of ``path`` (one name on every rank), rank 0's
+    ``meta.pt`` written in it, and the tensors each rank writes there. The directory is a
+    checkpoint only once DCP's index, which DCP writes last, is in place too."""
+    token = strategy.broadcast(uuid.uuid4().hex[:12])
+    target = path.parent / f".{path.name}.{token}"
+    state = {"state_dict": checkpoint.pop("state_dict")}
+    for i, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
+        state[f"optimizer_{i}"] = optimizer_state
+    if strategy.global_rank == 0:
+        target.mkdir(parents=True, exist_ok=True)  # (another rank's DCP may have made it)
+        atomic_torch_save(checkpoint, target / SHARDED_META)
+    return target, state
+
+
+def save_sharded_async(
+    checkpoint: dict[str, Any], path: Path, strategy: Any, group: Any, writer: Executor
+) -> Future:
+    """``save_sharded`` that returns once this rank has copied its part (DCP's stager, as DCP's
+    ``async_save`` copies): ``writer``, one thread, writes it and then (rank 0) swaps the link.
+    Every rank hands its saves to its writer in one order, so their collectives, over ``group``
+    (a gloo group of their own, never interleaved with training's), meet in that order. The
+    future re-raises a failed write."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    target, state = _sharded_parts(checkpoint, path, strategy)
+    stager = DefaultStager(StagingOptions(False, False, False, False))  # a blocking CPU copy
+    try:
+        copied = stager.stage(state)
+    finally:
+        stager.close()
+
+    def write_and_link() -> None:
+        dcp.save(copied, checkpoint_id=target, process_group=group)
+        if strategy.global_rank == 0:  # DCP's coordinator: its save ends after every part
+            _point(path, target)
+
+    return writer.submit(write_and_link)
 
 
 def _point(path: Path, target: Path) -> None:
@@ -347,7 +391,18 @@ def copy_checkpoint(source: Path, path: Path) -> None:
 
 class ShardedSave:
     """A strategy's saves under ``strategy.checkpoint=sharded`` (where ``saves_sharded()``): every
-    rank writes its part (``save_sharded``); a removed checkpoint takes its directory along."""
+    rank writes its part (``save_sharded``); a removed checkpoint takes its directory along.
+
+    With ``async_save``, a save returns once each rank has copied its part, and training goes on
+    while a thread writes it (``save_sharded_async``); removals queue behind the saves, so that
+    checkpoints are linked and removed in the order Lightning asked. The strategy's teardown (the
+    end of fit, a preemption's stop, an error) waits for them all: no process ends with a save
+    half-written. Each save in flight holds its copy of the process's part."""
+
+    async_save: bool = False
+    _writes: list[Future] = []  # the async saves and removals not known done, oldest first
+    _save_group: Any = None  # made at the first async save, on every rank
+    _writer: ThreadPoolExecutor | None = None
 
     def saves_sharded(self) -> bool:
         raise NotImplementedError
@@ -355,12 +410,47 @@ class ShardedSave:
     def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Any = None) -> None:
         if not self.saves_sharded():
             return super().save_checkpoint(checkpoint, filepath, storage_options)
-        save_sharded(checkpoint, Path(self.broadcast(str(filepath))), self)
+        path = Path(self.broadcast(str(filepath)))
+        if not self.async_save:
+            save_sharded(checkpoint, path, self)
+            return None
+        if self._writer is None:
+            import torch.distributed as dist
+
+            self._save_group = dist.new_group(backend="gloo", timeout=self._timeout)
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="sharded-save")
+        self._written()
+        self._writes = [
+            *self._writes,
+            save_sharded_async(checkpoint, path, self, self._save_group, self._writer),
+        ]
         return None
 
     def remove_checkpoint(self, filepath: Any) -> None:
-        if self.is_global_zero:
+        if not self.is_global_zero:
+            return
+        if self._writer is None:
             remove_sharded(Path(filepath))
+        else:  # after the saves before it
+            self._writes = [*self._writes, self._writer.submit(remove_sharded, Path(filepath))]
+
+    def wait_for_saves(self) -> None:
+        """Until every async save and removal is done; a failed one's error raised."""
+        writes, self._writes = self._writes, []
+        for write in writes:
+            write.result()
+
+    def _written(self) -> None:
+        """The saves done forgotten; a failed one's error raised, at the next save."""
+        for write in (w for w in self._writes if w.done()):
+            write.result()
+        self._writes = [w for w in self._writes if not w.done()]
+
+    def teardown(self) -> None:
+        try:
+            self.wait_for_saves()
+        finally:
+            super().teardown()
 
 
 def remove_sharded(path: Path) -> None:

@@ -67,7 +67,8 @@ def runs(
             "train.py", *readme_run("fsdp3", *overrides, *EPOCH, *three, SHARDS, *COUNT)
         ),
         "resumed": resumed_after_sigterm(
-            (*overrides, *EPOCH, *two, "strategy=fsdp"), log_dir / "stopped"
+            (*overrides, *EPOCH, *two, "strategy=fsdp", "strategy.async_save=true"),
+            log_dir / "stopped",
         ),
         "single": run_here("train.py", *overrides, *EPOCH, "data.batch_size=64"),
         # twins in plain SGD, whose weights show a gradient's scale (Adam's hide it)
@@ -161,7 +162,7 @@ def test_fsdp_trains_and_evaluates_as_ddp_bit_for_bit(runs: dict) -> None:
 def test_fsdp_checkpoint_evaluates_under_auto_to_the_logged_metrics(
     runs: dict, run_here: Callable[..., Path]
 ) -> None:
-    """One full checkpoint file, which eval.py on one device reads; the run's own test metrics,
+    """A sharded checkpoint, which eval.py on one device reads; the run's own test metrics,
     computed on 2 ranks, are exact."""
     best = runs["fsdp"] / "checkpoints" / "best.ckpt"
     evaluated = metrics(run_here("eval.py", f"ckpt_path='{best}'", "strategy=auto"))["test"]
@@ -174,9 +175,10 @@ def test_fsdp_checkpoint_evaluates_under_auto_to_the_logged_metrics(
 
 @shares_runs
 def test_fsdp_stops_on_sigterm_and_resumes(runs: dict) -> None:
-    """Stopped at step 10 of an epoch on 2 ranks, its last.ckpt gathered from both, resumed with
-    ckpt_path=last (weights and each rank's shard of the Adam state) in the middle of the epoch:
-    one device's epoch, with Adam's step count carried on."""
+    """Stopped at step 10 of an epoch on 2 ranks, each writing its part of last.ckpt in the
+    background (``strategy.async_save``), which the stop waits for; resumed with ckpt_path=last
+    (weights and each rank's shard of the Adam state) in the middle of the epoch: one device's
+    epoch, with Adam's step count carried on."""
     stopped, resumed = runs["resumed"]
     saved = load_checkpoint(stopped / "checkpoints" / "last.ckpt")
     assert saved["global_step"] == STOP_AT

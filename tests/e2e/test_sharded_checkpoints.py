@@ -56,13 +56,17 @@ def runs(request: pytest.FixtureRequest) -> Callable[[str], dict]:
 
 @pytest.fixture(scope="module")
 def sharded_fsdp_runs(run_script: Callable[..., Path], run_here: Callable[..., Path], base) -> dict:
-    """An epoch on fsdp x2, sharded and full, and on ddp x2; then from the sharded last
+    """An epoch on fsdp x2, sharded, sharded in the background and full, and on ddp x2; then
+    from the sharded last
     checkpoint a second epoch on fsdp x3, ddp x2 and one device, and from fsdp x3's a third on one
     device; from ddp's one-file checkpoint a second epoch on fsdp x2, sharded. One device's 2 and
     3 epochs."""
     out = {
         "sharded": run_script("train.py", *base, *SHARDED, *TWO, "trainer.max_epochs=1"),
         "full": run_script("train.py", *base, *SHARDED, FULL, *TWO, "trainer.max_epochs=1"),
+        "async": run_script(
+            "train.py", *base, *SHARDED, "strategy.async_save=true", *TWO, "trainer.max_epochs=1"
+        ),
         "ddp": run_script("train.py", *base, "strategy=ddp", *TWO, "trainer.max_epochs=1"),
         "single2": run_here("train.py", *base, "data.batch_size=96", "trainer.max_epochs=2"),
         "single3": run_here("train.py", *base, "data.batch_size=96", "trainer.max_epochs=3"),
@@ -181,6 +185,22 @@ def test_a_sharded_checkpoint_resumes_on_any_layout(
     assert diffs < WEIGHT_ATOL, (name, diffs)
     sharded_by = ("fsdp3", "from_ddp", "pipe_then_pipe", "pipe_then_fsdp")  # fsdp, the pipeline
     assert is_sharded(last(runs[name])) == (name in sharded_by)
+
+
+@pytest.mark.xdist_group(name=FSDP_RUNS)
+def test_a_save_in_the_background_writes_the_same_checkpoints(sharded_fsdp_runs: dict) -> None:
+    """``strategy.async_save=true``: best and last, each written while training went on, hold
+    what the blocking save wrote, tensor for tensor."""
+    for name in ("best.ckpt", "last.ckpt"):
+        background, blocking = (
+            whole(sharded_fsdp_runs[run] / "checkpoints" / name) for run in ("async", "sharded")
+        )
+        assert background["global_step"] == blocking["global_step"] == 8
+        assert max_diff(background["state_dict"], blocking["state_dict"]) == 0
+        (ours,), (theirs,) = background["optimizer_states"], blocking["optimizer_states"]
+        assert ours["param_groups"] == theirs["param_groups"] and ours["state"].keys()
+        for k, state in theirs["state"].items():  # SGD's momentum, per parameter
+            assert torch.equal(ours["state"][k]["momentum_buffer"], state["momentum_buffer"])
 
 
 @pytest.mark.xdist_group(name=PIPE_RUNS)

@@ -10,7 +10,7 @@ import torch
 from hydra.utils import instantiate
 
 import lightning_examples
-from trainkit.build import build_strategy
+from trainkit.build import build_strategy, instantiate_config
 from trainkit.config import compose_config
 from trainkit.errors import ConfigError
 from trainkit.preflight import check_built_run, preflight
@@ -112,6 +112,8 @@ def test_checkpoint_form_is_sharded_or_full(tmp_path: Path, strategy: str) -> No
     assert instantiate(cfg.strategy).checkpoint == "sharded"  # each rank writes its part
     with pytest.raises(ConfigError, match=r"strategy\.checkpoint=shard: give full .* or sharded"):
         FSDPStrategy(checkpoint="shard")
+    with pytest.raises(ConfigError, match=r"async_save=true .* strategy\.checkpoint=full: use"):
+        instantiate_config(cfg.strategy, checkpoint="full", async_save=True)
 
 
 def unit_names(model: torch.nn.Module, wrap: list[str] | None = None) -> list[str]:

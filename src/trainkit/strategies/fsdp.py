@@ -102,16 +102,17 @@ class FSDPStrategy(ShardedSave, ExactMeanReduce, ModelParallelStrategy):
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
         checkpoint: str = "sharded",
+        async_save: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta = timedelta(seconds=180),
     ) -> None:
         super().__init__(
             tensor_parallel_size=1,
-            save_distributed_checkpoint=checkpoint_form(checkpoint) == "sharded",
+            save_distributed_checkpoint=checkpoint_form(checkpoint, async_save) == "sharded",
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self.checkpoint = checkpoint
+        self.checkpoint, self.async_save = checkpoint, async_save
         self.wrap = None if wrap is None else list(wrap)
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload

@@ -224,10 +224,12 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
         balance: str = "flops",
         module: str = "net",
         checkpoint: str = "sharded",
+        async_save: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self.checkpoint = checkpoint_form(checkpoint)
+        self.checkpoint = checkpoint_form(checkpoint, async_save)
+        self.async_save = async_save
         if schedule not in SCHEDULES:
             raise PipelineConfigError(
                 f"strategy.schedule={schedule!r}: use one of {', '.join(SCHEDULES)}"
