@@ -201,9 +201,16 @@ MEMORY_ONE_DEVICE = {  # by workload
 }
 
 
+SAVE_FORMS = {  # the strategy options of each form of save
+    "full": ("strategy.checkpoint=full",),
+    "sharded": ("strategy.checkpoint=sharded",),
+    "async": ("strategy.checkpoint=sharded", "strategy.async_save=true"),
+}
+
+
 def saving(cell: Cell, form: str) -> Cell:
-    """``cell`` with a checkpoint saved in ``form`` (full, sharded) when training ends."""
-    extra = (*cell.extra, "+callbacks.bench_probe.save=true", f"strategy.checkpoint={form}")
+    """``cell`` with a checkpoint saved in ``form`` (``SAVE_FORMS``) when training ends."""
+    extra = (*cell.extra, "+callbacks.bench_probe.save=true", *SAVE_FORMS[form])
     return replace(cell, extra=extra, variant=f"{cell.variant} save {form}".strip())
 
 
@@ -216,9 +223,10 @@ MEMORY_SPLITS = (
     FSDP_TRANSFORMER,
     Cell("resnet50_cifar", "template", "fsdp", 2),
     pipeline("resnet50_cifar", 4),
-    # the save: the whole model gathered to rank 0 (full) or each rank's part (sharded)
+    # the save: the whole model gathered to rank 0 (full) or each rank's part (sharded), written
+    # while training could go on (async)
     *(saving(c, form) for c in (FSDP_WIDE, pipeline("mlp_wide", 4), FSDP_TRANSFORMER)
-      for form in ("full", "sharded")),
+      for form in SAVE_FORMS),
 )  # fmt: skip
 MEMORY_MATRIX: tuple[Cell, ...] = (
     MEMORY_BASELINE,

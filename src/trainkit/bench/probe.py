@@ -11,7 +11,9 @@ class BenchProbe(L.Callback):
     """Added to a benchmark cell's ``train.py`` run: every rank times its training steps with the
     same clock as the plain loops, marks the same phases (forward, backward, optimizer), and writes
     ``<out>.rank<N>.json`` when training ends; ``save``: after a checkpoint save there (in the
-    strategy's ``strategy.checkpoint`` form), timed, its memory within the process's peak."""
+    strategy's ``strategy.checkpoint`` form), timed until training could go on (an async save:
+    once its part is copied), its memory, written in the background too, within the process's
+    peak."""
 
     def __init__(self, warmup: int, steps: int, out: str, save: bool = False) -> None:
         self.clock, self.out, self.save = StepClock(warmup, steps), out, save
@@ -38,6 +40,7 @@ class BenchProbe(L.Callback):
             started = time.perf_counter()
             trainer.save_checkpoint(Path(self.out).parent / "saved.ckpt")
             saved = time.perf_counter() - started
+            getattr(trainer.strategy, "wait_for_saves", lambda: None)()
         _, replicas = data_shard(trainer.strategy)
         record = self.clock.record(replicas, pl_module.device)
         write_record(self.out, trainer.global_rank, {**record, "save_s": saved})
