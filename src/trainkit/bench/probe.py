@@ -13,7 +13,7 @@ class BenchProbe(L.Callback):
     ``<out>.rank<N>.json`` when training ends; ``save``: after a checkpoint save there (in the
     strategy's ``strategy.checkpoint`` form), timed until training could go on (an async save:
     once its part is copied), its memory, written in the background too, within the process's
-    peak."""
+    peak; then removed (a wide model's checkpoint is gigabytes, and a cell's run needs none)."""
 
     def __init__(self, warmup: int, steps: int, out: str, save: bool = False) -> None:
         self.clock, self.out, self.save = StepClock(warmup, steps), out, save
@@ -38,9 +38,11 @@ class BenchProbe(L.Callback):
         saved = None
         if self.save:
             started = time.perf_counter()
-            trainer.save_checkpoint(Path(self.out).parent / "saved.ckpt")
+            path = Path(self.out).parent / "saved.ckpt"
+            trainer.save_checkpoint(path)
             saved = time.perf_counter() - started
             getattr(trainer.strategy, "wait_for_saves", lambda: None)()
+            trainer.strategy.remove_checkpoint(path)  # (rank 0's, a sharded one's directory too)
         _, replicas = data_shard(trainer.strategy)
         record = self.clock.record(replicas, pl_module.device)
         write_record(self.out, trainer.global_rank, {**record, "save_s": saved})
