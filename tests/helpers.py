@@ -468,9 +468,9 @@ class TensorReads(L.Callback):
     """Counts, per global step while training runs, the host reads of a tensor's value and the
     uploads of host values to the device (``HostTraffic``); writes ``reads.json``
     (``{"reads": {step: count}, "uploads": {step: count}, "where": {step: [file:line]}}``) into
-    the run's directory. ``every_step``: also reads the loss at every step, and
-    ``upload_every_step`` moves a Python number to the device at every step, as step paths that
-    wait on the device would (the check's own checks)."""
+    the run's directory (rank N > 0: ``reads.rankN.json``). ``every_step``: also reads the loss
+    at every step, and ``upload_every_step`` moves a Python number to the device at every step,
+    as step paths that wait on the device would (the check's own checks)."""
 
     def __init__(self, every_step: bool = False, upload_every_step: bool = False) -> None:
         self.every_step, self.upload_every_step = every_step, upload_every_step
@@ -506,7 +506,10 @@ class TensorReads(L.Callback):
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self.traffic.__exit__(None, None, None)
         if stage == "fit":
-            out = Path(trainer.default_root_dir) / "reads.json"
+            rank = trainer.global_rank
+            out = Path(trainer.default_root_dir) / (
+                "reads.json" if rank == 0 else f"reads.rank{rank}.json"
+            )
             out.write_text(json.dumps({k: dict(sorted(v.items())) for k, v in self.counts.items()}))
 
 

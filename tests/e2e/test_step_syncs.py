@@ -14,13 +14,22 @@ from helpers import write_tree
 from trainkit.data.synthetic import write_cifar10
 
 
-def traffic_per_step(run_here, overrides, log_every: int, *extra: str) -> dict[str, dict]:
-    run_dir = run_here(
+def traffic_per_step(run, overrides, log_every: int, *extra: str) -> dict[str, dict]:
+    """What rank 0 of a ``run`` (``run_here``, ``run_script``) read and uploaded, per step;
+    ``"rank1"``: rank 1's, where it has one."""
+    run_dir = run(
         "train.py", *overrides, "trainer.max_epochs=1",
         f"trainer.log_every_n_steps={log_every}", "+callbacks.reads._target_=helpers.TensorReads",
         *extra,
     )  # fmt: skip
-    counts = json.loads((run_dir / "reads.json").read_text())
+    traffic = read_traffic(run_dir / "reads.json")
+    if (run_dir / "reads.rank1.json").exists():
+        traffic["rank1"] = read_traffic(run_dir / "reads.rank1.json")
+    return traffic
+
+
+def read_traffic(path: Path) -> dict[str, dict]:
+    counts = json.loads(path.read_text())
     return {kind: {int(k): v for k, v in steps.items()} for kind, steps in counts.items()}
 
 
@@ -59,6 +68,18 @@ def test_a_step_path_that_uploads_a_python_number_every_step_is_caught(
     extra = ("data.batch_size=16", "+callbacks.reads.upload_every_step=true")
     uploads = traffic_per_step(run_here, overrides, 10, *extra)["uploads"]
     assert all(count >= 1 for count in between_logging(uploads, 50, 10).values()), uploads
+
+
+def test_both_stages_of_a_pipeline_read_and_upload_nothing_between_logging_steps(
+    run_script: Callable[..., Path], overrides: tuple[str, ...]
+) -> None:
+    """The last stage's output reaches the first stage with its shape and dtype read on the host
+    once, not at every step."""
+    traffic = traffic_per_step(
+        run_script, overrides, 10, "strategy=pipeline", "devices=2", "data.batch_size=16"
+    )
+    assert_quiet(traffic, 50, 10)
+    assert_quiet(traffic["rank1"], 50, 10)
 
 
 @pytest.fixture(scope="module")

@@ -261,6 +261,9 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
         self._chunks: dict[int, nn.Module] = {}  # this process's chunks, by chunk index
         self._schedule: Any = None  # training's, built at the first training step
         self._eval_schedules: dict[int, Any] = {}  # forward-only, by batch size
+        # the last stage's output (dtype, shape) by what makes it: the input's shape and dtype, and
+        # whether the step trains (``_logits_from_last_stage``)
+        self._output_layouts: dict[tuple, tuple[torch.dtype, list[int]]] = {}
         self._pending_grads: list[Tensor | None] | None = None
         self._step_output: tuple[Tensor, Tensor] | None = None  # (input, output) of this step
         self._pipe_group: Any = None  # this pipeline's ranks
@@ -587,7 +590,7 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
         self._pending_grads = [p.grad for p in params]
         for p, h in zip(params, held, strict=True):
             p.grad = h
-        self._step_output = (x, self._logits_from_last_stage(out))
+        self._step_output = (x, self._logits_from_last_stage(out, x))
         try:
             with self.precision_plugin.train_step_context():
                 return lm.training_step(*args, **kwargs)
@@ -615,24 +618,31 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
         the stages (each process runs only its own blocks)."""
         schedule = self._eval_schedule(len(x))
         out = schedule.step(x) if self.stage == 0 else schedule.step()
-        return self._logits_from_last_stage(out)
+        return self._logits_from_last_stage(out, x)
 
-    def _logits_from_last_stage(self, out: Tensor | None) -> Tensor:
-        """The last stage's output, in its own dtype, on every rank of the pipeline: every rank
-        then logs and monitors the same values and updates the same metrics, as one device."""
+    def _logits_from_last_stage(self, out: Tensor | None, x: Tensor) -> Tensor:
+        """The last stage's output for input ``x``, in its own dtype, on every rank of the
+        pipeline: every rank then logs and monitors the same values and updates the same metrics,
+        as one device."""
         last_rank, group = self._rank_of(self.stages - 1), self._pipe_group
         last = self.stage == self.stages - 1
         logits = out.detach() if last else None
-        # shape and dtype first: the others allocate the buffer (never in the default dtype,
-        # which 64-true's step context makes float64)
-        layout = torch.zeros(8, dtype=torch.long, device=self.root_device)  # dtype, ndim, shape
-        if last:
-            described = [LOGIT_DTYPES.index(logits.dtype), logits.dim(), *logits.shape]
-            layout[: len(described)] = torch.tensor(described)
-        dist.broadcast(layout, src=last_rank, group=group)
-        if not last:
+        # The others allocate the buffer: its shape and dtype (never the default dtype, which
+        # 64-true's step context makes float64) are sent once for each input shape, which fixes
+        # them (a pipeline's shapes are static), and read back on the host then only: a read at
+        # every step would make the host wait for the device.
+        made_by = (tuple(x.shape), x.dtype, torch.is_grad_enabled())
+        if made_by not in self._output_layouts:
+            layout = torch.zeros(8, dtype=torch.long, device=self.root_device)  # dtype, ndim, shape
+            if last:
+                described = [LOGIT_DTYPES.index(logits.dtype), logits.dim(), *logits.shape]
+                layout[: len(described)] = torch.tensor(described)
+            dist.broadcast(layout, src=last_rank, group=group)
             dtype, ndim, *shape = layout.tolist()
-            logits = torch.empty(shape[:ndim], dtype=LOGIT_DTYPES[dtype], device=self.root_device)
+            self._output_layouts[made_by] = (LOGIT_DTYPES[dtype], shape[:ndim])
+        if not last:
+            dtype, shape = self._output_layouts[made_by]
+            logits = torch.empty(shape, dtype=dtype, device=self.root_device)
         dist.broadcast(logits, src=last_rank, group=group)
         return logits
 
