@@ -16,7 +16,7 @@ import shutil
 import socket
 import uuid
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -158,14 +158,27 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
 
 
 def _disk_full(err: BaseException | None) -> bool:
-    """ENOSPC (or a quota) anywhere in the chain: torch's writer raises its own error from it."""
+    """ENOSPC (or a quota) anywhere in the chain: torch's writer raises its own error from it.
+    DCP reports every rank's failure as text (``CheckpointException``), where torch's zip
+    writer's short write reads ``unexpected pos``."""
     while err is not None:
         if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
-        if "No space left on device" in str(err):  # torch's writer keeps only the text
+        if any(said in str(err) for said in ("No space left on device", "unexpected pos")):
             return True
         err = err.__cause__ or err.__context__
     return False
+
+
+@contextlib.contextmanager
+def _disk_full_said(obj: Any, path: Path) -> Iterator[None]:
+    """A full disk while ``obj`` is written for ``path`` raised as one line (DiskFullError)."""
+    try:
+        yield
+    except BaseException as err:  # (DCP's CheckpointException is no Exception)
+        if _disk_full(err):
+            raise DiskFullError(_disk_full_message(obj, path)) from err
+        raise
 
 
 def _disk_full_message(obj: Any, path: Path) -> str:
@@ -301,7 +314,8 @@ def save_sharded(checkpoint: dict[str, Any], path: Path, strategy: Any) -> None:
     import torch.distributed.checkpoint as dcp
 
     target, state = _sharded_parts(checkpoint, path, strategy)
-    dcp.save(state, checkpoint_id=target)
+    with _disk_full_said(state, path):
+        dcp.save(state, checkpoint_id=target)
     strategy.barrier("sharded checkpoint written")
     if strategy.global_rank == 0:
         _point(path, target)
@@ -344,7 +358,8 @@ def save_sharded_async(
         stager.close()
 
     def write_and_link() -> None:
-        dcp.save(copied, checkpoint_id=target, process_group=group)
+        with _disk_full_said(copied, path):
+            dcp.save(copied, checkpoint_id=target, process_group=group)
         if strategy.global_rank == 0:  # DCP's coordinator: its save ends after every part
             _point(path, target)
 

@@ -165,29 +165,36 @@ def mount_tmpfs(where: Path, size: str) -> None:
         pytest.skip("cannot mount a tmpfs here (it needs root)")
 
 
+@pytest.mark.parametrize(
+    "layout", [(), ("strategy=fsdp", "devices=2", "data.batch_size=8")], ids=["one file", "fsdp"]
+)
 def test_a_full_disk_is_one_line_and_the_previous_checkpoint_stays_whole(
-    base, tmp_path: Path
+    base, tmp_path: Path, layout: tuple[str, ...]
 ) -> None:
     """A 16 MB disk holds the first epoch's two saves (6.4 MB each: the MLP and Adam's state),
-    not a third."""
+    not a third: one file, or fsdp's sharded directory (each rank's line says so)."""
     disk = tmp_path / "disk"
     mount_tmpfs(disk, "16m")
     try:
-        proc = train(disk, *base)
+        proc = train(disk, *base, *layout)
         assert proc.returncode == 1, proc.stderr[-3000:]
         (run_dir,) = runs(disk)
         checkpoints = run_dir / "checkpoints"
-        (line,) = [line for line in proc.stderr.splitlines() if "no space left" in line]
-        assert re.fullmatch(
-            rf"no space left in {checkpoints}: saving (last|best)\.ckpt needs about [\d.]+ MB, "
-            r"[\d.]+ MB are free; the previous (last|best)\.ckpt is intact\. .* resume with "
-            r"ckpt_path=last",
-            line,
-        ), line
+        lines = [line for line in proc.stderr.splitlines() if "no space left" in line]
+        assert 1 <= len(lines) <= (2 if layout else 1), proc.stderr[-3000:]
+        for line in lines:
+            assert re.fullmatch(
+                rf"no space left in {checkpoints}: saving (last|best)\.ckpt needs about [\d.]+ "
+                r"MB, [\d.]+ MB are free; the previous (last|best)\.ckpt is intact\. .* resume "
+                r"with ckpt_path=last",
+                line,
+            ), line
         assert "Traceback" not in proc.stderr and "unexpected pos" not in proc.stderr
-        saved = sorted(p.name for p in checkpoints.iterdir())
+        saved = sorted(p.name for p in checkpoints.iterdir() if not p.name.startswith("."))
         assert saved == ["best.ckpt", "last.ckpt"]  # and no temporary file left
         assert all(damage(checkpoints / name) is None for name in saved)
+        if not layout:
+            assert sorted(checkpoints.iterdir()) == [checkpoints / n for n in saved]
     finally:
         subprocess.run(["umount", "--lazy", str(disk)], check=True)
 
