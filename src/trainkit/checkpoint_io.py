@@ -351,7 +351,14 @@ def save_sharded_async(
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     target, state = _sharded_parts(checkpoint, path, strategy)
-    stager = DefaultStager(StagingOptions(False, False, False, False))  # a blocking CPU copy
+    stager = DefaultStager(  # a blocking copy into ordinary CPU memory
+        StagingOptions(
+            use_pinned_memory=False,
+            use_shared_memory=False,
+            use_async_staging=False,
+            use_non_blocking_copy=False,
+        )
+    )
     try:
         copied = stager.stage(state)
     finally:
@@ -415,7 +422,7 @@ class ShardedSave:
     half-written. Each save in flight holds its copy of the process's part."""
 
     async_save: bool = False
-    _writes: list[Future] = []  # the async saves and removals not known done, oldest first
+    _writes: tuple[Future, ...] = ()  # the async saves and removals not known done, oldest first
     _save_group: Any = None  # made at the first async save, on every rank
     _writer: ThreadPoolExecutor | None = None
 
@@ -435,10 +442,8 @@ class ShardedSave:
             self._save_group = dist.new_group(backend="gloo", timeout=self._timeout)
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="sharded-save")
         self._written()
-        self._writes = [
-            *self._writes,
-            save_sharded_async(checkpoint, path, self, self._save_group, self._writer),
-        ]
+        saving = save_sharded_async(checkpoint, path, self, self._save_group, self._writer)
+        self._writes = (*self._writes, saving)
         return None
 
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -447,19 +452,20 @@ class ShardedSave:
         if self._writer is None:
             remove_sharded(Path(filepath))
         else:  # after the saves before it
-            self._writes = [*self._writes, self._writer.submit(remove_sharded, Path(filepath))]
+            self._writes = (*self._writes, self._writer.submit(remove_sharded, Path(filepath)))
 
     def wait_for_saves(self) -> None:
         """Until every async save and removal is done; a failed one's error raised."""
-        writes, self._writes = self._writes, []
+        writes, self._writes = self._writes, ()
         for write in writes:
             write.result()
 
     def _written(self) -> None:
-        """The saves done forgotten; a failed one's error raised, at the next save."""
-        for write in (w for w in self._writes if w.done()):
+        """The writes done forgotten; a failed one's error raised, at the next save."""
+        done = [w for w in self._writes if w.done()]
+        self._writes = tuple(w for w in self._writes if w not in done)
+        for write in done:
             write.result()
-        self._writes = [w for w in self._writes if not w.done()]
 
     def teardown(self) -> None:
         try:
