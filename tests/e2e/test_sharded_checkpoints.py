@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import max_diff, run_python, run_weights
-from trainkit.checkpoint_io import consolidated, is_sharded
+from helpers import load_checkpoint, max_diff, run_python, run_weights
+from trainkit.checkpoint_io import is_sharded
 from trainkit.data.synthetic import write_mnist
 
 SGD = ("model.optimizer._target_=torch.optim.SGD", "model.optimizer.lr=0.1",
@@ -111,10 +111,6 @@ def last(run_dir: Path) -> Path:
     return run_dir / "checkpoints" / "last.ckpt"
 
 
-def whole(path: Path) -> dict:
-    return consolidated(path) if path.is_dir() else torch.load(path, weights_only=True)
-
-
 def metrics(run_dir: Path) -> dict:
     return json.loads((run_dir / "metrics.json").read_text())
 
@@ -179,7 +175,7 @@ def test_a_sharded_checkpoint_resumes_on_any_layout(
     sharded; the pipeline's 2 stages -> 2 stages, fsdp, one device: one device's weights after
     the same epochs."""
     runs = runs(group)
-    resumed = whole(last(runs[name]))
+    resumed = load_checkpoint(last(runs[name]))
     assert resumed["global_step"] == steps
     diffs = max_diff(resumed["state_dict"], run_weights(runs[reference]))
     assert diffs < WEIGHT_ATOL, (name, diffs)
@@ -193,12 +189,14 @@ def test_a_save_in_the_background_writes_the_same_checkpoints(sharded_fsdp_runs:
     what the blocking save wrote, tensor for tensor."""
     for name in ("best.ckpt", "last.ckpt"):
         background, blocking = (
-            whole(sharded_fsdp_runs[run] / "checkpoints" / name) for run in ("async", "sharded")
+            load_checkpoint(sharded_fsdp_runs[run] / "checkpoints" / name)
+            for run in ("async", "sharded")
         )
         assert background["global_step"] == blocking["global_step"] == 8
         assert max_diff(background["state_dict"], blocking["state_dict"]) == 0
         (ours,), (theirs,) = background["optimizer_states"], blocking["optimizer_states"]
-        assert ours["param_groups"] == theirs["param_groups"] and ours["state"].keys()
+        assert ours["param_groups"] == theirs["param_groups"]
+        assert ours["state"].keys() == theirs["state"].keys() and theirs["state"]
         for k, state in theirs["state"].items():  # SGD's momentum, per parameter
             assert torch.equal(ours["state"][k]["momentum_buffer"], state["momentum_buffer"])
 
@@ -208,7 +206,7 @@ def test_replicas_of_a_stage_write_its_part_once(sharded_pipe_runs: dict) -> Non
     """2 stages x 2 replicas: the stages' parts, each once, make the model the same layout
     trains; one device's within the replicas' float sums."""
     runs = sharded_pipe_runs
-    whole_model = whole(last(runs["pipe_replicas"]))
+    whole_model = load_checkpoint(last(runs["pipe_replicas"]))
     full = torch.load(last(runs["pipe_full"]), weights_only=True)
     assert max_diff(whole_model["state_dict"], full["state_dict"]) < WEIGHT_ATOL
     assert (
@@ -248,7 +246,7 @@ def test_a_save_killed_half_way_leaves_the_previous_checkpoint(base, tmp_path: P
     assert proc.returncode != 0
     (run,) = (tmp_path / "train" / "runs").iterdir()
     folder = run / "checkpoints"
-    assert is_sharded(last(run)) and whole(last(run))["global_step"] == 8
+    assert is_sharded(last(run)) and load_checkpoint(last(run))["global_step"] == 8
     half = [p for p in folder.glob(".*.ckpt.*") if p.resolve() != last(run).resolve()]
     half = [p for p in half if p.resolve() != (folder / "best.ckpt").resolve()]
     assert half and not any(is_sharded(p) for p in half)  # the killed save's, never a checkpoint
@@ -258,4 +256,4 @@ def test_a_save_killed_half_way_leaves_the_previous_checkpoint(base, tmp_path: P
     )  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert not any(p.exists() for p in half)
-    assert whole(last(run))["global_step"] == 16
+    assert load_checkpoint(last(run))["global_step"] == 16
