@@ -87,14 +87,20 @@ def sharded_fsdp_runs(run_script: Callable[..., Path], run_here: Callable[..., P
 
 @pytest.fixture(scope="module")
 def sharded_pipe_runs(run_script: Callable[..., Path], run_here: Callable[..., Path], base) -> dict:
-    """An epoch on 2 stages, sharded and full, and on 2 stages x 2 replicas, sharded; from the
-    sharded last checkpoint a second epoch on 2 stages, fsdp x2 and one device. One device's 2
-    epochs."""
+    """An epoch on 2 stages, sharded and full, and on 2 stages x 2 replicas, sharded in the
+    background; from the sharded last checkpoint a second epoch on 2 stages, fsdp x2 and one
+    device. One device's 2 epochs."""
     out = {
         "pipe": run_script("train.py", *base, *PIPE, "trainer.max_epochs=1"),
         "pipe_full": run_script("train.py", *base, *PIPE, FULL, "trainer.max_epochs=1"),
-        "pipe_replicas": run_script(  # 2 stages x 2 replicas of 48
-            "train.py", *base, *PIPE[:1], "devices=4", "data.batch_size=48", "trainer.max_epochs=1"
+        "pipe_replicas": run_script(  # 2 stages x 2 replicas of 48, saving in the background
+            "train.py",
+            *base,
+            *PIPE[:1],
+            "devices=4",
+            "data.batch_size=48",
+            "trainer.max_epochs=1",
+            "strategy.async_save=true",
         ),
         "single2": run_here("train.py", *base, "data.batch_size=96", "trainer.max_epochs=2"),
     }
@@ -203,8 +209,8 @@ def test_a_save_in_the_background_writes_the_same_checkpoints(sharded_fsdp_runs:
 
 @pytest.mark.xdist_group(name=PIPE_RUNS)
 def test_replicas_of_a_stage_write_its_part_once(sharded_pipe_runs: dict) -> None:
-    """2 stages x 2 replicas: the stages' parts, each once, make the model the same layout
-    trains; one device's within the replicas' float sums."""
+    """2 stages x 2 replicas, saving in the background: the stages' parts, each once, make the
+    model the same layout trains; one device's within the replicas' float sums."""
     runs = sharded_pipe_runs
     whole_model = load_checkpoint(last(runs["pipe_replicas"]))
     full = torch.load(last(runs["pipe_full"]), weights_only=True)
