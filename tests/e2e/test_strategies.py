@@ -14,8 +14,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from helpers import PLAIN_SGD, readme_run, run_python, run_weights, start_python
+from helpers import (
+    PLAIN_SGD,
+    load_checkpoint,
+    max_diff,
+    readme_run,
+    run_python,
+    run_weights,
+    start_python,
+)
 from trainkit.data.synthetic import write_mnist
 from trainkit.runtime import usable_cores
 
@@ -172,3 +181,32 @@ def test_two_nodes_with_torchrun_on_loopback(
     test_metrics = metrics(run_dir)["test"]
     assert set(test_metrics) == {"test/acc", "test/loss"}
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["best.ckpt", "last.ckpt"]
+
+
+@pytest.mark.xdist_group(name="every_second_epoch")
+def test_validation_every_second_epoch_equals_one_device(
+    base: tuple[str, ...], run_script: Callable[..., Path], run_here: Callable[..., Path]
+) -> None:
+    """``trainer.check_val_every_n_epoch=2`` over 2 epochs: one validation, at the end of the
+    second, and the best checkpoint it makes, on ddp x2 and 2 stages as on one device (global
+    batch 80: 10 full batches, which the pipeline needs)."""
+    common = (
+        *(o for o in base if not o.startswith("trainer.max_epochs")),
+        *("trainer.max_epochs=2", "trainer.check_val_every_n_epoch=2"),
+        *("monitor=val/loss", "monitor_mode=min"),
+    )
+    runs = {
+        "single": run_here("train.py", *common, "data.batch_size=80"),
+        "ddp": run_script("train.py", *common, "strategy=ddp", "devices=2", "data.batch_size=40"),
+        "pipeline": run_script(
+            "train.py", *common, "strategy=pipeline", "devices=2", "data.batch_size=80"
+        ),
+    }
+    one = metrics(runs["single"])["fit"]
+    for name, run_dir in runs.items():
+        events = EventAccumulator(str(run_dir / "tensorboard"))
+        events.Reload()
+        assert [e.step for e in events.Scalars("val/loss")] == [19], name  # the 20th step's end
+        assert load_checkpoint(run_dir / "checkpoints" / "best.ckpt")["epoch"] == 1, name
+        assert metrics(run_dir)["fit"]["val/loss"] == pytest.approx(one["val/loss"], rel=1e-5)
+        assert max_diff(run_weights(run_dir), run_weights(runs["single"])) < WEIGHT_ATOL, name
