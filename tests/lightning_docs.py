@@ -221,3 +221,21 @@ class LitUnusedHead(LitBackbone):
     def __init__(self, backbone: nn.Module, learning_rate: float = 1e-3):
         super().__init__(backbone, learning_rate)
         self.head = nn.Linear(10, 10)
+
+
+class LitAuxiliaryEveryOtherStep(LitBackbone):
+    """An auxiliary head whose loss is added at even steps only (a regulariser on a schedule):
+    no loss reaches its parameters at the odd ones."""
+
+    def __init__(self, backbone: nn.Module, learning_rate: float = 1e-3):
+        super().__init__(backbone, learning_rate)
+        self.aux = nn.Linear(10, 10)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.backbone(x)
+        loss = F.cross_entropy(logits, y)
+        if batch_idx % 2 == 0:
+            loss = loss + 0.1 * F.cross_entropy(self.aux(logits), y)
+        self.log("train_loss", loss)
+        return loss

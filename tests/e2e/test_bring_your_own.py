@@ -55,6 +55,11 @@ _target_: lightning_docs.LitUnusedHead
 backbone:
   _target_: lightning_docs.mnist_backbone
 """,
+    "model/auxiliary_every_other_step.yaml": """
+_target_: lightning_docs.LitAuxiliaryEveryOtherStep
+backbone:
+  _target_: lightning_docs.mnist_backbone
+""",
     "data/two_test_sets.yaml": """
 defaults:
   - lit
@@ -213,20 +218,34 @@ def test_a_modules_own_callbacks_run_under_ddp_and_fsdp(
         assert row["metrics"] == "equal (1 value)", row
 
 
+@pytest.mark.parametrize(
+    ("model", "says"),
+    [
+        ("unused_head", "head.weight, head.bias got no gradient from the first training step"),
+        ("auxiliary_every_other_step", "aux.weight, aux.bias got no gradient at training step 1"),
+    ],
+)
 def test_a_parameter_no_loss_reaches_is_named_in_one_line_and_the_fix_runs(
-    user_conf: Path, mnist_root: Path, tmp_path: Path, run_script: Callable[..., Path]
+    user_conf: Path,
+    mnist_root: Path,
+    tmp_path: Path,
+    run_script: Callable[..., Path],
+    model: str,
+    says: str,
 ) -> None:
-    """A layer that no step uses, under ddp x2: at the first step's backward, before any
-    update, one line names its parameters and the fix, where DDP failed at the second step in a
-    traceback; the fix it names trains."""
+    """Under ddp x2, one line names the parameters and the fix, where DDP failed a step later in
+    a traceback about an unfinished reduction; the fix it names trains. A layer that no step uses:
+    at the first step's backward, before any update. An auxiliary loss added at even steps only
+    (the first step reaches every parameter, the second not the auxiliary head): when DDP refuses
+    the third step, before its update."""
     run = user_run(
         user_conf, mnist_root, "strategy=ddp", "devices=2", "strategy.timeout.seconds=60",
-        "monitor=val_loss", "monitor_mode=min", model="unused_head",
+        "monitor=val_loss", "monitor_mode=min", model=model,
     )  # fmt: skip
     proc = run_python("train.py", *run, log_dir=tmp_path)
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "Traceback" not in output, output[-3000:]
-    assert "head.weight, head.bias got no gradient from the first training step under ddp" in output
+    assert f"{says} under ddp" in output, output[-3000:]
     assert "set strategy.find_unused_parameters=true" in output
     fixed = run_script("train.py", *run, "strategy.find_unused_parameters=true")
     assert set(json.loads((fixed / "metrics.json").read_text())["test"]) == {"test_loss"}

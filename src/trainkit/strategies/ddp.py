@@ -3,6 +3,7 @@ overrides, started by ``trainkit.launch.JobScriptLauncher``."""
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 from typing import Any
 
@@ -14,6 +15,9 @@ from torch.nn.parallel import DistributedDataParallel
 from trainkit.errors import ConfigError, listed
 from trainkit.launch import JobScriptLauncher
 from trainkit.parallel import LIGHTNING
+
+# DDP's error at a forward when the previous backward left parameters without a gradient
+UNFINISHED_REDUCTION = "Expected to have finished reduction in the prior iteration"
 
 
 class ExactMeanReduce:
@@ -94,6 +98,31 @@ class DDPStrategy(ExactMeanReduce, LightningDDPStrategy):
                 f"BaseFinetuning callback's finetune_function runs): the model is wrapped again "
                 f"before the next forward"
             )
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's, where DDP's failure to start a step because the previous one left some
+        parameters without a gradient is said in one line, naming them (``_unused_at_a_step``)."""
+        try:
+            return super().training_step(*args, **kwargs)
+        except RuntimeError as err:
+            if UNFINISHED_REDUCTION not in str(err):
+                raise
+            raise ConfigError(self._unused_at_a_step(str(err))) from err
+
+    def _unused_at_a_step(self, message: str) -> str:
+        """Parameters that a loss reached at the first step (``_refuse_unused`` passed) and not
+        at the previous one: DDP's indices, among the parameters that require grad, as names."""
+        found = re.search(r"did not receive grad for rank \d+: ([\d ]+)", message)
+        trained = [n for n, p in self.lightning_module.named_parameters() if p.requires_grad]
+        indices = [int(i) for i in found.group(1).split()] if found else []
+        names = [trained[i] for i in indices if i < len(trained)] or ["some parameters"]
+        step = self.lightning_module.trainer.global_step - 1
+        return (
+            f"{listed(names)} got no gradient at training step {step} under ddp, though a loss "
+            f"reached them before (a loss, a branch or a layer used on some steps only), and DDP "
+            f"cannot start the next step without them: set strategy.find_unused_parameters=true "
+            f"(DDP then looks for them at every step)"
+        )
 
     def _refuse_unused(self) -> None:
         """Parameters that require grad and got none from the wrapper's first backward: without
