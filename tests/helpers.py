@@ -9,8 +9,10 @@
   ``EpochCounts`` one that logs its batches' sizes as epoch values, ``FSDPUnits`` one that
   records a run's FSDP units,
   ``BreakWeightsAt`` one that breaks the weights without a non-finite loss, ``RankWeights``
-  one that saves what a rank holds, ``ShiftWeightAt`` one that changes one rank's weights (as
-  ``+callbacks.*._target_`` of a train.py subprocess: ``run_python`` puts tests/ on its path);
+  one that saves what a rank holds, ``UnfreezeFirstBlockAt`` a ``BaseFinetuning`` and
+  ``FreezeFirstBlockUntil`` the same in plain hooks,
+  ``ShiftWeightAt`` one that changes one rank's weights (as ``+callbacks.*._target_`` of a
+  train.py subprocess: ``run_python`` puts tests/ on its path);
 - ``gloo_collectives_report``: the fsdp strategy's CPU collectives beside torch's, in a rank of
   a real gloo group;
 - image-folder trees of real PNG and JPEG files;
@@ -603,6 +605,38 @@ class EpochCounts(L.Callback):
         pl_module.log("count/samples", size, on_step=False, on_epoch=True, reduce_fx="sum")
         pl_module.log("count/largest", size, on_step=False, on_epoch=True, reduce_fx="max")
         pl_module.log("count/mean", size, on_step=False, on_epoch=True)
+
+
+class UnfreezeFirstBlockAt(L.pytorch.callbacks.BaseFinetuning):
+    """Fine-tuning as Lightning's docs write a ``BaseFinetuning``: the net's first block frozen
+    before training, unfrozen at ``epoch`` into a param group of its own."""
+
+    def __init__(self, epoch: int = 1) -> None:
+        super().__init__()
+        self.epoch = epoch
+
+    def freeze_before_training(self, pl_module) -> None:
+        self.freeze(pl_module.net[0])
+
+    def finetune_function(self, pl_module, current_epoch: int, optimizer) -> None:
+        if current_epoch == self.epoch:
+            self.unfreeze_and_add_param_group(modules=pl_module.net[0], optimizer=optimizer)
+
+
+class FreezeFirstBlockUntil(L.Callback):
+    """Fine-tuning in a callback's own hooks, as Lightning's docs show: the net's first block
+    frozen when fit starts, trainable again from epoch ``epoch`` (the optimizer holds it
+    throughout)."""
+
+    def __init__(self, epoch: int = 1) -> None:
+        self.epoch = epoch
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        pl_module.net[0].requires_grad_(False)
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        if trainer.current_epoch == self.epoch:
+            pl_module.net[0].requires_grad_(True)
 
 
 class RankWeights(L.Callback):

@@ -437,6 +437,34 @@ def check_monitored_validation(cfg: DictConfig, model: Any, datamodule: Any) -> 
         )
 
 
+def check_finetuning(cfg: DictConfig, module: nn.Module, caps: Capabilities) -> None:
+    """Lightning's ``BaseFinetuning`` finds the parameters already in the optimizer by their
+    values (``filter_on_optimizer``'s ``torch.equal``), which a process that holds only its own
+    blocks has not for the others (on the meta device): the unfreeze failed at its milestone, in
+    a traceback, after the epochs before it had trained."""
+    if not caps.materialises_blocks:
+        return
+    from hydra.utils import get_object
+    from lightning.pytorch.callbacks import BaseFinetuning
+
+    configured = [
+        (f"callbacks.{name}", get_object(callback._target_))
+        for name, callback in (cfg.get("callbacks") or {}).items()
+        if isinstance(callback, DictConfig) and callback.get("_target_")
+    ]
+    own = module.configure_callbacks() if hasattr(module, "configure_callbacks") else []
+    own = own if isinstance(own, list | tuple) else [own]
+    configured += [(f"{type(module).__name__}.configure_callbacks", type(c)) for c in own]
+    for where, cls in configured:
+        if isinstance(cls, type) and issubclass(cls, BaseFinetuning):
+            raise ConfigError(
+                f"{where} is {cls.__name__}, a BaseFinetuning callback, which finds parameters "
+                f"by their values when it unfreezes; under strategy=pipeline each process holds "
+                f"only its own stage's blocks (the others have no values), and the unfreeze "
+                f"failed at its milestone. Use strategy=ddp or strategy=fsdp, which run it"
+            )
+
+
 def check_threaded_forward(module: nn.Module, dims: ParallelDims, caps: Capabilities) -> None:
     """strategy=dp on several GPUs runs the module's forward in a thread per GPU on a copy of the
     module: ``self.log`` and metric updates there would be lost or count one GPU's part of the
@@ -472,6 +500,7 @@ def check_built_run(
     check_logged_reductions(model)
     if not training:
         return
+    check_finetuning(cfg, model, caps)
     check_monitored_validation(cfg, model, datamodule)
     batch_size = (cfg.get("data") or {}).get("batch_size")
     if launches_others(dims):

@@ -19,7 +19,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import max_diff, run_python, run_weights, write_tree, write_user_conf
+from helpers import (
+    PLAIN_SGD,
+    max_diff,
+    run_python,
+    run_weights,
+    write_tree,
+    write_user_conf,
+)
 
 USER_CONF = {
     "model/lit_transfer.yaml": (
@@ -168,3 +175,38 @@ def test_a_replica_changed_on_one_rank_stops_the_run_at_the_next_save(
     assert [p.name for p in checkpoints] == ["best.ckpt", "last.ckpt"]
     for path in checkpoints:
         assert torch.load(path, weights_only=True)["global_step"] == 2, path
+
+
+def test_fine_tuning_under_the_pipeline_trains_one_devices_weights_or_is_refused_with_the_fix(
+    overrides: tuple[str, ...],
+    tmp_path: Path,
+    run_script: Callable[..., Path],
+    run_here: Callable[..., Path],
+) -> None:
+    """The template's MLP, its first block frozen when fit starts and trainable from epoch 1
+    (``helpers.FreezeFirstBlockUntil``, plain SGD). On 2 stages whose first holds only that
+    block, the schedule's backward failed in a traceback: refused at step 0 in one line, naming
+    the fix; with the fix (a first stage that holds a block that trains), 2 stages x 2 replicas
+    end with one device's weights. Lightning's ``BaseFinetuning`` (``helpers.
+    UnfreezeFirstBlockAt``), which finds parameters by value and failed at its milestone on the
+    stage without that block, is refused before training, naming ddp and fsdp, which run it."""
+    run = (
+        *overrides, "trainer.max_epochs=2", "monitor=val/loss", "monitor_mode=min", *PLAIN_SGD,
+    )  # fmt: skip
+    plain = "+callbacks.unfreeze._target_=helpers.FreezeFirstBlockUntil"
+    # a global batch of 80: 10 full batches of the 800 training images, which the pipeline needs
+    pipeline = ("strategy=pipeline", "devices=2", "data.batch_size=80", TIMEOUT)
+    proc = run_python("train.py", *run, plain, *pipeline, log_dir=tmp_path / "frozen")
+    refused(proc, "strategy=pipeline at step 0: no parameter of net's blocks 0-0 (stage 0)")
+    assert "strategy.split_points=[k], k past the first block that trains" in proc.stderr
+    fixed = run_script(
+        "train.py", *run, plain, *pipeline[:2], "devices=4", "data.batch_size=40",
+        "strategy.split_points=[2]", TIMEOUT,
+    )  # fmt: skip
+    single = run_here("train.py", *run, plain, "data.batch_size=80")
+    assert max_diff(run_weights(fixed), run_weights(single)) < WEIGHT_ATOL
+    finetuning = "+callbacks.unfreeze._target_=helpers.UnfreezeFirstBlockAt"
+    proc = run_python("train.py", *run, finetuning, *pipeline, log_dir=tmp_path / "finetuning")
+    refused(proc, "callbacks.unfreeze is UnfreezeFirstBlockAt, a BaseFinetuning callback")
+    assert "Use strategy=ddp or strategy=fsdp" in proc.stderr
+    assert not list(tmp_path.rglob("*.ckpt"))  # the refused runs trained nothing

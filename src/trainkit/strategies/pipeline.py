@@ -68,7 +68,7 @@ from trainkit.checkpoint_io import (
 )
 from trainkit.errors import ConfigError
 from trainkit.parallel import LIGHTNING, device_mesh
-from trainkit.strategies.ddp import DDPStrategy
+from trainkit.strategies.ddp import DDPStrategy, trainable
 from trainkit.strategies.pipeline_task import check_pipeline_task
 
 log = logging.getLogger(__name__)
@@ -266,6 +266,7 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
         self._output_layouts: dict[tuple, tuple[torch.dtype, list[int]]] = {}
         self._pending_grads: list[Tensor | None] | None = None
         self._step_output: tuple[Tensor, Tensor] | None = None  # (input, output) of this step
+        self._checked_trainable: tuple[bool, ...] = ()  # (``_refuse_frozen_chunk``)
         self._pipe_group: Any = None  # this pipeline's ranks
         self._replica_group: Any = None  # this stage's rank in every replica
 
@@ -551,6 +552,34 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
         return chunk % self.stages
 
     # --- the steps: the task's own, its self(x) answered by the stages ----------------------------
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """After every callback's and the module's own hooks: what trains in this step is set."""
+        super().on_train_batch_start(batch, batch_idx)
+        now = trainable(self.lightning_module)
+        if now != self._checked_trainable:
+            self._checked_trainable = now
+            self._refuse_frozen_chunk()
+
+    def _refuse_frozen_chunk(self) -> None:
+        """A schedule's backward runs through every chunk from the last to the first, and fails
+        at the first chunk whose output needs no gradient (its blocks and every chunk before it
+        frozen: the usual fine-tuning of a backbone). Said on every rank alike (each holds every
+        block's ``requires_grad``, on meta for the others' blocks), before the step's work."""
+        blocks = self.blocks(self.lightning_module)
+        bounds = [*self._starts, len(blocks)]
+        for c in range(self.chunks):
+            chunk = blocks[: bounds[c + 1]]  # this chunk and the ones before it
+            if not any(p.requires_grad for block in chunk for p in block.parameters()):
+                step = self.lightning_module.trainer.global_step
+                raise PipelineConfigError(
+                    f"strategy=pipeline at step {step}: no parameter of {self.module_name}'s "
+                    f"blocks {bounds[c]}-{bounds[c + 1] - 1} (stage {c % self.stages}) nor of any "
+                    f"block before them requires grad, and the schedule's backward through that "
+                    f"stage would fail. Give the first stage a block that trains (strategy."
+                    f"split_points=[k], k past the first block that trains), or use "
+                    f"strategy=ddp or strategy=fsdp, which train a frozen backbone"
+                )
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """The schedule's forward and backward on the batch's ``split_batch``, then the task's
