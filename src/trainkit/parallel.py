@@ -1,9 +1,8 @@
 """The run's parallel dimensions: computed and checked once from the config, then used by name.
 
 ``ParallelDims`` answers how many processes a run starts and where; ``data_shard`` answers, inside
-a running process, which data-parallel replica it is, ``data_parallel_group`` which ranks hold
-the other replicas, and ``device_mesh`` builds the running job's named dimensions. Nothing else
-computes these.
+a running process, which data-parallel replica it is, and ``data_parallel_group`` which ranks hold
+the other replicas. Nothing else computes these.
 """
 
 from __future__ import annotations
@@ -189,15 +188,6 @@ class ParallelDims:
                 f"(num_nodes={self.num_nodes} x {self.processes_per_node} per node): pass "
                 f"num_nodes=<--nnodes> devices=<--nproc-per-node>"
             )
-
-
-def device_mesh(device_type: str, **dims: int) -> Any:
-    """The running job's ``DeviceMesh``, its dimensions named and sized by ``dims`` in order from
-    the outermost (``replicate=2, pipe=2``: rank = replica * 2 + stage), over every rank. Every
-    rank builds it, at the same point: its groups are made collectively."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=tuple(dims))
 
 
 def data_parallel_group(strategy: Any) -> Any:

@@ -67,7 +67,7 @@ from trainkit.checkpoint_io import (
     read_sharded,
 )
 from trainkit.errors import ConfigError
-from trainkit.parallel import LIGHTNING, device_mesh
+from trainkit.parallel import LIGHTNING
 from trainkit.strategies.ddp import DDPStrategy, trainable
 from trainkit.strategies.pipeline_task import check_pipeline_task
 
@@ -388,11 +388,17 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
         return self._replica_group
 
     def _make_groups(self) -> None:
-        """This process's pipeline and its stage's replicas, as the two dimensions of the run's
-        device mesh (``parallel.device_mesh``)."""
-        mesh = device_mesh(self.root_device.type, replicate=self.replicas, pipe=self.stages)
-        self._pipe_group = mesh["pipe"].get_group()
-        self._replica_group = mesh["replicate"].get_group()
+        """One process group per pipeline, one per stage across replicas (every rank creates
+        every group, in the same order, as torch.distributed requires)."""
+        self._pipe_group = self._replica_group = None
+        for r in range(self.replicas):
+            group = dist.new_group([r * self.stages + s for s in range(self.stages)])
+            if r == self.global_rank // self.stages:
+                self._pipe_group = group
+        for s in range(self.stages):
+            group = dist.new_group([r * self.stages + s for r in range(self.replicas)])
+            if s == self.stage:
+                self._replica_group = group
 
     # --- set-up: each process materialises only its own blocks ---------------------------------
 
