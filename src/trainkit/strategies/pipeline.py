@@ -569,23 +569,20 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
 
     def _refuse_frozen_chunk(self) -> None:
         """A schedule's backward runs through every chunk from the last to the first, and fails
-        at the first chunk whose output needs no gradient (its blocks and every chunk before it
-        frozen: the usual fine-tuning of a backbone). Said on every rank alike (each holds every
-        block's ``requires_grad``, on meta for the others' blocks), before the step's work."""
-        blocks = self.blocks(self.lightning_module)
-        bounds = [*self._starts, len(blocks)]
-        for c in range(self.chunks):
-            chunk = blocks[: bounds[c + 1]]  # this chunk and the ones before it
-            if not any(p.requires_grad for block in chunk for p in block.parameters()):
-                step = self.lightning_module.trainer.global_step
-                raise PipelineConfigError(
-                    f"strategy=pipeline at step {step}: no parameter of {self.module_name}'s "
-                    f"blocks {bounds[c]}-{bounds[c + 1] - 1} (stage {c % self.stages}) nor of any "
-                    f"block before them requires grad, and the schedule's backward through that "
-                    f"stage would fail. Give the first stage a block that trains (strategy."
-                    f"split_points=[k], k past the first block that trains), or use "
-                    f"strategy=ddp or strategy=fsdp, which train a frozen backbone"
-                )
+        at the first chunk (the pipeline's input needs no gradient) when none of its blocks
+        trains: the usual fine-tuning of a backbone. A later chunk gets a gradient through its
+        input from the first. Said on every rank alike (each holds every block's
+        ``requires_grad``, on meta for the others' blocks), before the step's work."""
+        first = self.blocks(self.lightning_module)[: self._starts[1]]
+        if not any(p.requires_grad for block in first for p in block.parameters()):
+            step = self.lightning_module.trainer.global_step
+            raise PipelineConfigError(
+                f"strategy=pipeline at step {step}: no parameter of {self.module_name}'s "
+                f"blocks 0-{len(first) - 1} (stage 0) requires grad, and the schedule's backward "
+                f"through that stage would fail. Give the first stage a block that trains "
+                f"(strategy.split_points=[k], k past the first block that trains), or use "
+                f"strategy=ddp or strategy=fsdp, which train a frozen backbone"
+            )
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """The schedule's forward and backward on the batch's ``split_batch``, then the task's
