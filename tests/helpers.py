@@ -309,24 +309,33 @@ class PauseAt(L.Callback):
 class CollectiveCount(L.Callback):
     """Counts this rank's collectives (the profiler's ``gloo:<name>`` events) over the training
     steps ``start`` to ``start + steps - 1``, validation excluded; writes them to
-    ``<out>.rank<r>.json``."""
+    ``<out>.rank<r>.json``. ``shapes``: also what each carried, as ``"messages"``: a list of
+    ``{"name", "shapes", "dtypes", "count"}``."""
 
-    def __init__(self, out: str, start: int = 2, steps: int = 10) -> None:
-        self.out, self.start, self.steps = out, start, steps
+    def __init__(self, out: str, start: int = 2, steps: int = 10, shapes: bool = False) -> None:
+        self.out, self.start, self.steps, self.shapes = out, start, steps, shapes
         self.profiler: torch.profiler.profile | None = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         if trainer.global_step == self.start:
-            self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            self.profiler = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=self.shapes
+            )
             self.profiler.__enter__()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if self.profiler is None or trainer.global_step < self.start + self.steps:
             return
         self.profiler.__exit__(None, None, None)
-        names = [e.name for e in self.profiler.events() if e.name.startswith("gloo:")]
+        events = [e for e in self.profiler.events() if e.name.startswith("gloo:")]
         self.profiler = None
-        counts = {"steps": self.steps, **Counter(names)}
+        counts: dict = {"steps": self.steps, **Counter(e.name for e in events)}
+        if self.shapes:
+            carried = Counter(json.dumps([e.name, e.input_shapes, e.input_dtypes]) for e in events)
+            counts["messages"] = [
+                dict(zip(("name", "shapes", "dtypes"), json.loads(key), strict=True), count=n)
+                for key, n in carried.items()
+            ]
         Path(f"{self.out}.rank{trainer.global_rank}.json").write_text(json.dumps(counts))
 
 

@@ -15,6 +15,9 @@ trainkit in them: the code a new user brings. Tests plug them in through config 
 - ``PipelinedLanguageModel``: the same language model changed as little as ``strategy=pipeline``
   needs (``docs/add_a_task.md``): its layers one ``nn.Sequential`` that the pipeline cuts, its
   loss a ``loss_fn``, the model called as ``self(inputs)`` in its steps.
+- ``LitPipelinedClassifier``: ``lightning_docs.LitClassifier`` changed so for the pipeline too,
+  scoring its validation with torchmetrics as their docs do: an AUROC that keeps every batch's
+  predictions (a list state) and a ``SumMetric`` of the samples seen.
 - ``MNISTLitModule``: lightning-hydra-template's module: ``net`` and the optimizer and scheduler
   factories kept by ``save_hyperparameters``, read back in ``configure_optimizers``.
 - ``SelfShardedAutoEncoder``: the autoencoder sharding itself in ``configure_model``, as
@@ -45,8 +48,8 @@ from lightning.pytorch.utilities.model_helpers import get_torchvision_model
 from torch import nn, optim
 from torch.optim.lr_scheduler import LambdaLR, MultiStepLR
 from torch.utils.data import DataLoader, random_split
-from torchmetrics import MaxMetric, MeanMetric
-from torchmetrics.classification import Accuracy
+from torchmetrics import MaxMetric, MeanMetric, SumMetric
+from torchmetrics.classification import Accuracy, MulticlassAUROC
 from torchvision import transforms
 from torchvision.datasets import CIFAR10, MNIST, ImageFolder
 
@@ -327,6 +330,39 @@ class CausalLayer(nn.TransformerEncoderLayer):
 
 
 # --- lightning-hydra-template's src/models/mnist_module.py -------------------------------------
+
+
+class LitPipelinedClassifier(PipelineTask):
+    def __init__(self, hidden_dim: int = 64, learning_rate: float = 0.1, num_classes: int = 10):
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = nn.Sequential(
+            nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, hidden_dim), nn.ReLU()),
+            nn.Linear(hidden_dim, num_classes),
+        )
+        self.val_auroc = MulticlassAUROC(num_classes=num_classes, thresholds=None)
+        self.val_seen = SumMetric()
+
+    def loss_fn(self, logits, y):
+        return F.cross_entropy(logits, y)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = self.loss_fn(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.val_auroc.update(logits.softmax(dim=1), y)
+        self.val_seen.update(torch.ones_like(y, dtype=torch.float32))
+        self.log("val_loss", self.loss_fn(logits, y), prog_bar=True)
+        self.log("val_auroc", self.val_auroc)
+        self.log("val_seen", self.val_seen)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.learning_rate)
 
 
 class SimpleDenseNet(nn.Module):

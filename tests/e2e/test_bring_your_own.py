@@ -60,6 +60,10 @@ _target_: lightning_docs.LitAuxiliaryEveryOtherStep
 backbone:
   _target_: lightning_docs.mnist_backbone
 """,
+    "model/pipelined.yaml": """
+_target_: lightning_examples.LitPipelinedClassifier
+hidden_dim: 8
+""",
     "data/two_test_sets.yaml": """
 defaults:
   - lit
@@ -109,10 +113,15 @@ def user_run(
 
 
 def training_set(data_root: Path, fraction: float):
+    return fit_sets(data_root, fraction)[0]
+
+
+def fit_sets(data_root: Path, fraction: float = 0.8):
+    """The user datamodule's training and validation sets."""
     config = OmegaConf.create(USER_CONF["data/lit.yaml"])
     datamodule = instantiate(config, data_dir=data_root, train_fraction=fraction)
     datamodule.setup("fit")
-    return datamodule.mnist_train
+    return datamodule.mnist_train, datamodule.mnist_val
 
 
 @pytest.mark.parametrize(
@@ -353,6 +362,29 @@ def test_the_stages_of_a_pipeline_read_the_same_batches_of_user_data(
     first, last = (json.loads((run_dir / f"seen.rank{r}.json").read_text())[0] for r in (0, 1))
     assert first == last and first["batches"] == 12
     assert len(set(first["samples"])) == 12 * BATCH
+
+
+def test_a_pipelined_modules_torchmetrics_equal_one_devices(
+    user_conf: Path, mnist_root: Path, run_script: Callable[..., Path]
+) -> None:
+    """The logits stay on the last stage, and what the step made of them reaches rank 0's logs:
+    an AUROC over every validation prediction (a list state, sent batch by batch) and the count
+    of samples a SumMetric saw (each once, not once per stage) equal one device's. One device as
+    one ddp process: the user's shuffled loader then reads the pipeline's order."""
+    run = user_run(
+        user_conf, mnist_root, "monitor=val_auroc", "trainer.limit_train_batches=4",
+        data="drop_last", model="pipelined",
+    )  # fmt: skip
+    one = run_script("train.py", *run, "strategy=ddp", "devices=1")
+    pipelined = run_script(
+        "train.py", *run, "strategy=pipeline", "devices=2", "strategy.balance=params"
+    )
+    expected = json.loads((one / "metrics.json").read_text())["fit"]
+    got = json.loads((pipelined / "metrics.json").read_text())["fit"]
+    assert expected["val_seen"] == len(fit_sets(mnist_root)[1])
+    assert 0.5 < expected["val_auroc"] < 1  # above chance, which the stand-in's uniform scores give
+    for name in ("train_loss", "val_loss", "val_auroc", "val_seen"):
+        assert got[name] == pytest.approx(expected[name], rel=1e-5), (name, got, expected)
 
 
 def test_trusted_checkpoints_with_pickled_objects_load_when_asked(

@@ -71,15 +71,31 @@ def test_a_step_path_that_uploads_a_python_number_every_step_is_caught(
 
 
 def test_both_stages_of_a_pipeline_read_and_upload_nothing_between_logging_steps(
-    run_script: Callable[..., Path], overrides: tuple[str, ...]
+    run_script: Callable[..., Path], overrides: tuple[str, ...], tmp_path: Path
 ) -> None:
-    """The last stage's output reaches the first stage with its shape and dtype read on the host
-    once, not at every step."""
+    """The stand-in for the last stage's output on the first stage gets its shape and dtype read
+    on the host once, not at every step. And the logits never leave the last stage: no collective
+    of a training step, on either rank, carries a tensor of their shape (the batch's, 16 x 10, or
+    a micro-batch's, 4 x 10); the results the step made of them travel as bytes."""
+    out = tmp_path / "collectives"
     traffic = traffic_per_step(
-        run_script, overrides, 10, "strategy=pipeline", "devices=2", "data.batch_size=16"
-    )
+        run_script, overrides, 10, "strategy=pipeline", "devices=2", "data.batch_size=16",
+        "+callbacks.count._target_=helpers.CollectiveCount", f"+callbacks.count.out={out}",
+        "+callbacks.count.shapes=true",
+    )  # fmt: skip
     assert_quiet(traffic, 50, 10)
     assert_quiet(traffic["rank1"], 50, 10)
+    for rank in (0, 1):
+        messages = json.loads(Path(f"{out}.rank{rank}.json").read_text())["messages"]
+        shapes = {tuple(shape) for m in messages for shape in m["shapes"]}
+        assert not shapes & {(16, 10), (4, 10)}, messages
+        # each of the 10 steps: the micro-batches' activations (or their gradients) one way, the
+        # step's results in one broadcast of bytes
+        p2p = "gloo:send" if rank == 0 else "gloo:recv"
+        assert sum(m["count"] for m in messages if m["name"] == p2p) >= 10 * 4, messages
+        results = [m for m in messages if m["name"] == "gloo:broadcast"]
+        assert all(m["dtypes"] == ["unsigned char"] for m in results), messages
+        assert sum(m["count"] for m in results) == 10, messages
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,9 @@ their goals, the default matrix, per-process batches; its refused arguments. Rea
 processes are in e2e/test_bench.py."""
 
 import dataclasses
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,7 @@ from trainkit.bench.cells import (
     MEMORY_MATRIX,
     MEMORY_ONE_DEVICE,
     MEMORY_SPLITS,
+    TRAFFIC,
     WORKLOADS,
     Cell,
     merge_rounds,
@@ -34,6 +38,7 @@ from trainkit.bench.report import (
     memory,
     phase_gaps,
     ratios,
+    traffic,
     write_docs,
 )
 from trainkit.config import compose_config
@@ -105,6 +110,20 @@ def _cell(name: str, workload: str, runner: str, devices: int, median: float, **
         **{"median": median, "min": median, "max": median, "first_step_s": 1.0},
         **{"step_samples_per_s": median * 1.1, "median_step_s": 0.01},
         **{"peak_mem_mb": [100.0] * devices, **kw},
+    }
+
+
+def _report(cells: list[dict], **sections) -> dict:
+    """A report of ``cells`` and ``sections`` on a made-up machine, as ``markdown`` reads one."""
+    machine = {"cpu": "x", "cores": 2, "gpus": [], "torch": "t", "lightning": "l", "python": "p"}
+    return {
+        "machine": machine,
+        "settings": {"threads": 1, "seed": 0},
+        "cells": cells,
+        "ratios": [],
+        "import_torch_s": 2.5,
+        "launches": [],
+        **sections,
     }
 
 
@@ -275,16 +294,7 @@ def test_memory_per_rank_above_the_baseline_against_its_models_one_device(tmp_pa
     assert stages["largest"] == 0.6 and stages["met"] is True
     assert one_transformer["above_mb"] == [4000.0] and one_transformer["met"] is None
     assert shards["vs_one_device"] == [0.6, 0.65] and shards["met"] is False
-    report = {
-        "machine": {"cpu": "x", "cores": 2, "gpus": [], "torch": "t", "lightning": "l"}
-        | {"python": "p"},
-        "settings": {"threads": 1, "seed": 0},
-        "cells": cells,
-        "ratios": [],
-        "import_torch_s": 2.5,
-        "launches": [],
-        "memory": found,
-    }
+    report = _report(cells, memory=found)
     table = markdown(report)
     split = "| mlp_wide: template pipeline x2 32-true gpipe mb=4 |"
     assert f"{split} 1,200 MB (0.60x) | 1,000 MB (0.50x) |" in table
@@ -308,22 +318,77 @@ def test_memory_per_rank_above_the_baseline_against_its_models_one_device(tmp_pa
     )
 
 
+def test_traffic_per_rank_by_collective() -> None:
+    """The bytes each rank's collectives carried per step, as BenchProbe counted them: one row
+    per rank, the kinds in their columns and the rest as other; cells without counts left out."""
+    counted = [
+        {"gloo:send": 286720.0, "gloo:recv": 286720.0, "gloo:broadcast": 16.0},
+        {"gloo:send": 286720.0, "gloo:recv": 286720.0, "gloo:broadcast": 16.0, "gloo:barrier": 8.0},
+    ]
+    cells = [
+        _cell(TRAFFIC[0].name, "transformer_32k", "template", 2, 1.0, strategy="pipeline")
+        | {"variant": "gpipe mb=4", "collective_bytes": counted},
+        _cell(MEMORY_BASELINE.name, "mlp_b64", "template", 1, 1.0, collective_bytes=[None]),
+    ]
+    rows = traffic(cells)
+    assert [r["ranks"] for r in rows] == [counted]
+    report = _report(cells, traffic=rows)
+    table = markdown(report)
+    run = "| transformer_32k: template pipeline x2 32-true gpipe mb=4 |"
+    assert f"{run} 0 | 280.0 KB | 280.0 KB | 16 B |  |  | **560.0 KB** |" in table
+    assert f"{run} 1 | 280.0 KB | 280.0 KB | 16 B |  | 8 B | **560.0 KB** |" in table
+
+
+def test_collective_bytes_count_each_calls_tensors(tmp_path: Path) -> None:
+    """A real profile of a real (one-rank) gloo group: each call's tensors, by their shapes and
+    dtypes."""
+    script = tmp_path / "count_collectives.py"
+    script.write_text(
+        "import json, sys, torch, torch.distributed as dist\n"
+        "from trainkit.bench.probe import collective_bytes\n"
+        "store = dist.FileStore(sys.argv[1], 1)\n"
+        "dist.init_process_group('gloo', store=store, rank=0, world_size=1)\n"
+        "cpu = [torch.profiler.ProfilerActivity.CPU]\n"
+        "with torch.profiler.profile(activities=cpu, record_shapes=True) as p:\n"
+        "    dist.broadcast(torch.zeros(4, 10), src=0)\n"
+        "    dist.broadcast(torch.zeros(5, dtype=torch.uint8), src=0)\n"
+        "    dist.all_reduce(torch.zeros(3, dtype=torch.float64))\n"
+        "print(json.dumps(collective_bytes(p)))\n"
+        "dist.destroy_process_group()\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "store")], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.splitlines()[-1]) == {
+        "gloo:broadcast": 4 * 10 * 4 + 5,
+        "gloo:all_reduce": 3 * 8,
+    }
+
+
 def test_memory_cells_are_their_own_matrix() -> None:
     assert not set(MEMORY_MATRIX) & set(DEFAULT_MATRIX)
     assert MEMORY_SPLITS[1].devices == 3 and "strategy.stages=3" in MEMORY_SPLITS[1].extra
 
 
-def test_the_transformer_memory_cell_composes_on_the_text_it_writes(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("workload", "model"),
+    [("transformer_wide", "LanguageModel"), ("transformer_32k", "PipelinedLanguageModel")],
+)
+def test_the_transformer_cells_compose_on_the_text_they_write(
+    tmp_path: Path, workload: str, model: str
+) -> None:
     """The bench's own model and data options (bench/conf) compose into a run of the demo
-    transformer, whose vocabulary is the one the cell's text has (WikiText2 counts it)."""
+    transformer (or the pipelined one, over 32,000 words), whose vocabulary is the one the cell's
+    text has (WikiText2 counts it)."""
     from lightning.pytorch.demos import WikiText2
 
     from trainkit.bench.cells import WORKLOADS
 
-    work = WORKLOADS["transformer_wide"]
+    work = WORKLOADS[workload]
     root = work.write_data(tmp_path / "data")
     cfg = compose_config("train", tmp_path, [*work.overrides, f"data.root={root}"])
-    assert cfg.model._target_ == "trainkit.bench.language.LanguageModel"
+    assert cfg.model._target_ == f"trainkit.bench.language.{model}"
     blocks = WikiText2(Path(root), download=False)
     assert blocks.vocab_size == cfg.model.vocab_size
     steps = work.warmup + work.steps

@@ -41,6 +41,7 @@ from trainkit.bench.report import (
     phase_gaps,
     ratios,
     replace_between,
+    traffic,
     write_all,
     write_docs,
 )
@@ -187,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         "launches": launches(results, statistics.median(import_torch)),
         "compile_warmup_s": compile_warmup_s(results),
         "memory": memory(results),
+        "traffic": traffic(results),
     }  # fmt: skip
     paths = write_all(args.out, report)
     if args.docs:

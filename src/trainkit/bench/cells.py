@@ -45,6 +45,7 @@ class Workload:
     # measured for its memory: every process gives freed buffers back (tune_malloc=false), so
     # that the resident peak is what the run holds, not what the heap kept of freed buffers
     memory: bool = False
+    words: int = 1000  # data=bench_wikitext: the text's vocabulary (its model's, with <eos>)
 
     def write_data(self, root: Path) -> str:
         """Synthetic files in the real format: every epoch's steps without wrapping, plus the
@@ -57,8 +58,8 @@ class Workload:
 
             return str(write_imagefolder(root / self.name, 10, -(-n // 10), sizes=SOURCE_SIZES))
         if "data=bench_wikitext" in self.overrides:  # blocks of 35 tokens, lines of 8-15 words
-            lines = max(3 * (n + 16), TEXT_WORDS)  # a line starts at each word: all are used
-            write_wikitext(root / self.name, lines=lines, words=TEXT_WORDS)
+            lines = max(3 * (n + 16), self.words)  # a line starts at each word: all are used
+            write_wikitext(root / self.name, lines=lines, words=self.words)
             return str(root / self.name)
         return str(write_mnist(root / self.name, n, 200))
 
@@ -107,14 +108,17 @@ def turn(cells: list[Cell], round_: int) -> list[tuple[int, Cell]]:
 RESNET_OVERRIDES = ("model=resnet50", "data=cifar10", "data.val_size=200")
 MEMORY_OVERRIDES = ("data=mnist", "data.val_size=200", "callbacks=none")
 WIDE_MLP = ("model=mlp", "model.net.hidden=[8192,8192,8192]")
-# A module of the kind users bring (bench/language.py): the demo transformer, 132M parameters
-TEXT_WORDS = 1000  # bench/conf/model/bench_transformer.yaml's vocabulary: these and <eos>
-WIDE_TRANSFORMER = (
+# A module of the kind users bring (bench/language.py): the demo transformer, 132M parameters,
+# over a text of 1,000 words (its conf's vocabulary: these and <eos>)
+LANGUAGE = (
     "hydra.searchpath=[pkg://trainkit.bench.conf]",
-    "model=bench_transformer",
     "data=bench_wikitext",
     *("callbacks=none", "monitor=val_loss", "monitor_mode=min"),
 )
+WIDE_TRANSFORMER = (*LANGUAGE, "model=bench_transformer")
+# the same kind of model under the pipeline over 32,000 words: the largest tensor of its step is
+# the logits (bench/conf/model/bench_transformer_pipelined.yaml)
+PIPELINED_TRANSFORMER = (*LANGUAGE, "model=bench_transformer_pipelined")
 RESNET_GPU = (*RESNET_OVERRIDES, "model.net.cifar_stem=true")
 RESNET_CIFAR_MEMORY = (*RESNET_GPU, "callbacks=none")
 # experiment=imagefolder_resnet50's model and data on JPEGs of ImageNet's sizes, at 224 px
@@ -134,6 +138,7 @@ WORKLOADS = {
         Workload("mlp_wide", (*WIDE_MLP, *MEMORY_OVERRIDES), 64, 1, 2, 1, 1, memory=True),
         # 8 blocks of 35 tokens a step
         Workload("transformer_wide", WIDE_TRANSFORMER, 8, 1, 2, 1, 1, memory=True),
+        Workload("transformer_32k", PIPELINED_TRANSFORMER, 8, 1, 3, 1, 1, words=32000),
         # experiment=cifar10_resnet50's model (the CIFAR stem: 32x32 activations), batch 32
         Workload("resnet50_cifar", RESNET_CIFAR_MEMORY, 32, 1, 2, 1, 1, memory=True),
         # the GPU matrix's: sized so that a step is not a few milliseconds of launch overhead
@@ -228,10 +233,23 @@ MEMORY_SPLITS = (
     *(saving(c, form) for c in (FSDP_WIDE, pipeline("mlp_wide", 4), FSDP_TRANSFORMER)
       for form in SAVE_FORMS),
 )  # fmt: skip
+# and what the split costs in messages: the bytes through each rank's collectives per step of the
+# pipeline's transformer at a 32k vocabulary (BenchProbe's traffic)
+TRAFFIC = (
+    replace(
+        pipeline("transformer_32k", 4),
+        extra=(
+            *pipeline("transformer_32k", 4).extra,
+            "strategy.balance=params",
+            "+callbacks.bench_probe.traffic=true",
+        ),
+    ),
+)
 MEMORY_MATRIX: tuple[Cell, ...] = (
     MEMORY_BASELINE,
     *MEMORY_ONE_DEVICE.values(),
     *MEMORY_SPLITS,
+    *TRAFFIC,
 )
 
 
@@ -390,6 +408,7 @@ def run_cell(cell: Cell, s: Settings, cell_dir: Path) -> dict[str, object]:
         "warmup_s": [records[0]["warmup_s"]],
         "peak_mem_mb": [r["peak_mem_mb"] for r in records],
         "save_s": [r.get("save_s") for r in records],
+        "collective_bytes": [r.get("collective_bytes") for r in records],
     }
 
 
@@ -420,4 +439,5 @@ def merge_rounds(rounds: list[dict]) -> dict[str, object]:
         "warmup_s": statistics.median(t for r in rounds for t in r["warmup_s"]),
         "peak_mem_mb": [max(mb) for mb in zip(*(r["peak_mem_mb"] for r in rounds), strict=True)],
         "save_s": rounds[0].get("save_s"),
+        "collective_bytes": rounds[0].get("collective_bytes"),
     }

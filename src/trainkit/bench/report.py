@@ -180,6 +180,30 @@ def memory(cells: list[dict]) -> dict | None:
     return {"baseline_mb": base, "goal": MEMORY_GOAL, "rows": rows}
 
 
+def traffic(cells: list[dict]) -> list[dict]:
+    """The cells that counted the bytes through their collectives (``BenchProbe``'s traffic):
+    each rank's bytes per training step, by collective."""
+    return [
+        {
+            "cell": c["cell"],
+            "label": f"{c['workload']}: {_label(c)}",
+            "ranks": c["collective_bytes"],
+        }
+        for c in cells
+        if "error" not in c and c.get("collective_bytes") and None not in c["collective_bytes"]
+    ]
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("MB", 2**20), ("KB", 2**10)):
+        if n >= size:
+            return f"{n / size:,.1f} {unit}"
+    return f"{n:,.0f} B"
+
+
+TRAFFIC_KINDS = ("send", "recv", "broadcast", "all_reduce")
+
+
 def add_scaling(cells: list[dict]) -> None:
     """Speed-up and scaling efficiency against the same runner on one device (same workload and
     precision, no variant): efficiency 1.0 is N devices at N times one device's samples/s."""
@@ -371,6 +395,28 @@ def markdown(report: dict) -> str:
                 + " | ".join(per_rank)
                 + f" | **{row['largest']:.2f}x** | {goal} | {vs} | {save} |"
             )
+    if report.get("traffic"):
+        lines += [
+            "",
+            "Bytes through each rank's collectives per training step (the profiler's records of "
+            "the gloo calls, with their tensors' shapes, over the timed steps): send and recv, "
+            "the micro-batches' activations between the stages and their gradients back; "
+            "broadcast, what the last stage's step made of its output (its loss, the values it "
+            "logged, its metrics' states).",
+            "",
+            "| run | rank | " + " | ".join(TRAFFIC_KINDS) + " | other | total |",
+            "| --- | --- |" + " --- |" * (len(TRAFFIC_KINDS) + 2),
+        ]
+        for row in report["traffic"]:
+            for rank, carried in enumerate(row["ranks"]):
+                kinds = {k.split(":", 1)[1]: n for k, n in carried.items()}
+                other = sum(n for k, n in kinds.items() if k not in TRAFFIC_KINDS)
+                shown = [_bytes(kinds[k]) if k in kinds else "" for k in TRAFFIC_KINDS]
+                lines.append(
+                    f"| {row['label']} | {rank} | "
+                    + " | ".join(shown)
+                    + f" | {_bytes(other) if other else ''} | **{_bytes(sum(kinds.values()))}** |"
+                )
     if report.get("compile_warmup_s") is not None:
         lines += [
             "",

@@ -18,8 +18,10 @@ Traps this handles (docs/design.md, "Pipeline gradients zeroed by zero_grad" and
 - Lightning's automatic optimisation runs training_step -> zero_grad -> backward. The schedule's
   gradients would be zeroed and the weights never change, silently. The step sets its gradients
   aside and ``backward`` puts them back (scaled for gradient accumulation).
-- Only the last stage has the loss and the logits: they are broadcast, so every rank logs and
-  monitors the same values and updates the same metrics.
+- Only the last stage has the logits, and they stay there: the task's step runs on every rank
+  (the others on zeros of the logits' shape), then the last stage's results (what the step
+  returned and logged, its metrics' states) are broadcast, so every rank logs and monitors the
+  same values as one device. ``sync_dist`` reduces over the replicas of a stage.
 - A checkpoint holds the full model: each stage writes its own blocks and optimizer state into
   a sharded directory (``checkpoint=full``: the writer, rank 0, receives every other stage's part,
   tensor by tensor), so resuming is exact and any strategy can load the weights.
@@ -58,6 +60,7 @@ from torch.distributed.pipelining import (
 )
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode
+from torchmetrics import Metric
 
 from trainkit.checkpoint_io import (
     ShardedSave,
@@ -170,6 +173,11 @@ def recv_state(src: int, group: Any, device: torch.device) -> dict[Any, Any]:
     return tree_unflatten(leaves, spec)
 
 
+def as_bytes(t: Tensor) -> Tensor:
+    """A tensor's bytes, flat (a copy where it is not contiguous)."""
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
 class GlobalNormClipping(Precision):
     """A precision plugin whose ``gradient_clip_val`` (by norm) clips by the norm of every stage's
     gradients together, as one device clips, not by each stage's own."""
@@ -262,8 +270,11 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
         self._schedule: Any = None  # training's, built at the first training step
         self._eval_schedules: dict[int, Any] = {}  # forward-only, by batch size
         # the last stage's output (dtype, shape) by what makes it: the input's shape and dtype, and
-        # whether the step trains (``_logits_from_last_stage``)
+        # whether the step trains (``_stage_output``)
         self._output_layouts: dict[tuple, tuple[torch.dtype, list[int]]] = {}
+        # each list state of a metric: the list and how many of its entries were mirrored
+        self._mirrored_lists: dict[tuple[int, str], tuple[list, int]] = {}
+        self._grouped_metrics: list[Metric] = []  # (``_sync_metrics_over_replicas``)
         self._pending_grads: list[Tensor | None] | None = None
         self._step_output: tuple[Tensor, Tensor] | None = None  # (input, output) of this step
         self._checked_trainable: tuple[bool, ...] = ()  # (``_refuse_frozen_chunk``)
@@ -387,6 +398,19 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
         reduced over the replicas once (``parallel.data_parallel_group``)."""
         return self._replica_group
 
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """``self.log(..., sync_dist=True)`` reduces over the replicas of this stage: the stages
+        of a pipeline log the same value (``_mirror_last_stage``), and during the step the stages
+        before the last hold a stand-in's."""
+        group = self._replica_group if group is None else group
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Lightning's, over every rank (``reduce``'s default is a stage's replicas)."""
+        votes = torch.tensor(int(decision), device=self.root_device)
+        dist.all_reduce(votes)  # a sum over the world
+        return bool(votes == self.world_size) if all else bool(votes)
+
     def _make_groups(self) -> None:
         """One process group per pipeline, one per stage across replicas (every rank creates
         every group, in the same order, as torch.distributed requires)."""
@@ -442,6 +466,17 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         self.precision_plugin.norm_group = self._pipe_group
         self.precision_plugin.norm_device = self.root_device
+        self._sync_metrics_over_replicas()
+
+    def _sync_metrics_over_replicas(self) -> None:
+        """A torchmetrics metric syncs its state over every rank unless given a process group,
+        and a pipeline's stages hold the same state (``_mirror_last_stage``): a sum counted each
+        sample once per stage. Each of the module's metrics without a group of its own syncs over
+        this stage's replicas, until teardown."""
+        for metric in self.lightning_module.modules():
+            if isinstance(metric, Metric) and metric.process_group is None:
+                metric.process_group = self._replica_group
+                self._grouped_metrics.append(metric)
 
     def _cut(self) -> None:
         """Cut the model into chunks, make the process groups, and hold this process's blocks only.
@@ -493,6 +528,9 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
         """Lightning's teardown, which ends by moving the whole LightningModule to the CPU: here
         without the other stages' blocks, and with the module out of its sight for that step."""
         module = self.lightning_module
+        for metric in self._grouped_metrics:  # (the group ends with the run)
+            metric.process_group = None
+        self._grouped_metrics = []
         if module is None:
             return super().teardown()
         trainer = module._trainer  # None when set-up failed before the trainer was attached
@@ -616,12 +654,23 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
         self._pending_grads = [p.grad for p in params]
         for p, h in zip(params, held, strict=True):
             p.grad = h
-        self._step_output = (x, self._logits_from_last_stage(out, x))
+        self._step_output = (x, self._stage_output(out, x))
         try:
             with self.precision_plugin.train_step_context():
-                return lm.training_step(*args, **kwargs)
+                output = lm.training_step(*args, **kwargs)
         finally:
             self._step_output = None
+        return self._mirror_last_stage(output, "training_step")
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._mirror_last_stage(super().validation_step(*args, **kwargs), "validation_step")
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._mirror_last_stage(super().test_step(*args, **kwargs), "test_step")
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Its output is the predictions: they reach every rank of the pipeline, the writer's."""
+        return self._mirror_last_stage(super().predict_step(*args, **kwargs), "predict_step")
 
     def stages_output(self, x: Tensor) -> Tensor:
         """What ``self(x)`` returns in the task's steps (``PipelineTask.forward``): in training
@@ -640,37 +689,99 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
         return self._forward_only(x)
 
     def _forward_only(self, x: Tensor) -> Tensor:
-        """The model's output for ``x`` on every rank, the micro-batches run forward-only through
-        the stages (each process runs only its own blocks)."""
+        """The model's output for ``x`` (a stand-in on the stages before the last, see
+        ``_stage_output``), the micro-batches run forward-only through the stages (each process
+        runs only its own blocks)."""
         schedule = self._eval_schedule(len(x))
         out = schedule.step(x) if self.stage == 0 else schedule.step()
-        return self._logits_from_last_stage(out, x)
+        return self._stage_output(out, x)
 
-    def _logits_from_last_stage(self, out: Tensor | None, x: Tensor) -> Tensor:
-        """The last stage's output for input ``x``, in its own dtype, on every rank of the
-        pipeline: every rank then logs and monitors the same values and updates the same metrics,
-        as one device."""
-        last_rank, group = self._rank_of(self.stages - 1), self._pipe_group
+    def _stage_output(self, out: Tensor | None, x: Tensor) -> Tensor:
+        """On the last stage its output for input ``x``; on the others zeros of that shape and
+        dtype, a stand-in that the task's step runs on (every rank runs it, so each logs the same
+        keys and updates the same metrics), whose results ``_mirror_last_stage`` then replaces
+        with the last stage's. The logits never leave the last stage."""
         last = self.stage == self.stages - 1
-        logits = out.detach() if last else None
-        # The others allocate the buffer: its shape and dtype (never the default dtype, which
-        # 64-true's step context makes float64) are sent once for each input shape, which fixes
-        # them (a pipeline's shapes are static), and read back on the host then only: a read at
-        # every step would make the host wait for the device.
+        # The shape and dtype (never the default dtype, which 64-true's step context makes
+        # float64) are sent once for each input shape, which fixes them (a pipeline's shapes are
+        # static), and read back on the host then only: a read at every step would make the host
+        # wait for the device.
         made_by = (tuple(x.shape), x.dtype, torch.is_grad_enabled())
         if made_by not in self._output_layouts:
             layout = torch.zeros(8, dtype=torch.long, device=self.root_device)  # dtype, ndim, shape
             if last:
-                described = [LOGIT_DTYPES.index(logits.dtype), logits.dim(), *logits.shape]
+                described = [LOGIT_DTYPES.index(out.dtype), out.dim(), *out.shape]
                 layout[: len(described)] = torch.tensor(described)
-            dist.broadcast(layout, src=last_rank, group=group)
+            dist.broadcast(layout, src=self._rank_of(self.stages - 1), group=self._pipe_group)
             dtype, ndim, *shape = layout.tolist()
             self._output_layouts[made_by] = (LOGIT_DTYPES[dtype], shape[:ndim])
-        if not last:
-            dtype, shape = self._output_layouts[made_by]
-            logits = torch.empty(shape, dtype=dtype, device=self.root_device)
-        dist.broadcast(logits, src=last_rank, group=group)
-        return logits
+        if last:
+            return out.detach()
+        dtype, shape = self._output_layouts[made_by]
+        return torch.zeros(shape, dtype=dtype, device=self.root_device)
+
+    def _mirror_last_stage(self, output: Any, hook: str) -> Any:
+        """What the task's step ``hook`` made of the stages' output, made the last stage's on
+        every rank of the pipeline, in one broadcast of scalars and metric states: the tensors it
+        returned, the values it logged (Lightning's results, which rank 0 hands the loggers) and
+        the states of the module's torchmetrics. Their number and shapes follow from the code and
+        the batch's shape, never from the output's values, so every rank packs the same bytes."""
+        tensors = self._step_results(output, hook)
+        if not tensors:
+            return output
+        last = self.stage == self.stages - 1
+        with torch.no_grad():
+            if last:
+                device = self.root_device
+                packed = torch.cat(
+                    [as_bytes(t if t.device == device else t.to(device)) for t in tensors]
+                )
+            else:
+                size = sum(t.numel() * t.element_size() for t in tensors)
+                packed = torch.empty(size, dtype=torch.uint8, device=self.root_device)
+            dist.broadcast(packed, src=self._rank_of(self.stages - 1), group=self._pipe_group)
+            if not last:
+                at = 0
+                for t in tensors:
+                    n = t.numel() * t.element_size()
+                    # cloned: a view as another dtype needs its own aligned storage
+                    t.copy_(packed[at : at + n].clone().view(t.dtype).view(t.shape))
+                    at += n
+        return output
+
+    def _step_results(self, output: Any, hook: str) -> list[Tensor]:
+        """The tensors ``_mirror_last_stage`` sends, in one order on every rank, each once."""
+        found = [leaf for leaf in tree_flatten(output)[0] if isinstance(leaf, Tensor)]
+        results = self.lightning_module.trainer._results
+        for value in results.values() if results is not None else ():
+            if value.is_tensor and value.meta.fx == hook:  # what this step logged
+                found += [value.value, getattr(value, "cumulated_batch_size", None)]
+                found.append(value._forward_cache)
+        for metric in self.lightning_module.modules():
+            if not isinstance(metric, Metric) or metric.update_count == 0:
+                continue
+            for name, state in metric.metric_state.items():
+                found += self._new_entries(metric, name, state)
+            found += tree_flatten(metric._forward_cache)[0]  # the batch's value of its forward
+        seen: set[int] = set()
+        kept = []
+        for t in found:
+            if isinstance(t, Tensor) and id(t) not in seen:
+                seen.add(id(t))
+                kept.append(t)
+        return kept
+
+    def _new_entries(self, metric: Metric, name: str, state: Any) -> list[Tensor]:
+        """A metric's tensor state; of a list state (a metric that keeps every batch's values)
+        the entries added since the last mirror, which the list's object tells apart from a
+        list the metric's reset made."""
+        if isinstance(state, Tensor):
+            return [state]
+        key = (id(metric), name)
+        known, sent = self._mirrored_lists.get(key, (None, 0))
+        start = sent if known is state and sent <= len(state) else 0
+        self._mirrored_lists[key] = (state, len(state))
+        return list(state[start:])
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """The schedule already ran backward: put its gradients back after Lightning's zero_grad."""

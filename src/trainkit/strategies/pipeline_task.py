@@ -11,12 +11,13 @@ module opts in by subclassing ``PipelineTask`` and giving it:
 - optionally ``input_shape``, one sample's shape, on which ``strategy.balance=flops`` measures
   each block.
 
-Everywhere else ``self(x)`` is ``self.net(x)``. Under the pipeline it is the stages' output, on
-every rank of the pipeline: in training, the strategy runs the schedule (forward and backward,
-micro-batch by micro-batch, the loss of each on the last stage) on the batch's ``split_batch``
-before it calls ``training_step``, whose ``self(x)`` then returns that output, so the step's own
-loss is for its logs and the gradients are ``loss_fn``'s; in evaluation and prediction ``self(x)``
-runs a forward-only schedule. Kept apart from ``pipeline.py`` so that a task imports the contract
+Everywhere else ``self(x)`` is ``self.net(x)``. Under the pipeline it is the stages' output on
+the last stage, and zeros of its shape on the others, which then receive what the last stage's
+step logged, returned and put in its metrics. In training the strategy runs the schedule (forward
+and backward, micro-batch by micro-batch, the loss of each on the last stage) on the batch's
+``split_batch`` before it calls ``training_step``, whose ``self(x)`` then returns that output, so
+the step's own loss is for its logs and the gradients are ``loss_fn``'s; in evaluation and
+prediction ``self(x)`` runs a forward-only schedule. Kept apart from ``pipeline.py`` so that a task imports the contract
 without the pipelining code.
 """
 
@@ -38,7 +39,8 @@ class PipelineTask(L.LightningModule):
     input_shape: Sequence[int] | None = None  # one sample's shape: balance=flops measures on it
 
     def forward(self, x: Tensor) -> Tensor:
-        """``net(x)``; under ``strategy=pipeline``, the output of the pipeline's stages."""
+        """``net(x)``; under ``strategy=pipeline``, the output of the pipeline's stages (on the
+        last stage; a stand-in on the others)."""
         trainer = self._trainer
         stages = getattr(trainer.strategy, "stages_output", None) if trainer else None
         return self.net(x) if stages is None else stages(x)
