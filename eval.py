@@ -9,6 +9,7 @@ with imports_frozen():  # faster start and exit: runtime.py
     import trainkit.startup  # noqa: F401  first: before Lightning imports torchmetrics
     from trainkit.config import did_you_mean
     from trainkit.evaluate import run
+    from trainkit.launch import end_process
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="eval")
@@ -19,3 +20,4 @@ def main(cfg: DictConfig) -> None:
 if __name__ == "__main__":
     with did_you_mean("eval"):  # a line naming the closest key, where Hydra refused an unknown one
         main()
+    end_process()  # a rank > 0 ends here, without the interpreter's teardown (launch.py)

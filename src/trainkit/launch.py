@@ -151,7 +151,8 @@ class JobScriptLauncher(_SubprocessScriptLauncher):
         os.environ["LOCAL_RANK"] = str(env.local_rank())
         os.environ["WORLD_SIZE"] = str(self.num_processes * self.num_nodes)
         for local_rank in range(1, self.num_processes):
-            child_env = {**os.environ, "LOCAL_RANK": str(local_rank)}
+            # PYTHONFAULTHANDLER: a rank that aborts or crashes writes every thread's Python stack
+            child_env = {**os.environ, "LOCAL_RANK": str(local_rank), "PYTHONFAULTHANDLER": "1"}
             proc = subprocess.Popen(job_command(local_rank), env=child_env)
             self.procs.append(proc)
             _children.append(proc)
@@ -194,6 +195,21 @@ def first_process() -> bool:
     """Whether this is a run's first process: global rank 0 of its launcher, and not a rank that
     Lightning's ddp launcher started (``LOCAL_RANK``)."""
     return launcher_rank() == 0 and os.environ.get("LOCAL_RANK", "0") == "0"
+
+
+def end_process() -> None:
+    """Ends any process but a run's first once its work is done, as multiprocessing ends its
+    children: logs and streams flushed, then ``os._exit(0)``, without the interpreter's teardown.
+    There a rank that had finished aborted now and then ("terminate called without an active
+    exception", exit -6; docs/design.md, "Ranks that abort in the interpreter's teardown"),
+    failing its run. The first process ends as usual, its loggers' exit hooks run. Called by
+    train.py and eval.py after their job returned."""
+    if first_process():
+        return
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)
 
 
 def slurm_job_id() -> str | None:
