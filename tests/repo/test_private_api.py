@@ -14,10 +14,13 @@ TABLE = ROOT / "docs" / "upgrading.md"
 LIBRARY = ROOT / "src" / "trainkit"
 CONFIG_KEYS = {"_target_", "_partial_", "_convert_", "_args_", "_recursive_"}  # Hydra's, public
 AUTOMATIC = {"_abc_impl"}  # what Python itself puts in a class
+DOCUMENTED = {"_exit"}  # os._exit: Python's documented API, for all its underscore
 
 
 def private(name: str) -> bool:
-    return name.startswith("_") and not name.startswith("__") and name not in CONFIG_KEYS
+    return (
+        name.startswith("_") and not name.startswith("__") and name not in CONFIG_KEYS | DOCUMENTED
+    )
 
 
 def rows() -> list[str]:
