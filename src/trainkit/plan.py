@@ -474,7 +474,9 @@ def configured_choice(cfg: DictConfig, dims: ParallelDims, fp: Footprint) -> Cho
         microbatches = int(cfg.strategy.get("microbatches") or 1)
         schedule = str(cfg.strategy.get("schedule") or "gpipe")
         split = cfg.strategy.get("split_points")  # the run's own cut, where it gives one
-        piped = _pipeline(fp, int(cfg.strategy.stages), microbatches, schedule, (), split)
+        shards = dims.replicas if cfg.strategy.get("shard") else 1  # pipeline x fsdp
+        stages = int(cfg.strategy.stages)
+        piped = _pipeline(fp, stages, microbatches, schedule, (), split, shards)
         return replace(piped, configured=True)
     elif kind == "dp" and dims.devices > 1:  # device 0 holds the state, each its batch share
         memory, name = at_batch(fp, max(1, fp.batch // dims.devices)), f"dp x{dims.devices}"
@@ -493,10 +495,15 @@ def _pipeline(
     schedule: str,
     overrides: tuple[str, ...],
     split_points: Sequence[int] | None = None,
+    shards: int = 1,
 ) -> Choice:
+    """``shards``: each stage's state sharded over that many ranks (``strategy.shard=true``)."""
     memory = pipelined(fp, stages, microbatches, schedule, split_points)
-    name = f"pipeline x{stages} ({schedule}, {microbatches} micro-batches)"
-    return Choice(name, "pipeline", stages, overrides, memory)
+    if shards > 1:
+        memory = fully_sharded(memory, shards)
+    sharded = f" x fsdp x{shards}" if shards > 1 else ""
+    name = f"pipeline x{stages}{sharded} ({schedule}, {microbatches} micro-batches)"
+    return Choice(name, "pipeline", stages * shards, overrides, memory)
 
 
 def _kind(cfg: DictConfig, caps: Capabilities) -> str:

@@ -425,6 +425,23 @@ def test_a_transformer_with_its_layers_in_a_sequential_runs_under_the_pipeline(
     assert set(metrics(one)["test"]) == {"test_loss"}
 
 
+def test_the_transformer_trains_under_pipeline_x_fsdp_as_under_ddp(
+    user_conf: Path, data: dict, run_script: Callable[..., Path]
+) -> None:
+    """The same module on 2 stages, each sharded over 2 ranks (``strategy.shard=true``): the
+    weights ddp x2 trains (one device's) on the same batches, plain SGD. 223 training blocks:
+    4 batches of 28 per replica."""
+    run = user_run(
+        user_conf, data, "lit_pipelined_language", "data.held_out=32", "data.batch_size=28"
+    )
+    ddp = run_script("train.py", *run, "strategy=ddp", "devices=2")
+    sharded = run_script(
+        "train.py", *run, "strategy=pipeline", "devices=4", "strategy.shard=true",
+        "strategy.balance=params", TIMEOUT,
+    )  # fmt: skip
+    assert max_diff(run_weights(ddp), run_weights(sharded)) < WEIGHT_ATOL
+
+
 # --- eval.py pointed at moved data: a datamodule's own arguments ---------------------------------
 
 

@@ -1,8 +1,9 @@
 """Sharded checkpoints, fsdp's and the pipeline's default: each rank writes its part of the
 weights and optimizer state (``torch.distributed.checkpoint``), and the checkpoint travels: fsdp's
-resumed on 3 ranks, under ddp and on one device, the pipeline's under the pipeline, fsdp and one
-device, evaluated on any layout, consolidated into the one file every strategy reads; a save
-killed half-way leaves the previous checkpoint as ``last``.
+resumed on 3 ranks, under ddp and on one device, the pipeline's under the pipeline, fsdp, one
+device and pipeline x fsdp (whose own resumes on one device), evaluated on any layout,
+consolidated into the one file every strategy reads; a save killed half-way leaves the previous
+checkpoint as ``last``.
 
 Every run trains the MLP with SGD and momentum (linear in the gradient, so a wrong scale shows in
 the weights, and with a state per parameter to shard and reshard) on 768 images, a global batch
@@ -10,6 +11,7 @@ of 96 on every layout (8 steps an epoch).
 """
 
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,6 +42,7 @@ def base(tmp_path_factory) -> tuple[str, ...]:
 
 TWO = ("devices=2", "data.batch_size=48")
 PIPE = ("strategy=pipeline", "devices=2", "data.batch_size=96")
+PIPE_FSDP = ("strategy=pipeline", "devices=4", "strategy.shard=true", "data.batch_size=48")
 # each set of runs made once, by one xdist worker, beside the other's
 FSDP_RUNS, PIPE_RUNS = "sharded_fsdp_runs", "sharded_pipe_runs"
 
@@ -87,21 +90,13 @@ def sharded_fsdp_runs(run_script: Callable[..., Path], run_here: Callable[..., P
 
 @pytest.fixture(scope="module")
 def sharded_pipe_runs(run_script: Callable[..., Path], run_here: Callable[..., Path], base) -> dict:
-    """An epoch on 2 stages, sharded and full, and on 2 stages x 2 replicas, sharded in the
-    background; from the sharded last checkpoint a second epoch on 2 stages, fsdp x2 and one
-    device. One device's 2 epochs."""
+    """An epoch on 2 stages, sharded and full, and on pipeline x fsdp (2 stages x 2 shards),
+    sharded in the background; from the 2 stages' sharded last
+    checkpoint a second epoch on 2 stages, fsdp x2, one device and pipeline x fsdp, and from
+    pipeline x fsdp's on one device. One device's 2 epochs."""
     out = {
         "pipe": run_script("train.py", *base, *PIPE, "trainer.max_epochs=1"),
         "pipe_full": run_script("train.py", *base, *PIPE, FULL, "trainer.max_epochs=1"),
-        "pipe_replicas": run_script(  # 2 stages x 2 replicas of 48, saving in the background
-            "train.py",
-            *base,
-            *PIPE[:1],
-            "devices=4",
-            "data.batch_size=48",
-            "trainer.max_epochs=1",
-            "strategy.async_save=true",
-        ),
         "single2": run_here("train.py", *base, "data.batch_size=96", "trainer.max_epochs=2"),
     }
     from_pipe = (*base, f"ckpt_path={last(out['pipe'])}", "trainer.max_epochs=2")
@@ -110,6 +105,18 @@ def sharded_pipe_runs(run_script: Callable[..., Path], run_here: Callable[..., P
     out["pipe_then_one"] = run_script(
         "train.py", *from_pipe, "strategy=auto", "devices=1", "data.batch_size=96"
     )
+    # pipeline x fsdp: 2 stages, each sharded over 2 ranks (saving in the background); resumed
+    # from the 2 stages' checkpoint (its parts read into each rank's shards), and its own resumed
+    # on one device
+    out["pipe_then_pipe_fsdp"] = run_script("train.py", *from_pipe, *PIPE_FSDP)
+    out["pipe_fsdp"] = run_script(
+        "train.py", *base, *PIPE_FSDP, "strategy.async_save=true", "trainer.max_epochs=1",
+        "+callbacks.shards._target_=helpers.ShardSizes",
+    )  # fmt: skip
+    out["pipe_fsdp_then_one"] = run_script(
+        "train.py", *base, f"ckpt_path={last(out['pipe_fsdp'])}", "trainer.max_epochs=2",
+        "strategy=auto", "devices=1", "data.batch_size=96",
+    )  # fmt: skip
     return out
 
 
@@ -172,20 +179,22 @@ def test_consolidated_is_the_full_checkpoint_of_the_same_run(
     [on(FSDP_RUNS, "fsdp3", "single2", 16), on(FSDP_RUNS, "ddp2", "single2", 16),
      on(FSDP_RUNS, "one", "single2", 16), on(FSDP_RUNS, "one_from3", "single3", 24),
      on(FSDP_RUNS, "from_ddp", "single2", 16), on(PIPE_RUNS, "pipe_then_pipe", "single2", 16),
-     on(PIPE_RUNS, "pipe_then_fsdp", "single2", 16), on(PIPE_RUNS, "pipe_then_one", "single2", 16)],
+     on(PIPE_RUNS, "pipe_then_fsdp", "single2", 16), on(PIPE_RUNS, "pipe_then_one", "single2", 16),
+     on(PIPE_RUNS, "pipe_then_pipe_fsdp", "single2", 16),
+     on(PIPE_RUNS, "pipe_fsdp_then_one", "single2", 16)],
 )  # fmt: skip
 def test_a_sharded_checkpoint_resumes_on_any_layout(
     runs, group: str, name: str, reference: str, steps: int
 ) -> None:
     """fsdp: 2 ranks -> 3 ranks -> one device, 2 ranks -> ddp, a ddp one-file checkpoint -> fsdp
-    sharded; the pipeline's 2 stages -> 2 stages, fsdp, one device: one device's weights after
-    the same epochs."""
+    sharded; the pipeline's 2 stages -> 2 stages, fsdp, one device, pipeline x fsdp (2 stages x 2
+    shards), and pipeline x fsdp -> one device: one device's weights after the same epochs."""
     runs = runs(group)
     resumed = load_checkpoint(last(runs[name]))
     assert resumed["global_step"] == steps
     diffs = max_diff(resumed["state_dict"], run_weights(runs[reference]))
     assert diffs < WEIGHT_ATOL, (name, diffs)
-    sharded_by = ("fsdp3", "from_ddp", "pipe_then_pipe", "pipe_then_fsdp")  # fsdp, the pipeline
+    sharded_by = ("fsdp3", "from_ddp", "pipe_then_pipe", "pipe_then_fsdp", "pipe_then_pipe_fsdp")
     assert is_sharded(last(runs[name])) == (name in sharded_by)
 
 
@@ -208,17 +217,31 @@ def test_a_save_in_the_background_writes_the_same_checkpoints(sharded_fsdp_runs:
 
 
 @pytest.mark.xdist_group(name=PIPE_RUNS)
-def test_replicas_of_a_stage_write_its_part_once(sharded_pipe_runs: dict) -> None:
-    """2 stages x 2 replicas, saving in the background: the stages' parts, each once, make the
-    model the same layout trains; one device's within the replicas' float sums."""
+def test_the_shards_of_each_stage_make_the_model(sharded_pipe_runs: dict) -> None:
+    """Pipeline x fsdp (2 stages, each sharded over 2 ranks), saving in the background: each
+    parameter held in two halves by the ranks of the stage that trains it (ranks 0 and 2 are
+    stage 0, 1 and 3 stage 1), each rank writing its part, and the parts (weights and momentum)
+    together the model and state 2 stages train on the same batches, within the shards' float
+    sums. (2 stages x 2 unsharded replicas, each part written once: e2e/test_pipeline.py.)"""
     runs = sharded_pipe_runs
-    whole_model = load_checkpoint(last(runs["pipe_replicas"]))
+    shards = [
+        json.loads((runs["pipe_fsdp"] / f"shards.rank{r}.json").read_text()) for r in range(4)
+    ]
+    for name, info in shards[0].items():
+        whole = math.prod(info["shape"])
+        held = [shards[r][name]["param"] for r in range(4)]
+        stage = 0 if held[0] < whole else 1  # the other stage's ranks hold it on meta, whole
+        assert held[stage] + held[stage + 2] == whole and 0 < held[stage + 2] < whole, name
+    parts = sorted(p.name for p in last(runs["pipe_fsdp"]).iterdir())
+    assert parts == [".metadata", *(f"__{r}_0.distcp" for r in range(4)), "meta.pt"], parts
+    whole_model = load_checkpoint(last(runs["pipe_fsdp"]))
     full = torch.load(last(runs["pipe_full"]), weights_only=True)
     assert max_diff(whole_model["state_dict"], full["state_dict"]) < WEIGHT_ATOL
-    assert (
-        whole_model["optimizer_states"][0]["state"].keys()
-        == full["optimizer_states"][0]["state"].keys()
-    )
+    (ours,), (theirs,) = whole_model["optimizer_states"], full["optimizer_states"]
+    assert ours["state"].keys() == theirs["state"].keys() and theirs["state"]
+    for k, state in theirs["state"].items():  # SGD's momentum, per parameter
+        momentum = ours["state"][k]["momentum_buffer"] - state["momentum_buffer"]
+        assert momentum.abs().max() < WEIGHT_ATOL, k
 
 
 @pytest.mark.parametrize(

@@ -115,6 +115,7 @@ def test_bad_split_points_are_refused(stages: int, points: list[int]) -> None:
         ({"microbatch_size": 0}, r"strategy\.microbatch_size=0"),
         ({"virtual_stages": 2}, r"virtual_stages=2 with strategy\.schedule=gpipe.*interleaved"),
         ({"schedule": "interleaved", "virtual_stages": 0}, r"strategy\.virtual_stages=0"),
+        ({"shard": True, "checkpoint": "full"}, r"shard=true with strategy\.checkpoint=full"),
     ],
 )
 def test_bad_options_are_refused_when_built(kwargs: dict, message: str) -> None:
@@ -165,6 +166,7 @@ def test_bad_options_are_refused_when_built(kwargs: dict, message: str) -> None:
         ),
         ({}, task(nn.Linear(784, 10)), 2, 64, 1, r"\.net \(an nn\.Sequential .*\.net is Linear"),
         ({"module": "body"}, mlp(), 2, 64, 1, r"\.body \(an nn\.Sequential .*body does not exist"),
+        ({"shard": True}, mlp(), 2, 64, 1, r"strategy\.shard=true .*devices=2 with stages=2"),
         (
             {},
             ImageClassifier(
@@ -192,6 +194,7 @@ def test_check_run_refuses_what_cannot_run(
         ({"microbatches": 1}, 2),
         ({"stages": 3, "split_points": [1, 2], "schedule": "1f1b", "microbatches": 4}, 3),
         ({}, 4),  # 2 stages x 2 data-parallel replicas
+        ({"shard": True}, 4),  # 2 stages, each sharded over 2 ranks
         ({"microbatch_size": 16}, 2),
         ({"schedule": "interleaved", "microbatches": 8}, 2),
         ({"schedule": "interleaved", "virtual_stages": 3, "microbatches": 2}, 2),

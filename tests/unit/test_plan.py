@@ -21,6 +21,7 @@ from trainkit.plan import (
     at_batch,
     check_fits,
     choices,
+    configured_choice,
     footprint,
     fully_sharded,
     pipelined,
@@ -97,6 +98,19 @@ def test_the_choices_start_with_the_run_and_offer_each_strategy(compose) -> None
     assert names[:3] == ["one device", "ddp x3", "fsdp x3"]
     assert names[3].startswith("pipeline x2")  # the 3 blocks allow 2 and 3 stages
     assert found[1].overrides == ("devices=1", "strategy=auto")
+
+
+def test_pipeline_x_fsdp_shards_the_busiest_stage_over_its_replicas(compose) -> None:
+    """``strategy.shard=true`` on 2 stages x 2 replicas: the busiest stage's state in halves,
+    plus the largest unit gathered, its activations as they were."""
+    run = (SMALL, "strategy=pipeline", "devices=4")
+    cfg, sharded_cfg = compose(*run), compose(*run, "strategy.shard=true")
+    fp = footprint(cfg)
+    stage = configured_choice(cfg, ParallelDims.from_config(cfg), fp)
+    sharded = configured_choice(sharded_cfg, ParallelDims.from_config(sharded_cfg), fp)
+    assert sharded.name.startswith("pipeline x2 x fsdp x2 (") and sharded.configured
+    assert sharded.memory == fully_sharded(stage.memory, 2)
+    assert sharded.memory.total < stage.memory.total
 
 
 def test_plan_true_is_short_for_plan_show(compose) -> None:

@@ -32,6 +32,10 @@ Traps this handles (docs/design.md, "Pipeline gradients zeroed by zero_grad" and
   pipeline process holds only its own blocks").
 - Shapes are fixed after the first step: the batch must split into equal micro-batches and
   training drops an incomplete last batch.
+
+``shard=true`` (pipeline x fsdp): a stage's replicas shard its blocks (FSDP2) instead of each
+holding them whole; FSDP's reduce-scatter averages the gradients, evaluation runs one
+micro-batch per batch (``_eval_schedule``), a checkpoint is each rank's shards.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimize
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -58,6 +64,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
     ScheduleLoopedBFS,
 )
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode
 from torchmetrics import Metric
@@ -173,6 +180,26 @@ def recv_state(src: int, group: Any, device: torch.device) -> dict[Any, Any]:
     return tree_unflatten(leaves, spec)
 
 
+def as_held(full: Any, like: Any) -> Any:
+    """``full`` as ``like`` holds it: sharded alike where ``like`` is a DTensor (this rank's
+    slice, cut here: every rank read the whole tensor), else as it is."""
+    if not isinstance(like, DTensor) or isinstance(full, DTensor):
+        return full
+    return distribute_tensor(
+        full.to(like.device), like.device_mesh, like.placements, src_data_rank=None
+    )
+
+
+def is_shaped_like(value: Any, param: Tensor) -> bool:
+    """Whether an optimizer's state ``value`` is a tensor of its parameter's shape (a moment)."""
+    return isinstance(value, Tensor) and value.shape == param.shape
+
+
+def local_part(t: Tensor) -> Tensor:
+    """This rank's part of a tensor: a DTensor's local shard, any other tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def as_bytes(t: Tensor) -> Tensor:
     """A tensor's bytes, flat (a copy where it is not contiguous)."""
     return t.detach().reshape(-1).view(torch.uint8)
@@ -188,13 +215,14 @@ class GlobalNormClipping(Precision):
 
     def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
         grads = [p.grad for p in self.main_params(optimizer) if p.grad is not None]
-        local = sum((g.detach().float().pow(2).sum() for g in grads), torch.zeros(()))
+        # a sharded stage's gradients are DTensors: each rank sums its own shard's
+        local = sum((local_part(g).detach().float().pow(2).sum() for g in grads), torch.zeros(()))
         total = local.to(self.norm_device)
         # each parameter has its gradient on one stage; replicas hold the same (averaged) ones
         dist.all_reduce(total, group=self.norm_group)
         coef = (clip_val / (total.sqrt() + 1e-6)).clamp(max=1.0)  # torch's clip_grad_norm_'s
         for g in grads:
-            g.mul_(coef.to(g.device, g.dtype))
+            local_part(g).mul_(coef.to(g.device, g.dtype))
 
 
 @cache
@@ -233,11 +261,19 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
         module: str = "net",
         checkpoint: str = "sharded",
         async_save: bool = False,
+        shard: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.checkpoint = checkpoint_form(checkpoint, async_save)
         self.async_save = async_save
+        if shard and self.checkpoint == "full":
+            raise PipelineConfigError(
+                "strategy.shard=true with strategy.checkpoint=full: a stage's replicas each hold "
+                "a shard of its blocks, and a full save would gather them; use "
+                "strategy.checkpoint=sharded"
+            )
+        self.shard = shard
         if schedule not in SCHEDULES:
             raise PipelineConfigError(
                 f"strategy.schedule={schedule!r}: use one of {', '.join(SCHEDULES)}"
@@ -357,6 +393,13 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
                 f"replica: devices x num_nodes ({devices} x {num_nodes}) must be a multiple of "
                 f"{self.stages}"
             )
+        if self.shard and devices * num_nodes == self.stages:
+            raise PipelineConfigError(
+                f"strategy.shard=true shards each stage's blocks over its replicas, but devices="
+                f"{devices * num_nodes} with stages={self.stages} gives each stage one process: "
+                f"give devices a multiple of {self.stages} (devices={2 * self.stages}: 2 shards "
+                f"of each stage), or leave strategy.shard=false"
+            )
         if batch_size is None:  # a loader of the user's not read here: the first step checks it
             return
         microbatches = self.microbatches_for(batch_size)
@@ -459,14 +502,28 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
                 c: nn.Sequential(*blocks[bounds[c] : bounds[c + 1]])
                 for c in range(self.stage, self.chunks, self.stages)
             }
+            if self.shard:
+                self._shard_chunks()
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
-        self.precision_plugin.norm_group = self._pipe_group
+        # sharded, each stage's gradient norm is split over its replicas too
+        self.precision_plugin.norm_group = None if self.shard else self._pipe_group
         self.precision_plugin.norm_device = self.root_device
         self._sync_metrics_over_replicas()
+
+    def _shard_chunks(self) -> None:
+        """``shard=true``: the replicas of a stage shard its blocks (FSDP2, ``fully_shard`` over
+        the stage's replica group) instead of each holding them whole; each block a unit, each
+        chunk the root the schedule's stage drives (torch's ``PipelineStage`` runs FSDP's
+        post-backward after the last micro-batch)."""
+        mesh = DeviceMesh.from_group(self._replica_group, self.root_device.type)
+        for chunk in self._chunks.values():
+            for block in chunk:
+                fully_shard(block, mesh=mesh)
+            fully_shard(chunk, mesh=mesh)
 
     def _sync_metrics_over_replicas(self) -> None:
         """A torchmetrics metric syncs its state over every rank unless given a process group,
@@ -572,6 +629,12 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
                 if self.microbatch_size is None
                 else max(1, batch_size // self.microbatch_size)
             )
+            if self.shard:
+                # A stage's shards gather each block's weights in every micro-batch's forward,
+                # together: their evaluation parts have as many batches but maybe not of one
+                # size (64 and 63), whose micro-batch counts would differ (63 has no divisor
+                # 2-4), and each would wait on a gather the other never starts. One per batch.
+                target = 1
             n = max(d for d in range(1, min(target, batch_size) + 1) if batch_size % d == 0)
             stages = self._pipeline_stages()
             self._eval_schedules[batch_size] = (
@@ -646,7 +709,8 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
                 out = schedule.step(target=y)
             else:
                 out = schedule.step()
-        if self.replicas > 1:  # data parallel across pipelines: average each stage's gradients
+        if self.replicas > 1 and not self.shard:  # data parallel: average each stage's gradients
+            # (sharded, FSDP's reduce-scatter averaged them over the replicas in the backward)
             for p in params:
                 if p.grad is not None:
                     dist.all_reduce(p.grad, group=self._replica_group)
@@ -903,6 +967,8 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
             for k, v in checkpoint["state_dict"].items()
             if self._is_block_of(k) in (None, self.stage)
         }
+        held = lm.state_dict()
+        state = {k: as_held(v, held.get(k)) for k, v in state.items()}
         missing, unexpected = lm.load_state_dict(state, strict=False)
         missing = [k for k in missing if self._is_block_of(k) in (None, self.stage)]
         if strict and (missing or unexpected):
@@ -915,6 +981,12 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
         """Each optimizer's state of this process's parameters only (the others' are on meta)."""
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
             own = self._own_param_indices(optimizer)
-            mine = {i: s for i, s in state["state"].items() if i in own}
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            # a state shaped like its parameter (a momentum) sharded as the parameter is
+            mine = {
+                i: {k: as_held(v, params[i]) if is_shaped_like(v, params[i]) else v
+                    for k, v in s.items()}
+                for i, s in state["state"].items() if i in own
+            }  # fmt: skip
             optimizer.load_state_dict({"state": mine, "param_groups": state["param_groups"]})
             _optimizer_to_device(optimizer, self.root_device)

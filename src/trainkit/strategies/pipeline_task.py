@@ -17,8 +17,8 @@ step logged, returned and put in its metrics. In training the strategy runs the 
 and backward, micro-batch by micro-batch, the loss of each on the last stage) on the batch's
 ``split_batch`` before it calls ``training_step``, whose ``self(x)`` then returns that output, so
 the step's own loss is for its logs and the gradients are ``loss_fn``'s; in evaluation and
-prediction ``self(x)`` runs a forward-only schedule. Kept apart from ``pipeline.py`` so that a task imports the contract
-without the pipelining code.
+prediction ``self(x)`` runs a forward-only schedule. Kept apart from ``pipeline.py`` so that a
+task imports the contract without the pipelining code.
 """
 
 from __future__ import annotations
