@@ -550,10 +550,10 @@ def test_the_profiler_example_runs_where_its_profiler_does_and_its_fix_everywher
     pipeline refuses the module for its own forward). The example's manual optimization runs
     with its profiler on one device; under ddp and fsdp, the GAN's above."""
     cifar = write_cifar10(tmp_path / "cifar", n_per_batch=8, n_test=16)
-    example = (
-        "train.py", "check=true", f"hydra.searchpath=[file://{user_conf}]", "model=lit_profiler",
-        "data=lit_profiler_cifar", f"paths.data_dir={cifar}", "monitor=val_loss",
-        "monitor_mode=min",
+    example = (  # 2 steps a layout: a ResNet-18 step at 224 px is seconds on CPU
+        "train.py", "check=true", "check.steps=2", f"hydra.searchpath=[file://{user_conf}]",
+        "model=lit_profiler", "data=lit_profiler_cifar", f"paths.data_dir={cifar}",
+        "monitor=val_loss", "monitor_mode=min",
     )  # fmt: skip
     as_written = tmp_path / "as_written"
     proc = run_python(
@@ -599,7 +599,9 @@ def test_the_imagenet_example_trains_on_its_own_loaders_under_every_strategy(
         f"hydra.searchpath=[file://{user_conf}]", "model=lit_imagenet", "~data",
         f"paths.data_dir={images}", "monitor=val_acc1",
     )  # fmt: skip
-    proc = run_python("train.py", *example, "check=true", log_dir=tmp_path / "check")
+    proc = run_python(  # 2 steps a layout: a ResNet-18 step at 224 px is seconds on CPU
+        "train.py", *example, "check=true", "check.steps=2", log_dir=tmp_path / "check"
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = check_rows(tmp_path / "check")
     for name in ("ddp x2", "dp x2", "fsdp x2"):

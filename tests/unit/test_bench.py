@@ -225,6 +225,10 @@ def test_per_process_batch() -> None:
     assert Cell("mlp", "plain", "ddp", 2).per_process_batch(256) == 128
     assert Cell("mlp", "template", "dp", 2).per_process_batch(256) == 256  # dp splits it itself
     assert Cell("mlp", "template", "pipeline", 2).per_process_batch(256) == 256  # one replica
+    sharded = MEMORY_SPLITS[2]  # 2 stages x 2 shards: a replica's share
+    assert (sharded.devices, sharded.per_process_batch(64)) == (4, 32)
+    assert "strategy.shard=true" in sharded.extra
+    assert MEMORY_SPLITS[1].per_process_batch(64) == 64  # 3 stages, one replica
 
 
 def test_compile_warmup_is_against_the_eager_cell() -> None:

@@ -101,16 +101,19 @@ def test_the_choices_start_with_the_run_and_offer_each_strategy(compose) -> None
 
 
 def test_pipeline_x_fsdp_shards_the_busiest_stage_over_its_replicas(compose) -> None:
-    """``strategy.shard=true`` on 2 stages x 2 replicas: the busiest stage's state in halves,
-    plus the largest unit gathered, its activations as they were."""
+    """``strategy.shard=true`` on 2 stages x 2 replicas: the busiest stage's weights and
+    optimizer state in halves, and at the last micro-batch's backward its weights gathered and
+    its gradients whole (torch's PipelineStage), its activations as they were."""
     run = (SMALL, "strategy=pipeline", "devices=4")
     cfg, sharded_cfg = compose(*run), compose(*run, "strategy.shard=true")
     fp = footprint(cfg)
     stage = configured_choice(cfg, ParallelDims.from_config(cfg), fp)
     sharded = configured_choice(sharded_cfg, ParallelDims.from_config(sharded_cfg), fp)
     assert sharded.name.startswith("pipeline x2 x fsdp x2 (") and sharded.configured
-    assert sharded.memory == fully_sharded(stage.memory, 2)
-    assert sharded.memory.total < stage.memory.total
+    whole, shard = stage.memory, sharded.memory
+    assert shard.params == -(-whole.params // 2) + whole.params and shard.grads == whole.grads
+    assert shard.optimizer == -(-whole.optimizer // 2) and shard.activations == whole.activations
+    assert shard.total < whole.total
 
 
 def test_plan_true_is_short_for_plan_show(compose) -> None:

@@ -85,9 +85,16 @@ class Cell:
         return self.rounds or WORKLOADS[self.workload].rounds
 
     def per_process_batch(self, batch_size: int) -> int:
+        """``data.batch_size`` of the cell's command: a process's share of the global batch, or
+        under the pipeline a replica's (its stages share one batch)."""
         data_parallel = self.strategy in DATA_PARALLEL or (
             self.runner != "template" and self.devices > 1
         )
+        if self.strategy == "pipeline":
+            stages = next(
+                (int(e.split("=")[1]) for e in self.extra if e.startswith("strategy.stages=")), 2
+            )
+            return batch_size // (self.devices // stages)
         return batch_size // self.devices if data_parallel else batch_size
 
 
@@ -160,12 +167,18 @@ MLP_TEMPLATE = Cell("mlp", "template", rounds=PEER_ROUNDS)  # the default recipe
 MLP_COMPILED = Cell("mlp", "template", extra=("compile=true",), variant="compile")
 
 
-def pipeline(workload: str, microbatches: int, schedule: str = "gpipe", stages: int = 2) -> Cell:
+def pipeline(
+    workload: str, microbatches: int, schedule: str = "gpipe", stages: int = 2, shards: int = 1
+) -> Cell:
+    """A pipeline cell: ``stages`` processes, each stage sharded over ``shards`` ranks (pipeline
+    x fsdp, ``strategy.shard=true``) where more than one."""
     extra = ("strategy.microbatches=" + str(microbatches), "strategy.schedule=" + schedule)
     variant = f"{schedule} mb={microbatches}"
     if stages != 2:
         extra, variant = (*extra, f"strategy.stages={stages}"), f"{variant} stages={stages}"
-    return Cell(workload, "template", "pipeline", stages, extra=extra, variant=variant)
+    if shards > 1:
+        extra, variant = (*extra, "strategy.shard=true"), f"{variant} x fsdp {shards}"
+    return Cell(workload, "template", "pipeline", stages * shards, extra=extra, variant=variant)
 
 
 DEFAULT_MATRIX: tuple[Cell, ...] = (
@@ -224,6 +237,7 @@ FSDP_TRANSFORMER = Cell("transformer_wide", "template", "fsdp", 2)
 MEMORY_SPLITS = (
     pipeline("mlp_wide", 4),
     pipeline("mlp_wide", 4, stages=3),
+    pipeline("mlp_wide", 4, shards=2),  # 2 stages, each sharded over 2 ranks: 4 ranks
     FSDP_WIDE,
     FSDP_TRANSFORMER,
     Cell("resnet50_cifar", "template", "fsdp", 2),
