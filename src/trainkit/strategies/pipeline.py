@@ -310,6 +310,7 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
         self._output_layouts: dict[tuple, tuple[torch.dtype, list[int]]] = {}
         # each list state of a metric: the list and how many of its entries were mirrored
         self._mirrored_lists: dict[tuple[int, str], tuple[list, int]] = {}
+        self._metrics: list[Metric] = []  # the module's torchmetrics, found at set-up
         self._grouped_metrics: list[Metric] = []  # (``_sync_metrics_over_replicas``)
         self._pending_grads: list[Tensor | None] | None = None
         self._step_output: tuple[Tensor, Tensor] | None = None  # (input, output) of this step
@@ -529,9 +530,11 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
         """A torchmetrics metric syncs its state over every rank unless given a process group,
         and a pipeline's stages hold the same state (``_mirror_last_stage``): a sum counted each
         sample once per stage. Each of the module's metrics without a group of its own syncs over
-        this stage's replicas, until teardown."""
-        for metric in self.lightning_module.modules():
-            if isinstance(metric, Metric) and metric.process_group is None:
+        this stage's replicas, until teardown. The metrics are found here, once, for the steps'
+        ``_step_results`` too."""
+        self._metrics = [m for m in self.lightning_module.modules() if isinstance(m, Metric)]
+        for metric in self._metrics:
+            if metric.process_group is None:
                 metric.process_group = self._replica_group
                 self._grouped_metrics.append(metric)
 
@@ -821,8 +824,8 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
             if value.is_tensor and value.meta.fx == hook:  # what this step logged
                 found += [value.value, getattr(value, "cumulated_batch_size", None)]
                 found.append(value._forward_cache)
-        for metric in self.lightning_module.modules():
-            if not isinstance(metric, Metric) or metric.update_count == 0:
+        for metric in self._metrics:
+            if metric.update_count == 0:
                 continue
             for name, state in metric.metric_state.items():
                 found += self._new_entries(metric, name, state)
