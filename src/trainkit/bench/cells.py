@@ -249,11 +249,12 @@ MEMORY_SPLITS = (
 )  # fmt: skip
 # and what the split costs in messages: the bytes through each rank's collectives per step of the
 # pipeline's transformer at a 32k vocabulary (BenchProbe's traffic)
+_PIPELINED_32K = pipeline("transformer_32k", 4)
 TRAFFIC = (
     replace(
-        pipeline("transformer_32k", 4),
+        _PIPELINED_32K,
         extra=(
-            *pipeline("transformer_32k", 4).extra,
+            *_PIPELINED_32K.extra,
             "strategy.balance=params",
             "+callbacks.bench_probe.traffic=true",
         ),

@@ -24,16 +24,16 @@ class BenchProbe(L.Callback):
         self, warmup: int, steps: int, out: str, save: bool = False, traffic: bool = False
     ) -> None:
         self.clock, self.out, self.save = StepClock(warmup, steps), out, save
-        self.warmup, self.steps = warmup, steps
-        self.traffic: torch.profiler.profile | bool = traffic
+        self.warmup, self.steps, self.traffic = warmup, steps, traffic
+        self.profile: torch.profiler.profile | None = None  # while the traffic is counted
         self.bytes_per_step: dict[str, float] | None = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
-        if self.traffic is True and batch_idx == self.warmup:
-            self.traffic = torch.profiler.profile(
+        if self.traffic and self.bytes_per_step is None and batch_idx == self.warmup:
+            self.profile = torch.profiler.profile(
                 activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True
             )
-            self.traffic.__enter__()
+            self.profile.__enter__()
         self.clock.step_start(batch_idx)
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
@@ -45,12 +45,12 @@ class BenchProbe(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         self.clock.mark("optimizer")
         self.clock.step_end(batch_idx, len(batch[1]))
-        if isinstance(self.traffic, torch.profiler.profile) and batch_idx == self.clock.last:
-            self.traffic.__exit__(None, None, None)
+        if self.profile is not None and batch_idx == self.clock.last:
+            self.profile.__exit__(None, None, None)
             self.bytes_per_step = {
-                name: n / self.steps for name, n in collective_bytes(self.traffic).items()
+                name: n / self.steps for name, n in collective_bytes(self.profile).items()
             }
-            self.traffic = False
+            self.profile = None
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         self.clock.epoch_end()
