@@ -1,8 +1,10 @@
 """The run's parallel dimensions: computed and checked once from the config, then used by name.
 
 ``ParallelDims`` answers how many processes a run starts and where; ``data_shard`` answers, inside
-a running process, which data-parallel replica it is, and ``data_parallel_group`` which ranks hold
-the other replicas. Nothing else computes these.
+a running process, which data-parallel replica it is, ``data_parallel_group`` which ranks hold
+the other replicas, and ``device_mesh`` builds the running job's one ``DeviceMesh``, from which
+fsdp and the pipeline take their process groups (ddp and dp have one dimension, the world: the
+default group). Nothing else computes these.
 """
 
 from __future__ import annotations
@@ -188,6 +190,23 @@ class ParallelDims:
                 f"(num_nodes={self.num_nodes} x {self.processes_per_node} per node): pass "
                 f"num_nodes=<--nnodes> devices=<--nproc-per-node>"
             )
+
+
+MESH_DIMS = ("data_parallel", "pipe", "tensor_parallel")
+"""The mesh's dimensions, outermost first: rank = (replica * stages + stage) * tp + t. The first
+and last are named as Lightning's ``ModelParallelStrategy`` names them (its sampler and a module's
+``configure_model`` look them up)."""
+
+
+def device_mesh(device_type: str, **sizes: int) -> Any:
+    """The running job's ``DeviceMesh`` over every rank, its dimensions the ``MESH_DIMS`` a
+    strategy uses, in that order (``data_parallel=2, pipe=2``: ranks 0, 1 are replica 0's stages).
+    Every rank builds it at the same point: its groups are made collectively."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if list(sizes) != [d for d in MESH_DIMS if d in sizes]:
+        raise ValueError(f"mesh dimensions {list(sizes)}: name them from {MESH_DIMS}, in order")
+    return init_device_mesh(device_type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
 
 
 def data_parallel_group(strategy: Any) -> Any:

@@ -9,7 +9,14 @@ from lightning.pytorch.strategies import DDPStrategy as LightningDDP
 
 from trainkit.config import LIBRARY_CONF_DIR
 from trainkit.errors import ConfigError
-from trainkit.parallel import LIGHTNING, Capabilities, ParallelDims, capabilities, data_shard
+from trainkit.parallel import (
+    LIGHTNING,
+    Capabilities,
+    ParallelDims,
+    capabilities,
+    data_shard,
+    device_mesh,
+)
 from trainkit.strategies.dp import DataParallelStrategy
 
 
@@ -90,3 +97,13 @@ def test_a_misspelt_capability_is_an_error_not_false() -> None:
         Capabilities(single_process=True)  # every field must be given
     with pytest.raises(AttributeError):
         _ = LIGHTNING.single_proces
+
+
+@pytest.mark.parametrize(
+    "sizes", [{"pipe": 2, "data_parallel": 2}, {"data_parallel": 2, "shard": 2}]
+)
+def test_a_mesh_names_its_dimensions_in_the_runs_order(sizes) -> None:
+    # the rank layout every strategy's groups assume: a dimension out of order, or unknown, would
+    # build groups of other ranks than the strategy computes
+    with pytest.raises(ValueError, match="data_parallel.*pipe.*tensor_parallel"):
+        device_mesh("cpu", **sizes)

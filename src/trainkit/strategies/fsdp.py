@@ -1,14 +1,15 @@
 """``strategy=fsdp``: fully sharded data parallel (torch's FSDP2, ``fully_shard``) over every
 rank, on CPU (gloo) and GPU (NCCL), for any LightningModule.
 
-Lightning's ``ModelParallelStrategy`` does the rest: the process group and device mesh, the
-full-state checkpoint (``checkpoint=full``), its loading. Lightning expects the module's
-``configure_model`` to shard it; here a module that does (any ``fully_shard`` in it) keeps its own
-units, and any other is sharded by a policy: ``wrap`` names the classes whose modules become units,
-and by default the repeated blocks do (``repeated_blocks``: each member of a block sequence, as
-torchtitan shards each transformer block); then each child of the module with parameters left. The
-module itself is the root unit, which takes its own, so nothing trains outside FSDP. Lightning's
-own ``strategy="fsdp"`` (FSDP1) refuses a CPU accelerator (Lightning #21812).
+Lightning's ``ModelParallelStrategy`` does the rest, on the run's device mesh
+(``parallel.device_mesh``): the process group, the full-state checkpoint (``checkpoint=full``), its
+loading. Lightning expects the module's ``configure_model`` to shard it; here a module that does
+(any ``fully_shard`` in it) keeps its own units, and any other is sharded by a policy: ``wrap``
+names the classes whose modules become units, and by default the repeated blocks do
+(``repeated_blocks``: each member of a block sequence, as torchtitan shards each transformer block);
+then each child of the module with parameters left. The module itself is the root unit, which takes
+its own, so nothing trains outside FSDP. Lightning's own ``strategy="fsdp"`` (FSDP1) refuses a CPU
+accelerator (Lightning #21812).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from hydra.utils import get_class
 from lightning.fabric.strategies.model_parallel import _load_checkpoint
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
@@ -41,7 +42,7 @@ from trainkit.checkpoint_io import ShardedSave, checkpoint_form, is_sharded, key
 from trainkit.errors import ConfigError
 from trainkit.launch import JobScriptLauncher
 from trainkit.models.blocks import BlockSequence
-from trainkit.parallel import LIGHTNING
+from trainkit.parallel import LIGHTNING, device_mesh
 from trainkit.strategies.ddp import ExactMeanReduce
 
 
@@ -168,9 +169,15 @@ class FSDPStrategy(ShardedSave, ExactMeanReduce, ModelParallelStrategy):
             )
 
     def setup_environment(self) -> None:
-        # every rank one data-parallel shard: a (world, 1) mesh, no tensor parallelism
-        self._data_parallel_size = self.num_nodes * self.num_processes
-        super().setup_environment()
+        """Lightning's, with the run's mesh (``parallel.device_mesh``) for Lightning's own: every
+        rank one data-parallel shard, no tensor parallelism."""
+        ParallelStrategy.setup_environment(self)  # the device; what ModelParallelStrategy's adds:
+        self._setup_distributed()
+        self._data_parallel_size, self._tensor_parallel_size = self.world_size, 1
+        self._device_mesh = device_mesh(
+            self.root_device.type, data_parallel=self.world_size, tensor_parallel=1
+        )
+        self.lightning_module._device_mesh = self._device_mesh  # configure_model may read it
 
     def setup(self, trainer: Any) -> None:
         """``ModelParallelStrategy.setup`` with the module sharded here first, and without its

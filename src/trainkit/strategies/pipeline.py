@@ -55,7 +55,6 @@ from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimize
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import (
     PipelineStage,
@@ -77,7 +76,7 @@ from trainkit.checkpoint_io import (
     read_sharded,
 )
 from trainkit.errors import ConfigError
-from trainkit.parallel import LIGHTNING
+from trainkit.parallel import LIGHTNING, device_mesh
 from trainkit.strategies.ddp import DDPStrategy, trainable
 from trainkit.strategies.pipeline_task import check_pipeline_task
 
@@ -317,6 +316,7 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
         self._checked_trainable: tuple[bool, ...] = ()  # (``_refuse_frozen_chunk``)
         self._pipe_group: Any = None  # this pipeline's ranks
         self._replica_group: Any = None  # this stage's rank in every replica
+        self._mesh: Any = None  # the two, as the run's DeviceMesh (_make_groups)
 
     # --- shape, checked before any process starts ---------------------------------------------
 
@@ -456,17 +456,13 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
         return bool(votes == self.world_size) if all else bool(votes)
 
     def _make_groups(self) -> None:
-        """One process group per pipeline, one per stage across replicas (every rank creates
-        every group, in the same order, as torch.distributed requires)."""
-        self._pipe_group = self._replica_group = None
-        for r in range(self.replicas):
-            group = dist.new_group([r * self.stages + s for s in range(self.stages)])
-            if r == self.global_rank // self.stages:
-                self._pipe_group = group
-        for s in range(self.stages):
-            group = dist.new_group([r * self.stages + s for r in range(self.replicas)])
-            if s == self.stage:
-                self._replica_group = group
+        """This process's pipeline and its stage's replicas: the two dimensions of the run's
+        device mesh (``parallel.device_mesh``), kept for pipeline x fsdp's shards."""
+        self._mesh = device_mesh(
+            self.root_device.type, data_parallel=self.replicas, pipe=self.stages
+        )
+        self._pipe_group = self._mesh["pipe"].get_group()
+        self._replica_group = self._mesh["data_parallel"].get_group()
 
     # --- set-up: each process materialises only its own blocks ---------------------------------
 
@@ -520,7 +516,7 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
         the stage's replica group) instead of each holding them whole; each block a unit, each
         chunk the root the schedule's stage drives (torch's ``PipelineStage`` runs FSDP's
         post-backward after the last micro-batch)."""
-        mesh = DeviceMesh.from_group(self._replica_group, self.root_device.type)
+        mesh = self._mesh["data_parallel"]
         for chunk in self._chunks.values():
             for block in chunk:
                 fully_shard(block, mesh=mesh)
