@@ -1,6 +1,7 @@
 """What the tests share besides fixtures (those are in conftest.py), in one place:
 
 - processes: ``run_python`` (a finished ``python ...``) and ``start_python`` (a running one);
+  ``JOINED_PROCESS_GROUP`` and ``PLAIN_CONSOLE``: whether a run's ranks joined a process group;
 - ``in_process_state``: what a run in the test's own process must leave as it found it;
 - ``quiet_trainer``: an in-process ``L.Trainer`` that writes and prints nothing;
 - ``shares_trained_run``: the xdist group of the tests that read conftest's ``trained_run``;
@@ -167,6 +168,23 @@ def processes(run_dir: Path, stage: str = "fit") -> list[dict]:
                 if info["stage"] == stage:
                     found.append(info)
     return sorted(found, key=lambda info: info["rank"])
+
+
+# Lightning's INFO line as a rank joins the process group ("Initializing distributed:
+# GLOBAL_RANK: <r>, MEMBER: <r + 1>/<n>"), in each rank's log file. The console shows the run's
+# own lines only (trainkit.console); PLAIN_CONSOLE makes it Hydra's plain handler, which prints
+# every line as it is logged: that console shows whether a run made a process group.
+JOINED_PROCESS_GROUP = "Initializing distributed"
+PLAIN_CONSOLE = (
+    "++hydra.job_logging.handlers.console.class=logging.StreamHandler",
+    "++hydra.job_logging.handlers.console.filters=[]",
+)
+
+
+def ranks_that_joined(output: str) -> list[int]:
+    """The global ranks whose ``JOINED_PROCESS_GROUP`` line is in ``output``, sorted."""
+    found = re.findall(rf"{JOINED_PROCESS_GROUP}: GLOBAL_RANK: (\d+)", output)
+    return sorted(int(rank) for rank in found)
 
 
 # --- in-process runs ------------------------------------------------------------------------------

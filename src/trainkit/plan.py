@@ -17,10 +17,12 @@ import math
 import os
 import subprocess
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from itertools import pairwise
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -30,7 +32,11 @@ from torch.utils._pytree import tree_leaves
 
 from trainkit.errors import ConfigError
 from trainkit.parallel import LIGHTNING, Capabilities, ParallelDims, resolve_accelerator
+from trainkit.preflight import lightning_precision
 from trainkit.run_plan import RunPlan
+
+if TYPE_CHECKING:
+    from trainkit.strategies.pipeline import PipelineStrategy
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +90,8 @@ class Choice:
     memory: Footprint
     configured: bool = False
     fits: bool | None = None
+    microbatches: int = 0  # a pipeline's micro-batches per step, as the strategy splits its batch
+    chunks: int = 0  # a pipeline's model chunks: stages x virtual_stages
 
 
 @dataclass(frozen=True)
@@ -127,7 +135,7 @@ def footprint(cfg: DictConfig, built: tuple[nn.Module, object] | None = None) ->
     # the loader's own batch where the config gives none (a user's datamodule keeps its own)
     batch = configured or (real[1] if real is not None else 1)
     zeroed: list[str] = []  # integers the training step read (_ValuesAsZero)
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with FakeTensorMode(allow_non_fake_inputs=True), _unlogged("torch._subclasses.fake_tensor"):
         model.to_empty(device="cpu")
         optimizer = first_optimizer(model)
         activations = per_sample = 0
@@ -187,6 +195,18 @@ def footprint(cfg: DictConfig, built: tuple[nn.Module, object] | None = None) ->
         largest_unit=_largest_unit(model),
         note="; ".join(notes),
     )
+
+
+@contextmanager
+def _unlogged(name: str) -> Iterator[None]:
+    """Logger ``name`` silenced: torch's fake tensors log each op that fails as an error with its
+    traceback, where the plan says what failed in one line (or expects it: ``.item()``)."""
+    logger = logging.getLogger(name)
+    disabled, logger.disabled = logger.disabled, True
+    try:
+        yield
+    finally:
+        logger.disabled = disabled
 
 
 def _forward_backward(
@@ -320,18 +340,15 @@ def _first_tensor(out: object) -> torch.Tensor:
 
 
 def _weights_dtype(precision: str) -> torch.dtype:
-    if precision.startswith("bf16-true"):
-        return torch.bfloat16
-    if precision.startswith("16-true"):
-        return torch.float16
-    if precision.startswith("64"):
-        return torch.float64
-    return torch.float32
+    """The weights' dtype under a true precision (``lightning_precision``'s name for it)."""
+    true = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}
+    return true.get(lightning_precision(precision), torch.float32)
 
 
 def _autocast(precision: str) -> torch.autocast:
-    mixed = {"bf16-mixed": torch.bfloat16, "bf16": torch.bfloat16, "16-mixed": torch.float16}
-    dtype = mixed.get(precision)
+    """The forward's autocast under a mixed precision (``16``: 16-mixed, as Lightning reads it)."""
+    mixed = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+    dtype = mixed.get(lightning_precision(precision))
     return torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None)
 
 
@@ -410,24 +427,30 @@ def pipelined(
     microbatches: int,
     schedule: str,
     split_points: Sequence[int] | None = None,
+    virtual_stages: int = 1,
 ) -> Footprint:
-    """The busiest stage: its blocks' share of the state (cut at ``split_points``, else balanced
-    as the pipeline balances them), and its share of the activations for the micro-batches in
-    flight: all of them under GPipe, at most one per stage under 1F1B."""
+    """The busiest stage: its blocks' share of the state, and its share of the activations for
+    the micro-batches in flight (``in_flight``). The blocks are cut into stages x
+    ``virtual_stages`` chunks (at ``split_points``, else balanced as the pipeline balances them),
+    and a stage holds every ``stages``-th chunk, as the strategy deals them out."""
     from trainkit.strategies.pipeline import balanced_split
 
-    if len(fp.blocks) < stages:
-        raise ValueError(f"{len(fp.blocks)} blocks do not split into {stages} stages")
-    if split_points is not None and len(split_points) == stages - 1:
+    chunks = stages * virtual_stages
+    if len(fp.blocks) < chunks:
+        what = "stages" if virtual_stages == 1 else "chunks"
+        raise ValueError(f"{len(fp.blocks)} blocks do not split into {chunks} {what}")
+    if split_points is not None and len(split_points) == chunks - 1:
         starts = [0, *split_points, len(fp.blocks)]
     else:
-        starts = [*balanced_split(list(fp.block_costs), stages), len(fp.blocks)]
+        starts = [*balanced_split(list(fp.block_costs), chunks), len(fp.blocks)]
     total_params, total_cost = sum(fp.blocks) or 1, sum(fp.block_costs) or 1
-    in_flight = 1.0 if schedule == "gpipe" else min(stages, microbatches) / microbatches
+    in_flight_share = in_flight(schedule, stages, virtual_stages, microbatches)
     stage_peaks = []
-    for first, end in pairwise(starts):
-        held = sum(fp.blocks[first:end]) / total_params
-        runs = sum(fp.block_costs[first:end]) / total_cost
+    for stage in range(stages):
+        own = [i for c, (first, end) in enumerate(pairwise(starts)) if c % stages == stage
+               for i in range(first, end)]  # fmt: skip
+        held = sum(fp.blocks[i] for i in own) / total_params
+        runs = sum(fp.block_costs[i] for i in own) / total_cost
         stage_peaks.append(
             replace(
                 fp,
@@ -435,10 +458,25 @@ def pipelined(
                 grads=round(fp.grads * held),
                 optimizer=round(fp.optimizer * held),
                 optimizer_step=round(fp.optimizer_step * held),
-                activations=round(fp.activations * runs * in_flight),
+                activations=round(fp.activations * runs * in_flight_share),
             )
         )
     return max(stage_peaks, key=lambda f: f.total)
+
+
+def in_flight(schedule: str, stages: int, virtual_stages: int, microbatches: int) -> float:
+    """The share of a stage's micro-batch activations held at once on the first stage, which
+    holds the most, by torch's schedules: all of them under GPipe; ``stages`` micro-batches under
+    1F1B (its warm-up); under interleaved 1F1B, chunk forwards out of microbatches x
+    ``virtual_stages``: its warm-up (torch's ``_get_warmup_ops``: virtual_stages - 1 rounds of
+    micro-batches, plus 2 for each later stage) and the steady phase's one forward more."""
+    if schedule == "gpipe":
+        return 1.0
+    if schedule == "interleaved":
+        per_round = microbatches // max(1, microbatches // stages)
+        ops = microbatches * virtual_stages
+        return min((virtual_stages - 1) * per_round + 2 * (stages - 1) + 1, ops) / ops
+    return min(stages, microbatches) / microbatches
 
 
 def choices(cfg: DictConfig, dims: ParallelDims, fp: Footprint) -> list[Choice]:
@@ -463,14 +501,20 @@ def choices(cfg: DictConfig, dims: ParallelDims, fp: Footprint) -> list[Choice]:
     if n > 1 and dims.accelerator == "gpu":  # device 0 holds the state, each its batch share
         found.append(Choice(f"dp x{n}", "dp", 1, (f"devices={n}", "strategy=dp"),
                             at_batch(fp, per_device(n))))  # fmt: skip
-    microbatches = int(OmegaConf.select(cfg, "strategy.microbatches", default=4) or 4)
-    schedule = str(OmegaConf.select(cfg, "strategy.schedule", default="gpipe") or "gpipe")
-    if _kind(cfg, dims.caps) != "pipeline":  # the pipeline's defaults, where the run is not one
-        microbatches, schedule = 4, "gpipe"
+    from trainkit.strategies.pipeline import PipelineConfigError
+
+    # the run's pipeline options at other stage counts; the pipeline's defaults, where the run
+    # is not one
+    options = cfg.strategy if _kind(cfg, dims.caps) == "pipeline" else None
     for stages in range(2, min(n, len(fp.blocks)) + 1):
         overrides = (f"devices={stages}", "strategy=pipeline", f"strategy.stages={stages}")
-        found.append(_pipeline(at_batch(fp, global_batch), stages, microbatches, schedule,
-                               overrides))  # fmt: skip
+        try:
+            pipe = pipeline_strategy(stages, options)
+            microbatches = pipe.microbatches_for(global_batch)
+        except PipelineConfigError:  # a shape the strategy refuses at this batch: no choice
+            continue
+        if pipe.chunks <= len(fp.blocks):
+            found.append(_pipeline(at_batch(fp, global_batch), pipe, microbatches, overrides))
     configured = configured_choice(cfg, dims, fp)
     return [configured, *(c for c in found if c.name != configured.name)]
 
@@ -482,12 +526,18 @@ def configured_choice(cfg: DictConfig, dims: ParallelDims, fp: Footprint) -> Cho
     if kind == "fsdp":
         memory, name = fully_sharded(fp, p), f"fsdp x{p}"
     elif kind == "pipeline":
-        microbatches = int(cfg.strategy.get("microbatches") or 1)
-        schedule = str(cfg.strategy.get("schedule") or "gpipe")
-        split = cfg.strategy.get("split_points")  # the run's own cut, where it gives one
+        from trainkit.strategies.pipeline import PipelineConfigError
+
+        # the run's own cut (split_points) where it gives one
+        pipe = pipeline_strategy(int(cfg.strategy.stages), cfg.strategy, split=True)
+        try:
+            microbatches = pipe.microbatches_for(fp.batch)
+        except PipelineConfigError:
+            if OmegaConf.select(cfg, "data.batch_size", default=None):
+                raise  # the strategy's own refusal of the run, before any process starts
+            microbatches = pipe.microbatches  # the loader's own batch: its first step checks it
         shards = dims.replicas if cfg.strategy.get("shard") else 1  # pipeline x fsdp
-        stages = int(cfg.strategy.stages)
-        piped = _pipeline(fp, stages, microbatches, schedule, (), split, shards)
+        piped = _pipeline(fp, pipe, microbatches, (), shards)
         return replace(piped, configured=True)
     elif kind == "dp" and dims.devices > 1:  # device 0 holds the state, each its batch share
         memory, name = at_batch(fp, max(1, fp.batch // dims.devices)), f"dp x{dims.devices}"
@@ -499,22 +549,39 @@ def configured_choice(cfg: DictConfig, dims: ParallelDims, fp: Footprint) -> Cho
     return Choice(name, kind, p, (), memory, configured=True)
 
 
+def pipeline_strategy(
+    stages: int, options: DictConfig | None = None, split: bool = False
+) -> PipelineStrategy:
+    """The pipeline strategy a run builds with ``stages``, from its ``options`` (``cfg.strategy``;
+    None: ``strategy=pipeline``'s defaults) and, with ``split``, its ``split_points``. Built for
+    its shape alone (no process group is made): the plan counts micro-batches and chunks by the
+    strategy's own ``microbatches_for`` and ``chunks``, and it refuses what the run would."""
+    from trainkit.strategies.pipeline import PipelineStrategy
+
+    keys = ("schedule", "microbatches", "microbatch_size", "virtual_stages")
+    given = {k: options.get(k) for k in keys if options is not None and options.get(k) is not None}
+    points = options.get("split_points") if split and options is not None else None
+    return PipelineStrategy(stages, **given, split_points=None if points is None else [*points])
+
+
 def _pipeline(
     fp: Footprint,
-    stages: int,
+    pipe: PipelineStrategy,
     microbatches: int,
-    schedule: str,
     overrides: tuple[str, ...],
-    split_points: Sequence[int] | None = None,
     shards: int = 1,
 ) -> Choice:
-    """``shards``: each stage's state sharded over that many ranks (``strategy.shard=true``)."""
-    memory = pipelined(fp, stages, microbatches, schedule, split_points)
+    """``pipe`` at ``microbatches`` per step; ``shards``: each stage's state sharded over that
+    many ranks (``strategy.shard=true``)."""
+    stages, schedule, virtual = pipe.stages, pipe.schedule_name, pipe.virtual_stages
+    memory = pipelined(fp, stages, microbatches, schedule, pipe.split_points, virtual)
     if shards > 1:
         memory = sharded_stage(memory, shards)
     sharded = f" x fsdp x{shards}" if shards > 1 else ""
-    name = f"pipeline x{stages}{sharded} ({schedule}, {microbatches} micro-batches)"
-    return Choice(name, "pipeline", stages * shards, overrides, memory)
+    chunks = f", {virtual} chunks each" if virtual > 1 else ""
+    name = f"pipeline x{stages}{sharded} ({schedule}{chunks}, {microbatches} micro-batches)"
+    return Choice(name, "pipeline", stages * shards, overrides, memory,
+                  microbatches=microbatches, chunks=pipe.chunks)  # fmt: skip
 
 
 def _kind(cfg: DictConfig, caps: Capabilities) -> str:
@@ -692,7 +759,8 @@ def check_fits(planned: RunPlan) -> None:
     except ConfigError:
         raise
     except Exception as err:  # a module the estimate cannot build or run: the run finds out
-        log.debug("no memory plan: %s", err)
+        why = " ".join(f"{type(err).__name__}: {err}".split())  # one line
+        log.warning("The memory estimate failed; the run starts without its memory check: %s", why)
         return
     configured = next(c for c in ranked if c.configured)
     if configured.fits:
@@ -701,15 +769,23 @@ def check_fits(planned: RunPlan) -> None:
     if fitting:
         c = fitting[0]
         fix = f"`{' '.join(c.overrides)}` ({c.name}: {_mib(c.memory.total + baseline)})"
-    else:
-        fix = "a smaller data.batch_size or more devices: no choice fits at this batch"
     m = configured.memory
+    held, at_step = m.params + m.buckets + m.optimizer, m.grads + m.optimizer_step
+    if not fitting:  # a smaller batch helps only where the activations make the peak
+        smaller = "a smaller data.batch_size or " if m.activations > at_step else ""
+        fix = f"{smaller}more devices: no choice fits at this batch"
+    # the parts as Footprint.total adds them: what is held throughout, plus the larger of the
+    # activations (forward and backward) and the gradients at the optimizer's step
+    peak = (
+        f"{_mib(m.activations)} of activations"
+        if m.activations > at_step
+        else f"{_mib(at_step)} of gradients at the optimizer's step"
+    )
     raise ConfigError(
         f"{configured.name} needs about {_mib(m.total + baseline)} per process "
-        f"({_mib(m.state)} of weights, gradients and optimizer state, {_mib(m.activations)} of "
-        f"activations, {_mib(baseline)} the process itself) but has {_mib(own_room)} "
-        f"({settings.margin:.0%} of its memory): use {fix}; `python train.py plan=true ...` "
-        f"shows every choice, plan.check=false runs anyway"
+        f"({_mib(held)} of weights and optimizer state, {peak}, {_mib(baseline)} the process "
+        f"itself) but has {_mib(own_room)} ({settings.margin:.0%} of its memory): use {fix}; "
+        f"`python train.py plan=true ...` shows every choice, plan.check=false runs anyway"
     )
 
 
@@ -721,8 +797,11 @@ def meta_model(cfg: DictConfig) -> tuple[nn.Module, object]:
     cfg = copy.deepcopy(cfg)
     if OmegaConf.select(cfg, "model.compile"):  # the same tensors; compiling is not planned
         cfg.model.compile = False
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):  # the run's draws stay its own
-        # every block is on the meta device already: none to materialise per process
+    with torch.random.fork_rng(devices=[]), torch.device("meta"), warnings.catch_warnings():
+        # (the run's draws stay its own; every block is on the meta device already: none to
+        # materialise per process; weights a module loads in its __init__ load into nothing
+        # here, which torch says once per parameter)
+        warnings.filterwarnings("ignore", message=r".*copying from a non-meta parameter")
         datamodule, model = build_data_and_model(cfg, LIGHTNING)
     return model, datamodule
 

@@ -15,7 +15,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from trainkit.build import launches_others
+from trainkit.build import arguments, launches_others
 from trainkit.config import settle
 from trainkit.data.sharding import check_train_data
 from trainkit.errors import ConfigError
@@ -28,6 +28,15 @@ log = logging.getLogger(__name__)
 
 STEPS = ("training_step", "validation_step", "test_step", "predict_step")  # a module's own
 CPU_PRECISIONS = ("32-true", "32", "64-true", "64", "bf16-mixed", "bf16-true")
+
+
+def lightning_precision(precision: object) -> str:
+    """``precision`` by Lightning's own name for it: its short aliases (``16`` is 16-mixed,
+    ``bf16`` bf16-mixed, ``32``, ``64``) read through Lightning's table, as its connector does.
+    The one reading of a precision for the checks here and the memory plan."""
+    from lightning.fabric.connector import _PRECISION_INPUT_STR_ALIAS_CONVERSION as ALIASES
+
+    return ALIASES.get(str(precision), str(precision))
 
 
 def check_precision(cfg: DictConfig, accelerator: str) -> None:
@@ -69,13 +78,10 @@ def check_precision(cfg: DictConfig, accelerator: str) -> None:
 def check_strategy(cfg: DictConfig, dims: ParallelDims) -> None:
     """What a strategy declares it cannot run (``precisions``, ``syncs_layers``), and a GPU-only
     option on a CPU run, refused here rather than by Lightning or in every rank."""
-    # Lightning's own table of its short precision names ("bf16" is bf16-mixed, ...)
-    from lightning.fabric.connector import _PRECISION_INPUT_STR_ALIAS_CONVERSION as ALIASES
-
     strategy = strategy_class(cfg.strategy)
     name = getattr(strategy, "__name__", str(cfg.strategy.get("name")))
     allowed = dims.caps.precisions
-    precision = ALIASES.get(str(cfg.precision), str(cfg.precision))
+    precision = lightning_precision(cfg.precision)
     if allowed and precision not in allowed:
         usable = [p for p in allowed if dims.accelerator == "gpu" or not p.startswith("16")]
         raise ConfigError(
@@ -204,6 +210,14 @@ def resolve_drop_last(cfg: DictConfig, caps: Capabilities) -> None:
         )
 
 
+def resolve_data_seed(cfg: DictConfig) -> None:
+    """A data config without ``seed`` whose datamodule takes one shuffles by the run's ``seed``
+    (a data YAML need not say ``seed: ${seed}``)."""
+    data = cfg.get("data")
+    if data and "seed" not in data and "seed" in arguments(data.get("_target_")):
+        settle(cfg, "data.seed", cfg.get("seed"), "the run's seed")
+
+
 def resolve_monitor_mode(cfg: DictConfig) -> None:
     """``monitor=null`` (a module whose validation logs nothing: a GAN) leaves no mode to choose
     by: ``monitor_mode`` becomes max, as the best checkpoint with min and no monitor has the last
@@ -279,6 +293,7 @@ def preflight(cfg: DictConfig, training: bool = True) -> ParallelDims:
     check_profiler(cfg, dims)
     if training:
         resolve_drop_last(cfg, dims.caps)
+        resolve_data_seed(cfg)
     resolve_monitor_mode(cfg)
     resolve_tune_malloc(cfg, dims.caps)
     set_threads(cfg, dims.processes_per_node)

@@ -27,7 +27,7 @@ from trainkit.checkpoint_io import (
     newest_intact,
     read_checkpoint,
 )
-from trainkit.config import expand_shorthands, settle
+from trainkit.config import expand_shorthands, settle, with_library_defaults
 from trainkit.errors import ConfigError
 from trainkit.launch import launcher_run_id
 
@@ -152,7 +152,7 @@ def resumed_config(cfg: DictConfig, path: Path, checkpoint: dict) -> DictConfig:
     trained, typed = checkpoint[CONFIG_KEY], composing_overrides()
     saved = expand_shorthands(_saved_overrides(path, checkpoint))  # an older run's plan=false
     name = HydraConfig.get().job.config_name
-    resumed = compose(name, overrides=merge_overrides(saved, typed))
+    resumed = with_library_defaults(compose(name, overrides=merge_overrides(saved, typed)))
     # the checkpoint's values, where its run's own command line now composes to others (not
     # where it composes to null, which the run settles: preflight's choices, the data's sizes)
     here, there = str(cfg.paths.output_dir), str(trained["paths"]["output_dir"])
@@ -308,7 +308,8 @@ def check_resume_config(path: Path, cfg: DictConfig, checkpoint: dict) -> None:
     key."""
     check_same_model(path, cfg, checkpoint[CONFIG_KEY])
     trained = OmegaConf.create(checkpoint[CONFIG_KEY])
-    states = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+    states = saved_fit_loop_state(checkpoint, path)
+    # (Lightning saves the loaders' states only where one has a state: absent is "none")
     mid_epoch = any(any(s.values()) for s in states.get("combined_loader") or [])
     refused = {**REFUSED_ON_RESUME, **(REFUSED_MID_EPOCH if mid_epoch else {})}
     for key, why in refused.items():
@@ -319,6 +320,27 @@ def check_resume_config(path: Path, cfg: DictConfig, checkpoint: dict) -> None:
                 f"{key}={new} on resume from {path}, which was trained with {key}={old}: {why}, "
                 f"so it cannot change{when}; resume with {key}={old}, or start a new run"
             )
+
+
+# where Lightning's checkpoint keeps the fit loop's own state (a layout of Lightning's, not an API)
+FIT_LOOP_STATE = ("loops", "fit_loop", "state_dict")
+
+
+def saved_fit_loop_state(checkpoint: dict, path: Path) -> dict:
+    """The fit loop's own saved state, at ``FIT_LOOP_STATE`` in Lightning's checkpoint layout
+    (docs/upgrading.md). Where a key is missing, the layout changed: a one-line error that
+    says so, not a default, which would switch off the mid-epoch refusals silently."""
+    node: Any = checkpoint
+    for depth, key in enumerate(FIT_LOOP_STATE):
+        if not isinstance(node, dict) or key not in node:
+            where = ".".join(FIT_LOOP_STATE[:depth]) or "the top level"
+            raise ConfigError(
+                f"ckpt_path={path} has no '{key}' at {where}: Lightning's checkpoint layout "
+                f"changed (the fit loop's saved state is read there: docs/upgrading.md), or the "
+                f"file was not saved by a Trainer's fit"
+            )
+        node = node[key]
+    return node
 
 
 def _value(cfg: DictConfig, key: str):

@@ -19,7 +19,16 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from helpers import PLAIN_SGD, load_checkpoint, quiet_trainer, readme_run, run_python
+from helpers import (
+    JOINED_PROCESS_GROUP,
+    PLAIN_CONSOLE,
+    PLAIN_SGD,
+    load_checkpoint,
+    quiet_trainer,
+    ranks_that_joined,
+    readme_run,
+    run_python,
+)
 from trainkit.config import compose_config
 from trainkit.data.synthetic import write_mnist
 from trainkit.parallel import ParallelDims
@@ -296,9 +305,12 @@ def test_replicas_of_a_stage_train_the_same_weights_without_a_seed(
         "trainer.limit_test_batches=1",
         "+callbacks.save_weights._target_=helpers.SaveWeights",
         f"+callbacks.save_weights.out={out}",
+        *PLAIN_CONSOLE,
         log_dir=tmp_path,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # its 4 processes joined one group: what the refused runs below must not show
+    assert ranks_that_joined(proc.stdout + proc.stderr) == [0, 1, 2, 3]
 
     def held(when: str) -> list[dict[str, torch.Tensor]]:
         return [torch.load(f"{out}.{when}.rank{r}.pt", weights_only=True) for r in range(4)]
@@ -329,12 +341,13 @@ def test_bad_pipeline_run_fails_before_any_process(pipe_mnist: Path, tmp_path: P
         "accelerator=cpu",
         *PIPE2,
         "data.batch_size=30",
+        *PLAIN_CONSOLE,  # where a process group would show
         log_dir=tmp_path,
     )
     assert proc.returncode != 0
     message = "data.batch_size=30 does not split into strategy.microbatches=4"
     assert message in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
-    assert "Initializing distributed" not in proc.stdout + proc.stderr  # no process group, no rank
+    assert JOINED_PROCESS_GROUP not in proc.stdout + proc.stderr  # no process group, no rank
     assert list((tmp_path / "train" / "runs").iterdir()) == []  # refused: no run directory left
 
 

@@ -19,7 +19,18 @@ import pytest
 import torch
 import yaml
 
-from helpers import OFFLINE_ENV, ROOT, alive, run_python, start_python, tree_state, zero_block
+from helpers import (
+    JOINED_PROCESS_GROUP,
+    OFFLINE_ENV,
+    PLAIN_CONSOLE,
+    ROOT,
+    alive,
+    ranks_that_joined,
+    run_python,
+    start_python,
+    tree_state,
+    zero_block,
+)
 from trainkit.checkpoint_io import damage, remove_stale_temp_files
 from trainkit.data.synthetic import write_mnist
 
@@ -277,8 +288,10 @@ def test_ddp_sigterm_stops_every_rank_and_resumes(base, ddp_reference, tmp_path:
         f"{hook}.step={stop_at}",
     )
     assert proc.returncode == 143, proc.stderr[-3000:]
-    proc = train(tmp_path / "logs", *base, *DDP2, "ckpt_path=last")
+    proc = train(tmp_path / "logs", *base, *DDP2, "ckpt_path=last", *PLAIN_CONSOLE)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # both ranks joined one group: what a refused run must not show (below)
+    assert ranks_that_joined(proc.stdout + proc.stderr) == [0, 1]
     assert_ddp_reference(runs(tmp_path / "logs")[-1] / "checkpoints" / "last.ckpt", ddp_reference)
 
 
@@ -610,11 +623,11 @@ def test_finite_weights_whose_next_loss_is_not_are_set_aside(
 def test_missing_data_is_reported_before_ddp_starts_its_processes(tmp_path: Path) -> None:
     proc = train(
         tmp_path, f"data.root={tmp_path / 'nothing'}", "data.download=false", "strategy=ddp",
-        "devices=2", "accelerator=cpu",
+        "devices=2", "accelerator=cpu", *PLAIN_CONSOLE,  # where a process group would show
     )  # fmt: skip
     assert proc.returncode != 0
     assert "MNIST files not found" in proc.stderr
-    assert "Initializing distributed" not in proc.stdout + proc.stderr  # no other rank started
+    assert JOINED_PROCESS_GROUP not in proc.stdout + proc.stderr  # no other rank started
     assert runs(tmp_path) == []  # refused: no run directory left
 
 

@@ -8,6 +8,7 @@ exact distributed evaluation is checked where padding would show: 251 images on 
 """
 
 import json
+import math
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +26,7 @@ from helpers import (
     run_weights,
     start_python,
 )
+from helpers import processes as logged_processes
 from trainkit.data.synthetic import write_mnist
 from trainkit.runtime import usable_cores
 
@@ -54,11 +56,14 @@ def base(odd_mnist: Path) -> tuple[str, ...]:
 
 
 @pytest.fixture(scope="module")
+def single(run_here: Callable[..., Path], base: tuple[str, ...]) -> Path:
+    """The reference: one epoch on one device (in this process), batch 64."""
+    return run_here("train.py", *base, "data.batch_size=64")
+
+
+@pytest.fixture(scope="module")
 def runs(
-    run_script: Callable[..., Path],
-    run_here: Callable[..., Path],
-    base: tuple[str, ...],
-    tmp_path_factory,
+    run_script: Callable[..., Path], single: Path, base: tuple[str, ...], tmp_path_factory
 ) -> dict:
     """One epoch on one device (in this process) and under each strategy, global batch 64
     everywhere it divides."""
@@ -71,7 +76,6 @@ def runs(
         "ddp4": readme_run("ddp4", "data.batch_size=16", *counted),
         "spawn2": readme_run("spawn2", "data.batch_size=32"),
     }
-    single = run_here("train.py", *base, "data.batch_size=64")
     runs = {k: run_script("train.py", *base, *v, log_dir=log_dir) for k, v in commands.items()}
     return {"single": single, **runs}
 
@@ -157,11 +161,13 @@ def test_gpu_request_on_a_cpu_machine_fails_before_any_process(
     assert "train_ddp_process" not in " ".join(p.name for p in tmp_path.rglob("*"))
 
 
-def test_two_nodes_with_torchrun_on_loopback(
-    base: tuple[str, ...], tmp_path: Path, free_port: int
+@shares_runs  # (the single-device reference)
+def test_two_nodes_with_torchrun_on_loopback_train_one_devices_weights(
+    base: tuple[str, ...], single: Path, tmp_path: Path, free_port: int
 ) -> None:
     """num_nodes=2: two torchrun "nodes" on this machine, one process each, one run directory
-    (shared, as on a cluster filesystem), one text log per rank."""
+    (shared, as on a cluster filesystem), one text log per rank; both nodes' ranks form one
+    process group and train, on a global batch of 64, the weights of one device."""
     port, run_dir = free_port, tmp_path / "run"
     nodes = [
         start_python(
@@ -178,9 +184,19 @@ def test_two_nodes_with_torchrun_on_loopback(
     outputs = [node.communicate(timeout=300)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     assert sorted(p.name for p in run_dir.glob("*.log")) == ["train.log", "train_rank1.log"]
-    test_metrics = metrics(run_dir)["test"]
-    assert set(test_metrics) == {"test/acc", "test/loss"}
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["best.ckpt", "last.ckpt"]
+    # each node's process trained as one rank of a group of 2
+    ranks = logged_processes(run_dir)
+    assert [(p["rank"], p["world_size"]) for p in ranks] == [(0, 2), (1, 2)], ranks
+    assert len({p["pid"] for p in ranks}) == 2
+    # each rank's half of every batch counted: one device's weights, and its test metrics
+    assert max_diff(run_weights(run_dir), run_weights(single)) < WEIGHT_ATOL
+    written, reference = metrics(run_dir), metrics(single)
+    assert set(written["test"]) == {"test/acc", "test/loss"}
+    values = {**written["fit"], **written["test"]}
+    assert all(math.isfinite(v) for v in values.values()), values
+    for key, value in reference["test"].items():
+        assert written["test"][key] == pytest.approx(value, rel=1e-5), key
 
 
 @pytest.mark.xdist_group(name="every_second_epoch")

@@ -2,6 +2,7 @@
 markers, hooks; and each job's commands run: the rename for real in a copy of the project, the
 others as make plans them (``make -n``). GitHub cannot run here, so what can be run offline is."""
 
+import os
 import re
 import shlex
 import subprocess
@@ -25,8 +26,30 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 MARKERS = {m.split(":")[0] for m in PYPROJECT["tool"]["pytest"]["ini_options"]["markers"]}
 
 
+def run_steps(job: str) -> list[str]:
+    return [s["run"] for s in WORKFLOW["jobs"][job]["steps"] if "run" in s]
+
+
 def run_lines(job: str) -> list[list[str]]:
-    return [shlex.split(s["run"]) for s in WORKFLOW["jobs"][job]["steps"] if "run" in s]
+    return [shlex.split(step) for step in run_steps(job)]
+
+
+def run_step(step: str, project: Path) -> subprocess.CompletedProcess:
+    """A step as GitHub runs it: its line through bash, in ``project``; ``make rename`` for real,
+    any other make command as ``make -n`` (the recipe make would run, without running the suite
+    itself here)."""
+    dry = "" if shlex.split(step)[1] == "rename" else " -n"
+    env = {**os.environ, "MAKEFLAGS": f"--no-print-directory{dry}", "PYTHON": sys.executable}
+    return subprocess.run(
+        ["bash", "-e", "-c", step], cwd=project, env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+
+
+def package(project: Path) -> str:
+    """The project's package: the one under src/ beside the library's."""
+    (name,) = {p.parent.name for p in (project / "src").glob("*/__init__.py")} - {"trainkit"}
+    return name
 
 
 def marker_expression(argv: list[str]) -> str:
@@ -75,17 +98,24 @@ def test_the_rename_job_renames_before_testing() -> None:
 
 def test_every_jobs_commands_run_in_a_copy_of_the_project(tmp_path: Path) -> None:
     """In the order of the workflow: ``make rename`` really (a name it refuses fails the job at
-    its first step), every other command as ``make -n`` (the recipe make would run, without
-    running the suite itself here)."""
+    its first step), every other command as ``make -n``."""
     project = copy_project(tmp_path / "project")
     for job in WORKFLOW["jobs"]:
-        for argv in run_lines(job):
-            dry = [] if argv[1] == "rename" else ["-n"]
-            proc = subprocess.run(
-                [argv[0], "--no-print-directory", *dry, *argv[1:], f"PYTHON={sys.executable}"],
-                cwd=project, capture_output=True, text=True, timeout=300,
-            )  # fmt: skip
-            assert proc.returncode == 0, f"{job}: {shlex.join(argv)}\n{proc.stderr[-2000:]}"
+        for step in run_steps(job):
+            proc = run_step(step, project)
+            assert proc.returncode == 0, f"{job}: {step}\n{proc.stderr[-2000:]}"
+
+
+def test_the_rename_job_renames_a_fork_already_called_acme(tmp_path: Path) -> None:
+    """``make rename NAME=acme``, as the README shows, then the rename job: it takes another name
+    (the make rename it would run again refuses the package's own)."""
+    project = copy_project(tmp_path / "project")
+    if package(project) != "acme":
+        assert run_step("make rename NAME=acme", project).returncode == 0
+    (step,) = [s for s in run_steps("rename") if shlex.split(s)[1] == "rename"]
+    proc = run_step(step, project)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert package(project) not in ("acme", "")
 
 
 def test_pre_commit_hooks_exist_in_the_virtualenv_layout() -> None:

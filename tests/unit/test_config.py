@@ -3,6 +3,7 @@
 import inspect
 import io
 import json
+import math
 import os
 import re
 import shutil
@@ -14,6 +15,7 @@ import lightning as L
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger
@@ -29,6 +31,7 @@ from trainkit.callbacks import ProfileSteps, RunConfig, StartupTime
 from trainkit.config import CONF_DIR, LIBRARY_CONF_DIR, compose_config, settle, unknown_keys
 from trainkit.errors import ConfigError
 from trainkit.evaluate import check_data_keys, move_data_dir
+from trainkit.models.blocks import draw_init_seed
 from trainkit.parallel import ParallelDims
 from trainkit.resolvers import run_name
 from trainkit.run_plan import RunPlan
@@ -329,10 +332,49 @@ def test_seed_is_honoured_including_zero(compose, output_dir: Path, seed: int) -
 
 
 @pytest.mark.usefixtures("restore_seed_state")
-def test_seed_null_trains(compose, output_dir: Path) -> None:
-    cfg = compose("seed=null", "debug=fast_dev_run", "logger=none", "tune_malloc=false")
+def test_seed_null_trains_from_the_random_state_it_finds(
+    compose, output_dir: Path, tmp_path: Path
+) -> None:
+    """seed=null seeds nothing: the model is drawn from the generator as the process left it,
+    and the run trains (one step of each stage) to finite metrics."""
+    held = tmp_path / "held"  # the net's init_seed at set-up, the tensors when training ends
+    cfg = compose(
+        "seed=null", "debug=fast_dev_run", "logger=none", "tune_malloc=false",
+        "+callbacks.held._target_=helpers.SaveWeights", f"+callbacks.held.out={held}",
+    )  # fmt: skip
+    assert cfg.seed is None
+
+    def init_seed_from(seed: int) -> int:  # what a model built on this generator state draws
+        torch.manual_seed(seed)
+        return draw_init_seed()
+
+    expected, seed_0s = init_seed_from(12345), init_seed_from(0)
+    torch.manual_seed(12345)
+
     run(cfg)
-    assert (output_dir / "metrics.json").is_file()
+
+    # nothing was seeded or exported: the generator is still the one seeded here
+    assert torch.initial_seed() == 12345
+    assert "PL_GLOBAL_SEED" not in os.environ
+    assert "\nseed: null\n" in (output_dir / "config.yaml").read_text()
+    init_seed = torch.load(f"{held}.start.rank0.pt", weights_only=True)["init_seed"]
+    assert init_seed == expected != seed_0s  # from the state it found, not a seed of its own
+
+    # it trained: one step moved every parameter from the weights init_seed starts, all finite
+    end = torch.load(f"{held}.end.rank0.pt", weights_only=True)
+    assert end["global_step"] == 1
+    initial = instantiate(cfg.model.net, num_classes=10)
+    initial.init_seed = init_seed
+    initial.reset_blocks()
+    trained = {k.removeprefix("net."): v for k, v in end["state"].items() if k.startswith("net.")}
+    assert trained.keys() == initial.state_dict().keys()
+    for name, start in initial.state_dict().items():
+        assert torch.isfinite(trained[name]).all(), name
+        assert not torch.equal(trained[name], start), name
+    written = json.loads((output_dir / "metrics.json").read_text())
+    values = {**written["fit"], **written["test"]}
+    assert {"train/loss", "val/loss", "val/acc", "test/loss", "test/acc"} <= values.keys()
+    assert all(math.isfinite(v) for v in values.values()), values
 
 
 # --- a run's directory -----------------------------------------------------------------------
@@ -569,6 +611,7 @@ def test_an_unknown_key_is_named_with_the_closest_key_the_config_has() -> None:
     ]
 
 
+@pytest.mark.slow  # a process of its own: the full suite's, not make test-fast's
 def test_a_typo_on_the_command_line_starts_with_the_suggestion_and_no_traceback() -> None:
     """The suggestion comes before Hydra's own lines (which say to add the key with +)."""
     proc = run_python("train.py", "trainer.max_epoch=3")

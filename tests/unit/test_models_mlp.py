@@ -3,6 +3,7 @@
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from myproject.models import MLP
 
@@ -21,19 +22,36 @@ def test_is_a_sequential_of_blocks(hidden: tuple[int, ...]) -> None:
     assert linears_per_block == [1] * len(model)
 
 
+def written_out(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """An MLP's layers by hand from its own weights: flatten, then linear and ReLU per hidden
+    layer, then the linear head; the output of each layer in turn."""
+    *hidden, head = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    outputs, y = [], x.flatten(1)
+    for layer in hidden:
+        y = F.relu(F.linear(y, layer.weight, layer.bias))
+        outputs.append(y)
+    outputs.append(F.linear(y, head.weight, head.bias))
+    return outputs
+
+
 @pytest.mark.parametrize("hidden", [(512, 256), (32, 16, 8), ()])
 def test_forward_maps_images_to_logits(hidden: tuple[int, ...]) -> None:
+    torch.manual_seed(0)
     model = MLP(hidden=hidden, num_classes=10)
     x = torch.randn(5, 1, 28, 28)
     logits = model(x)
     assert logits.shape == (5, 10)
     assert logits.dtype == torch.float32
 
-    # Running the blocks one after another is the model: it can be split at any block boundary.
+    # the model computes the layers written out by hand from its weights
+    expected = written_out(model, x)
+    assert len(expected) == len(hidden) + 1
+    torch.testing.assert_close(logits, expected[-1])
+    # and each block ends at a layer's output: it can be split at any block boundary
     y = x
-    for block in model:
+    for block, layer_output in zip(model, expected, strict=True):
         y = block(y)
-    torch.testing.assert_close(y, logits)
+        torch.testing.assert_close(y, layer_output)
 
 
 def test_widths_are_configurable() -> None:

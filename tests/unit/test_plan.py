@@ -2,6 +2,8 @@
 strategy lays it out, and the settings that show and guard it. Sizes are checked against what the
 models hold by construction (parameter counts, Adam's two moments, the dtype's bytes)."""
 
+import logging
+import re
 from dataclasses import replace
 
 import pytest
@@ -9,6 +11,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.pipelining.schedules import _get_warmup_ops
 
 from helpers import write_user_conf
 from trainkit.config import compose_config
@@ -24,7 +27,9 @@ from trainkit.plan import (
     configured_choice,
     footprint,
     fully_sharded,
+    in_flight,
     pipelined,
+    plan,
     table,
 )
 from trainkit.run_plan import RunPlan
@@ -34,12 +39,18 @@ SMALL = "model.net.hidden=[64,32]"
 SMALL_PARAMS = [784 * 64 + 64, 64 * 32 + 32, 32 * 10 + 10]
 
 
+def adam_state(numels: list[int]) -> int:
+    """Bytes of torch's Adam state for float32 parameters of these sizes: exp_avg and exp_avg_sq,
+    each the parameter's size, and ``step``, a float32 scalar tensor per parameter."""
+    return sum(2 * 4 * n + 4 for n in numels)
+
+
 def test_a_footprint_counts_weights_gradients_and_adams_two_moments(compose) -> None:
     fp = footprint(compose(SMALL, "data.batch_size=16"))
     weights = 4 * sum(SMALL_PARAMS)
     assert fp.params == weights and fp.grads == weights
-    # exp_avg and exp_avg_sq; the foreach step's temporaries at its peak: at most one more copy
-    assert 2 * weights <= fp.optimizer <= 3 * weights + 4096
+    # each layer's weight and bias: two moments and a step counter each
+    assert fp.optimizer == adam_state([784 * 64, 64, 64 * 32, 32, 32 * 10, 10])
     assert list(fp.blocks) == [4 * n for n in SMALL_PARAMS]
     assert fp.largest_unit == 4 * SMALL_PARAMS[0]
     assert fp.activations > 0 and fp.note == ""
@@ -78,6 +89,87 @@ def test_a_pipeline_stage_holds_its_blocks_and_their_activations() -> None:
     assert one_f_one_b.activations == 100  # 2 of the 4 micro-batches in flight
     with pytest.raises(ValueError, match="do not split"):
         pipelined(fp, 5, microbatches=4, schedule="gpipe")
+
+
+def test_interleaved_stages_hold_every_stages_th_chunk_and_more_micro_batches() -> None:
+    """``virtual_stages=2``: 4 chunks of one block, stage 0 holding blocks 0 and 2; torch's
+    interleaved 1F1B has 4 chunk forwards in warm-up on the first stage, then one more, of the 8
+    (4 micro-batches through 2 chunks)."""
+    fp = Footprint(params=1000, grads=1000, optimizer=2000, activations=800, batch=8,
+                   blocks=(100, 100, 400, 400), block_costs=(1, 1, 1, 1))  # fmt: skip
+    two = pipelined(fp, 2, microbatches=4, schedule="interleaved", virtual_stages=2)
+    assert (two.params, two.grads, two.optimizer) == (500, 500, 1000)
+    assert two.activations == 800 * 2 // 4 * 5 // 8  # half the blocks' work, 5 of 8 in flight
+    with pytest.raises(ValueError, match="4 blocks do not split into 6 chunks"):
+        pipelined(fp, 2, microbatches=4, schedule="interleaved", virtual_stages=3)
+
+
+@pytest.mark.parametrize(
+    "stages, chunks, microbatches", [(2, 2, 4), (2, 3, 8), (4, 2, 8), (3, 1, 6)]
+)
+def test_the_interleaved_micro_batches_in_flight_are_torchs_warm_up(
+    stages: int, chunks: int, microbatches: int
+) -> None:
+    """The first stage's chunk forwards before its first backward, as torch's schedule counts
+    them (``_get_warmup_ops``), and the steady phase's one forward more."""
+    rounds = max(1, microbatches // stages)
+    warm_up = _get_warmup_ops(0, chunks, microbatches // rounds, stages, microbatches)
+    ops = microbatches * chunks
+    assert in_flight("interleaved", stages, chunks, microbatches) == min(warm_up + 1, ops) / ops
+
+
+# six blocks: room for 2 stages x 3 chunks
+SIX_BLOCKS = "model.net.hidden=[64,32,32,32,32]"
+
+
+@pytest.mark.parametrize(
+    "options, microbatches, chunks",
+    [
+        (("strategy.microbatch_size=4",), 8, 2),  # 32 / 4: the size wins over microbatches=4
+        (("strategy.schedule=interleaved",), 4, 4),  # 2 chunks per stage by default
+        (("strategy.schedule=interleaved", "strategy.virtual_stages=3",
+          "strategy.microbatch_size=8"), 4, 6),
+        (("strategy.microbatches=2",), 2, 2),
+    ],
+)  # fmt: skip
+def test_a_pipeline_is_planned_with_the_strategys_micro_batches_and_chunks(
+    compose, options: tuple[str, ...], microbatches: int, chunks: int
+) -> None:
+    """The plan's micro-batch count and chunks are the ones the run's strategy (as the Trainer
+    gets it) splits its batch and cuts its model into."""
+    cfg = compose(SIX_BLOCKS, "strategy=pipeline", "devices=2", "data.batch_size=32", *options)
+    strategy = instantiate(cfg.strategy)
+    choice = configured_choice(cfg, ParallelDims.from_config(cfg), footprint(cfg))
+    assert (strategy.microbatches_for(32), strategy.chunks) == (microbatches, chunks)
+    assert (choice.microbatches, choice.chunks) == (microbatches, chunks)
+    assert f"{microbatches} micro-batches" in choice.name
+
+
+def test_precision_16_is_planned_with_autocast_as_16_mixed(compose) -> None:
+    """Lightning reads ``precision=16`` as 16-mixed: a GPU run's forward under float16 autocast
+    (on CPU preflight makes it bf16-mixed first), whose float16 copies of the weights and inputs
+    make other activations than 32-true's."""
+    on = {p: footprint(compose(SMALL, "accelerator=gpu", f"precision={p}"))
+          for p in ("16", "16-mixed", "32-true")}  # fmt: skip
+    assert on["16"] == on["16-mixed"]
+    assert on["16"].activations != on["32-true"].activations
+    assert on["16"].params == on["32-true"].params  # mixed: the weights stay float32
+
+
+def test_a_failing_estimate_is_one_warning_and_the_run_goes_on(compose, caplog) -> None:
+    """An MLP whose first layer takes 100 features, not MNIST's 784 pixels: its forward fails on
+    the fake batch. The guard says so in one warning line, with the error, and lets the run start
+    (the run then fails on its own), where it said nothing."""
+    cfg = compose("model.net.in_features=100", SMALL, "plan.device_memory=0.001")
+    with caplog.at_level(logging.DEBUG):
+        check_fits(RunPlan(cfg, ParallelDims.from_config(cfg)))
+    (record,) = [r for r in caplog.records if r.name == "trainkit.plan"]
+    assert record.levelno == logging.WARNING
+    assert record.getMessage().startswith("The memory estimate failed")
+    assert "RuntimeError: " in record.getMessage() and "784" in record.getMessage()  # why
+    assert "\n" not in record.getMessage()
+    # torch's own log of the failing op (its traceback) is not printed besides
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 def test_a_pipeline_cut_at_split_points_is_planned_where_it_is_cut() -> None:
@@ -134,6 +226,45 @@ def test_a_given_device_memory_is_a_devices_not_the_hosts(compose) -> None:
 
 
 def test_the_guard_refuses_a_run_that_does_not_fit_and_names_one_that_does(compose) -> None:
+    """The device's memory between what one device needs and what fsdp x2 needs, as the plan
+    says: the run is refused, naming fsdp x2 and its overrides."""
+    wide = ("model.net.hidden=[4096,4096,4096]", "data.batch_size=16")
+    cfg = compose(*wide, "plan.device_memory=1000")
+    dims = ParallelDims.from_config(cfg)
+    ranked, baseline = plan(cfg, dims, Settings.from_config(cfg), 1000 * 2**30)
+    peak = {c.name: c.memory.total + baseline for c in ranked}
+    assert peak["fsdp x2"] < peak["one device"] < peak["ddp x2"]  # (ddp: its buckets too)
+    between = (peak["fsdp x2"] + peak["one device"]) / 2 / 0.9 / 2**30
+    OmegaConf.update(cfg, "plan.device_memory", between)
+    with pytest.raises(ConfigError, match="one device needs about") as refused:
+        check_fits(RunPlan(cfg, dims))
+    assert "use `devices=2 strategy=fsdp` (fsdp x2: " in str(refused.value)
+    assert "plan=true" in str(refused.value) and "plan.check=false" in str(refused.value)
+    OmegaConf.update(cfg, "plan.check", False)
+    check_fits(RunPlan(cfg, dims))  # turned off: no refusal
+
+
+def test_the_guards_figures_add_up_and_its_fix_changes_them(compose) -> None:
+    """The refusal's parts sum to its total (as the peak adds them: what is held throughout,
+    plus the larger of the activations and the gradients at the step); a smaller batch is
+    offered only where the activations make the peak, as only then does it change the peak."""
+
+    def refusal(*typed: str) -> str:
+        cfg = compose("model.net.hidden=[2048,2048,2048]", *typed, "plan.device_memory=0.05")
+        with pytest.raises(ConfigError, match="no choice fits") as refused:
+            check_fits(RunPlan(cfg, ParallelDims.from_config(cfg)))
+        return str(refused.value)
+
+    for batch in (16, 4096):
+        said = refusal(f"data.batch_size={batch}")
+        total, *parts = (float(n.replace(",", "")) for n in re.findall(r"([\d,.]+) MiB", said)[:4])
+        assert abs(sum(parts) - total) <= 2, said  # (each rounded to a MiB)
+        by_activations = "of activations" in said
+        assert by_activations == (batch == 4096), said
+        assert ("a smaller data.batch_size" in said) == by_activations, said
+
+
+def test_the_guard_says_when_no_choice_fits(compose) -> None:
     wide = ("model.net.hidden=[2048,2048,2048]", "data.batch_size=16")
     cfg = compose(*wide, "plan.device_memory=0.05")  # 46 MB after the margin: nothing fits
     dims = ParallelDims.from_config(cfg)
@@ -174,10 +305,11 @@ def test_a_users_module_is_planned_for_the_strategies_that_can_run_it(tmp_path) 
     names = [row.split(" | ")[1] for row in printed.splitlines() if row.count("|") > 8][2:]
     assert sorted(names) == ["ddp x2", "fsdp x2", "one device"]
     assert "Not counted: activations not estimated" in printed
-    weights = 4 * (784 * 64 + 64 + 64 * 3 + 3 + 3 * 64 + 64 + 64 * 784 + 784)
+    numels = [784 * 64, 64, 64 * 3, 3, 3 * 64, 64, 64 * 784, 784]
+    weights = 4 * sum(numels)
     fp = footprint(cfg)
     assert (fp.params, fp.grads, fp.activations) == (weights, weights, 0)
-    assert 2 * weights <= fp.optimizer  # Adam's two moments
+    assert fp.optimizer == adam_state(numels)
 
 
 @pytest.mark.filterwarnings("ignore:You are trying to `self.log")  # the step run here, alone
