@@ -18,10 +18,10 @@ OUT    ?= docs/img
 TORCH_INDEX ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install servers train plan check eval test lint format tensorboard screenshots bench rename clean
+.PHONY: help install servers train plan check eval test test-fast lint format tensorboard screenshots bench rename clean
 
 help:  ## list the targets
-	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
 
 $(STAMP): pyproject.toml constraints.txt
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "trainkit needs Python 3.10+; run make PYTHON=python3.X")'
@@ -54,6 +54,9 @@ eval: $(STAMP)  ## evaluate a checkpoint: make eval ARGS="ckpt_path=..."
 
 test: $(STAMP) $(SERVERS_STAMP)  ## run the test suite
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-fast: $(STAMP)  ## the quick tier for the edit loop: tests/unit, in-process (no process of its own)
+	$(BIN)/python -m pytest tests/unit -m "not slow" -n 2 -q --durations=10
 
 lint: $(STAMP)  ## the pre-commit hooks on every file: ruff lint and format, whitespace, YAML, TOML
 	$(BIN)/pre-commit run --all-files --show-diff-on-failure

@@ -8,6 +8,7 @@ with imports_frozen():  # faster start and exit: runtime.py
 
     import trainkit.startup  # noqa: F401  first: before Lightning imports torchmetrics
     from trainkit.config import did_you_mean
+    from trainkit.console import one_line_refusals
     from trainkit.evaluate import run
     from trainkit.launch import end_process
 
@@ -18,6 +19,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    with did_you_mean("eval"):  # a line naming the closest key, where Hydra refused an unknown one
+    # a line naming the closest key where Hydra refused an unknown one; a refusal as its line
+    with did_you_mean("eval"), one_line_refusals():
         main()
     end_process()  # a rank > 0 ends here, without the interpreter's teardown (launch.py)

@@ -10,6 +10,7 @@ with imports_frozen():  # faster start and exit: runtime.py
 
     import trainkit.startup  # noqa: F401  first: before Lightning imports torchmetrics
     from trainkit.config import did_you_mean, expand_shorthands
+    from trainkit.console import one_line_refusals
     from trainkit.launch import end_process
     from trainkit.train import run
 
@@ -21,6 +22,7 @@ def main(cfg: DictConfig) -> float | None:
 
 if __name__ == "__main__":
     sys.argv = expand_shorthands(sys.argv)  # plan=true is plan.show=true
-    with did_you_mean("train"):  # a line naming the closest key, where Hydra refused an unknown one
+    # a line naming the closest key where Hydra refused an unknown one; a refusal as its line
+    with did_you_mean("train"), one_line_refusals():
         main()
     end_process()  # a rank > 0 ends here, without the interpreter's teardown (launch.py)

@@ -6,7 +6,8 @@ task) moves to ``src/<name>/``, and every text file of the project that names it
 replaced as a whole word. The library's files (``LIBRARY_PATHS``: ``src/trainkit/``, ``tools/``,
 ``docs/``, ``CHANGELOG.md``, the Makefile, CI) are left byte for byte as they are, so that the
 fork takes upstream's changes to them with a plain ``git merge`` (docs/fork.md).
-``.trainkit-upstream`` records the upstream version the fork came from.
+``.trainkit-upstream`` records the upstream version the fork came from, and
+``.trainkit-renames`` each rename, so that a checkpoint made before it still loads.
 
 Standard library only: it runs before anything is installed. The name is checked before any
 file is touched; then every new text is computed before the first is written, so a file that
@@ -34,6 +35,7 @@ LIBRARY_PATHS = {
     "Makefile", "pyproject.toml", "constraints.txt",
 }  # fmt: skip
 RECORD = ".trainkit-upstream"
+RENAMES = ".trainkit-renames"  # every rename, "<old> <new>": what a checkpoint made before names
 TEXT_SUFFIXES = {".py", ".yaml", ".yml", ".toml", ".md", ".txt", ".cfg", ".ini", ".json", ".sh"}
 TEXT_NAMES = {"Makefile", "run", ".gitignore", ".pre-commit-config.yaml"}
 # Modules the project imports: a package of that name would shadow them, installed or not yet.
@@ -125,6 +127,8 @@ def rename(root: Path, name: str) -> tuple[str, list[Path]]:
     (root / "src" / old).rename(target)
     if not (root / RECORD).exists():  # the first rename: where the fork came from
         (root / RECORD).write_text(f"{upstream_version(root)}\n", encoding="utf-8")
+    with open(root / RENAMES, "a", encoding="utf-8") as renames:  # checkpoints made before it
+        renames.write(f"{old} {name}\n")  # load after it (trainkit.checkpoint_io.renamed)
     return old, list(new_texts)
 
 

@@ -22,6 +22,7 @@ from lightning.pytorch.plugins import TorchSyncBatchNorm
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig, OmegaConf
 
+from trainkit.callbacks.run_accepted import RunAccepted
 from trainkit.checkpoint_io import AtomicCheckpointIO
 from trainkit.config import settle
 from trainkit.data.module_loaders import ModuleLoaders
@@ -226,7 +227,8 @@ def build_trainer(
         cfg.trainer,
         strategy=build_strategy(cfg, dims),
         logger=build_all(cfg.get("logger")) or False,
-        callbacks=[*build_all(cfg.get("callbacks")), *callbacks],
+        # (RunAccepted first: the run's held console lines, then what its stage says)
+        callbacks=[RunAccepted(), *build_all(cfg.get("callbacks")), *callbacks],
         plugins=build_plugins(cfg, dims),
     )
 

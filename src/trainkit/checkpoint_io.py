@@ -28,6 +28,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from trainkit.config import ROOT_DIR
 from trainkit.errors import ConfigError, DiskFullError
 
 log = logging.getLogger(__name__)
@@ -270,7 +271,34 @@ def read_checkpoint(ckpt_path: str | Path, weights_only: bool = True) -> dict[st
             f"so the run cannot be rebuilt from it. Use a trainkit checkpoint, or load foreign "
             f"weights in your model's code"
         )
+    for key in (CONFIG_KEY, OVERRIDES_KEY):
+        if key in checkpoint:
+            checkpoint[key] = renamed(checkpoint[key])
     return checkpoint
+
+
+RENAMES_FILE = ROOT_DIR / ".trainkit-renames"  # tools/rename.py: "<old> <new>", one per rename
+
+
+def renamed(value: Any) -> Any:
+    """A checkpoint's config (or command line) with the project's package as it is called now:
+    a run made before ``make rename NAME=acme`` named ``myproject.data.MNISTDataModule``, which
+    is ``acme.data.MNISTDataModule`` now (each rename recorded in ``RENAMES_FILE``)."""
+    if not RENAMES_FILE.is_file():
+        return value
+    renames = [line.split() for line in RENAMES_FILE.read_text().splitlines() if line.strip()]
+
+    def rename(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {k: rename(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [rename(x) for x in v]
+        if isinstance(v, str):
+            for old, new in renames:  # (in order: a package renamed twice)
+                v = re.sub(rf"(?<![\w.]){re.escape(old)}(?=\.)", new, v)
+        return v
+
+    return rename(value)
 
 
 # --- sharded checkpoints: a directory in torch.distributed.checkpoint's format -------------------

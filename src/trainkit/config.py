@@ -1,5 +1,6 @@
 """Composing the project's Hydra configs outside ``@hydra.main`` (benchmark, tests, notebooks), and
-the one config node YAML cannot write (``open/mapping``)."""
+the one config node YAML cannot write (``hydra/open/mapping``, under hydra/ so that
+``--help`` does not list it among the groups a user chooses)."""
 
 import contextlib
 import difflib
@@ -12,7 +13,7 @@ from typing import Any
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 import trainkit.resolvers  # noqa: F401  registers the resolvers that conf/ uses
 
@@ -23,7 +24,7 @@ log = logging.getLogger(__name__)
 # checks them against the datamodule). Hydra's struct flag refuses a new key in any node a YAML
 # file makes.
 ConfigStore.instance().store(
-    group="open", name="mapping", node=OmegaConf.create({}, flags={"struct": False})
+    group="hydra/open", name="mapping", node=OmegaConf.create({}, flags={"struct": False})
 )
 
 ROOT_DIR = Path(__file__).resolve().parents[2]
@@ -39,7 +40,7 @@ def compose_config(
     Outside ``@hydra.main`` there is no ``hydra:runtime``, so the paths it feeds are given here.
     """
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(
+        cfg = compose(
             config_name,
             overrides=[
                 f"paths.root_dir='{ROOT_DIR}'",
@@ -47,6 +48,29 @@ def compose_config(
                 *expand_shorthands(overrides),
             ],
         )
+    return with_library_defaults(cfg)
+
+
+def with_library_defaults(cfg: DictConfig) -> DictConfig:
+    """``cfg`` with each of the library's run keys it lacks (``conf/run_keys.yaml``), at the
+    library's value: a fork's ``train.yaml`` from before a key existed runs as it did."""
+    defaults = OmegaConf.load(LIBRARY_CONF_DIR / "run_keys.yaml")
+    missing = _missing(defaults, cfg)
+    if missing:
+        with open_dict(cfg):
+            for key in missing:
+                OmegaConf.update(cfg, key, OmegaConf.select(defaults, key), force_add=True)
+    return cfg
+
+
+def _missing(defaults: DictConfig, cfg: DictConfig, prefix: str = "") -> list[str]:
+    keys = []
+    for key, value in defaults.items():
+        if key not in cfg:
+            keys.append(prefix + str(key))
+        elif isinstance(value, DictConfig) and isinstance(cfg[key], DictConfig):
+            keys += _missing(value, cfg[key], f"{prefix}{key}.")
+    return keys
 
 
 # A block's switch typed as the block: ``plan=true`` would set the whole ``plan`` block to true,
@@ -131,7 +155,8 @@ def unknown_keys(config_name: str, overrides: Sequence[str]) -> list[str]:
 
 
 def _in_open(cfg: DictConfig, key: str) -> bool:
-    """Whether ``key`` is under a mapping that takes any key (``open/mapping``), at any depth."""
+    """Whether ``key`` is under a mapping that takes any key (``hydra/open/mapping``), at any
+    depth."""
     parts = key.split(".")
     for depth in range(len(parts) - 1, 0, -1):
         node = OmegaConf.select(cfg, ".".join(parts[:depth]))

@@ -1,14 +1,24 @@
 """What the console says: only what a user can act on.
 
+The console shows every warning, and the INFO lines of the loggers in ``CONSOLE_LOGGERS`` (the run's
+directory, the model's line, a line per epoch, the results' lines...); every other line, Lightning's
+included, goes to the run's log file only (``ConsoleLines``, on Hydra's console handler:
+conf/hydra/default.yaml). A refusal is its one line (``one_line_refusals``).
+
 Each message below is Lightning's or torch's, printed on every run, about something that does not
 apply to a trainkit run; each is silenced with its reason. What does apply is answered instead
 (``Total FLOPs``: callbacks.ModelSummary) or left, and explained in docs/logging.md, "What the
 console says". tests/e2e/test_console.py fails on a warning of a default run that is in neither.
 """
 
+import contextlib
 import logging
 import re
+import sys
 import warnings
+from collections.abc import Iterator
+
+from hydra.errors import CompactHydraException
 
 # (message, why it does not apply), matched at the start of the message
 SILENCED_WARNINGS = [
@@ -33,6 +43,12 @@ SILENCED_WARNINGS = [
         r"The number of training batches \(\d+\) is smaller than the logging interval",
         "an epoch shorter than trainer.log_every_n_steps logs once per epoch, which the run says "
         "once (callbacks.LoggingInterval)",
+    ),
+    (
+        r"Couldn't infer the batch indices fetched from your dataloader",
+        "eval.py's predictions take their indices from the loader's sampler (trainkit.data's "
+        "loaders say which samples a rank has); a loader that cannot say is refused in one line "
+        "where it matters, on several ranks (callbacks.PredictionWriter)",
     ),
     (
         r"Be aware that when using `ckpt_path`, callbacks used to create the checkpoint",
@@ -64,8 +80,156 @@ _SILENCED = _Silenced()
 
 
 def quiet() -> None:
-    """Installs the filters in this process (each process of a run calls it)."""
+    """Installs the filters in this process (each process of a run calls it), and sends
+    Lightning's lines through the run's handlers (Lightning prints them itself, on a handler of
+    its own, when it is imported before logging is configured: one per package)."""
     for pattern, _ in SILENCED_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern)
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_SILENCED)
     logging.getLogger("lightning.fabric.utilities.rank_zero").addFilter(_SILENCED)
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logger = logging.getLogger(name)
+        for handler in [h for h in logger.handlers if type(h) is logging.StreamHandler]:
+            logger.removeHandler(handler)
+        logger.propagate = True
+
+
+# INFO lines shown on the console, by logger: what each says (docs/logging.md lists them). Any
+# other INFO line is the run's log file's only.
+CONSOLE_LOGGERS = {
+    "trainkit.run_dir": "the run's directory, in its first and last lines",
+    "trainkit.console": "the model, each epoch's losses and monitored metric, each stage's results",
+    "trainkit.resume": "the checkpoint a run resumes, and what its command line changed",
+    "trainkit.callbacks.resume_changes": "where a resume continues an epoch",
+    "trainkit.callbacks.logging_interval": "an epoch shorter than trainer.log_every_n_steps",
+    "trainkit.evaluate": "where eval.py wrote the predictions",
+    "trainkit.sweep": "a sweep's jobs completed and failed, and its summary file",
+    "trainkit.train": "a killed save's leftovers removed",
+}
+
+
+class ConsoleLines(logging.Filter):
+    """On the console handler: every warning, and the INFO lines of ``CONSOLE_LOGGERS`` in a
+    run's first process (the other ranks say the same, into their own log files)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._first: bool | None = None  # read at the first line (the process's rank is set)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.WARNING:
+            return True
+        if self._first is None:
+            from trainkit.launch import first_process  # (launch imports Lightning)
+
+            self._first = first_process()
+        return self._first and record.name in CONSOLE_LOGGERS
+
+
+class ConsoleHandler(logging.StreamHandler):
+    """Hydra's console handler, which can hold a run's lines until the run is accepted
+    (``held_until_accepted``): a run refused before it starts shows only its refusal, not the
+    directory it then removes."""
+
+    _held: list[tuple[logging.Handler, logging.LogRecord]] | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if ConsoleHandler._held is not None:
+            ConsoleHandler._held.append((self, record))
+        else:
+            super().emit(record)
+
+
+def accepted() -> None:
+    """The run passed its checks: the lines held until now are shown, and the next ones as they
+    come."""
+    held, ConsoleHandler._held = ConsoleHandler._held, None
+    for handler, record in held or ():
+        handler.handle(record)
+
+
+@contextlib.contextmanager
+def held_until_accepted() -> Iterator[None]:
+    """The console's lines are held from here until ``accepted()``; where the block ends in a
+    refusal first (one of Hydra's compact errors), only the held warnings are shown (the log
+    file has every line)."""
+    ConsoleHandler._held = []
+    try:
+        yield
+    except CompactHydraException:
+        held = ConsoleHandler._held or []
+        ConsoleHandler._held = [(h, r) for h, r in held if r.levelno >= logging.WARNING]
+        raise
+    finally:
+        accepted()
+
+
+class ConsoleFormat(logging.Formatter):
+    """A console line is its message; a warning or error says so first (the log file keeps
+    Hydra's time and logger name)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = record.getMessage()
+        return text if record.levelno < logging.WARNING else f"{record.levelname.lower()}: {text}"
+
+
+log = logging.getLogger(__name__)
+
+
+def number(value: float) -> str:
+    return f"{value:.4g}"
+
+
+def metrics_text(metrics: dict[str, float]) -> str:
+    return "  ".join(f"{name} {number(value)}" for name, value in metrics.items())
+
+
+def say(line: str, *args: object) -> None:
+    """A line for the console (and the log file)."""
+    log.info(line, *args)
+
+
+def results_line(stage: str, metrics: dict[str, float], checkpoint: str | None) -> None:
+    """``test of <checkpoint>: test/acc 0.81  test/loss 0.59``, where Lightning prints a table."""
+    of = f" of {checkpoint}" if checkpoint else " of the final weights"
+    say("%s%s: %s", stage, of, metrics_text(metrics) or "no metric logged")
+
+
+class _OneLineRefusals:
+    """``sys.stderr`` without Hydra's frame around a refusal: Hydra writes "Error executing job
+    with overrides: [...]" before one of its compact errors (our ConfigError and the rest of
+    errors.py) and "Set the environment variable HYDRA_FULL_ERROR=1 ..." after; the refusal is
+    its own line. A traceback (an error that is not a refusal) keeps the frame."""
+
+    HEADER = "Error executing job with overrides"
+    FOOTER = "\nSet the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.\n"
+
+    def __init__(self, stream) -> None:
+        self.stream, self.header, self.traced = stream, None, False
+
+    def write(self, text: str) -> int:
+        if text.startswith(self.HEADER):
+            self.header = text  # held: is a traceback next, or a refusal's line?
+            return len(text)
+        if self.header is not None:
+            self.traced = text.startswith("Traceback")
+            if self.traced:
+                self.stream.write(self.header)
+            self.header = None
+        if text == self.FOOTER and not self.traced:
+            return len(text)
+        return self.stream.write(text)
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
+
+@contextlib.contextmanager
+def one_line_refusals() -> Iterator[None]:
+    """Around a script's ``main()``: a refusal reaches the console as its line alone."""
+    stderr = sys.stderr
+    sys.stderr = _OneLineRefusals(stderr)
+    try:
+        yield
+    finally:
+        sys.stderr = stderr

@@ -1,5 +1,8 @@
 """The error a config value that cannot run raises, before anything expensive starts."""
 
+import sys
+from pathlib import Path
+
 from hydra.errors import CompactHydraException
 
 
@@ -27,12 +30,24 @@ class DataNotFoundError(CompactHydraException, FileNotFoundError):
 
 def offline_hint(dataset: str, out: str = "data/synthetic") -> str:
     """How to run with no internet: the tool that writes ``dataset`` in its real format, and the
-    overrides that train on it."""
-    tool = "python -m trainkit.data.synthetic" + ("" if dataset == "mnist" else f" {dataset}")
+    command that trains on it: this run's, with this interpreter (the venv's) and its overrides
+    (an ``experiment=...`` kept), the data's replaced."""
+    from hydra.core.hydra_config import HydraConfig
+
+    python = Path(sys.executable).absolute()
+    if python.is_relative_to(Path.cwd()):  # .venv/bin/python, as the README's commands
+        python = python.relative_to(Path.cwd())
+    typed = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+    tool = f"{python} -m trainkit.data.synthetic" + ("" if dataset == "mnist" else f" {dataset}")
+    kept = [o for o in typed if o.split("=", 1)[0] not in OFFLINE_REPLACES]
+    command = " ".join([f"{python} train.py", *kept, f"data.root={out}", "data.val_size=1000"])
     return (
-        f"Without internet: `{tool} --out {out}` writes a small learnable one, and "
-        f"`python train.py data.root={out} data.val_size=1000` trains on it"
+        f"Without internet: `{tool} --out {out}` writes a small learnable one, and `{command}` "
+        f"trains on it"
     )
+
+
+OFFLINE_REPLACES = ("data.root", "data.val_size", "data.download", "paths.data_dir")
 
 
 def one_line(err: BaseException) -> str:

@@ -16,19 +16,21 @@ from trainkit.build import (
 )
 from trainkit.callbacks import PredictionWriter
 from trainkit.checkpoint_io import damage, is_checkpoint, read_checkpoint_config
-from trainkit.config import settle
-from trainkit.console import quiet
+from trainkit.config import settle, with_library_defaults
+from trainkit.console import quiet, results_line
 from trainkit.errors import ConfigError
 from trainkit.launch import isolated_job
 from trainkit.loggers import ending_tracker_runs
 from trainkit.preflight import check_built_run, check_runnable_stages
-from trainkit.run_dir import owning_run_dir
+from trainkit.resume import newest_last_checkpoint
+from trainkit.run_dir import owning_run_dir, shown
 from trainkit.run_files import stage_metrics, write_config, write_json
 from trainkit.run_plan import evaluation_plan
 
 log = logging.getLogger(__name__)
 
 STAGES = ("validate", "test", "predict")
+TRAINING_TASK = "train"  # train.py's task_name: where ckpt_path=last looks for runs
 PREDICTIONS_FILE = "predictions.pt"
 
 
@@ -117,9 +119,32 @@ def check_data_keys(data: DictConfig, given: dict) -> None:
         )
 
 
+def checkpoint_to_evaluate(cfg: DictConfig) -> str:
+    """``ckpt_path``, where ``last`` is the newest training run's ``last.ckpt`` (as train.py
+    resumes it); a one-line ConfigError where it is not given or ``last`` finds none."""
+    if OmegaConf.is_missing(cfg, "ckpt_path") or not cfg.ckpt_path:
+        raise ConfigError(
+            "ckpt_path: eval.py evaluates a checkpoint; give one, e.g. make eval "
+            'ARGS="ckpt_path=logs/train/runs/<run>/checkpoints/best.ckpt", or ckpt_path=last '
+            "for the newest training run's last.ckpt"
+        )
+    if cfg.ckpt_path != "last":
+        return str(cfg.ckpt_path)
+    runs = Path(cfg.paths.log_dir) / TRAINING_TASK / "runs"
+    path = newest_last_checkpoint(runs, exclude=Path(cfg.paths.output_dir))
+    if path is None:
+        raise ConfigError(
+            f"ckpt_path=last: no training run under {shown(runs)} has checkpoints/last.ckpt; "
+            f"train one (make train), or give a checkpoint file"
+        )
+    return shown(path)
+
+
 def run(cfg: DictConfig) -> dict[str, dict[str, float]]:
     """Evaluate a checkpoint on its own data and model config; one entry per stage."""
     quiet()  # Lightning's messages that do not apply to this run
+    cfg = with_library_defaults(cfg)  # keys a fork's eval.yaml may not have
+    cfg.ckpt_path = checkpoint_to_evaluate(cfg)  # (before the run's directory is claimed)
     with isolated_job(), owning_run_dir(cfg):
         return _evaluate(cfg)
 
@@ -152,15 +177,18 @@ def _evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
                     return_predictions=False,
                     weights_only=cfg.weights_only,
                 )
-                log.info("predictions written to %s", writer.path)
+                results[stage] = {"predictions": writer.count}
+                log.info("predict: %d predictions written to %s", writer.count, shown(writer.path))
             else:
                 ran = run_stage(
                     model,
                     datamodule=datamodule,
                     ckpt_path=cfg.ckpt_path,
                     weights_only=cfg.weights_only,
+                    verbose=False,  # (Lightning's table: the line below says it)
                 )
                 results[stage] = stage_metrics(ran)  # every dataloader's
+                results_line(stage, results[stage], shown(Path(cfg.ckpt_path)))
     checkpoint = str(Path(cfg.ckpt_path).resolve())
     write_json(output_dir / "metrics.json", {**results, "checkpoint": checkpoint})
     return results

@@ -23,6 +23,7 @@ from pathlib import Path
 from hydra.errors import CompactHydraException
 from omegaconf import DictConfig, OmegaConf
 
+from trainkit.console import held_until_accepted
 from trainkit.errors import ConfigError
 from trainkit.launch import first_process
 from trainkit.resume import is_restart
@@ -104,7 +105,8 @@ def owning_run_dir(cfg: DictConfig) -> Iterator[None]:
     """The run's first process owns ``cfg.paths.output_dir`` for the block, or RunDirTaken is
     raised before anything is written there. The other processes of the run share it.
 
-    Its first and last lines name the directory (``run: logs/train/runs/<...>``). A run refused
+    Its first and last lines name the directory (``run: logs/train/runs/<...>``), the first shown
+    once the run is accepted (``console.accepted``), with what it held till then. A run refused
     (a ``ConfigError``, missing data: one of Hydra's compact errors) in a directory it made,
     before it wrote anything a run leaves (``RUN_FILES``), removes it: nothing is left to find."""
     output_dir = cfg.paths.get("output_dir")
@@ -119,10 +121,11 @@ def owning_run_dir(cfg: DictConfig) -> Iterator[None]:
     with open(path / LOCK_FILE, "a+") as handle:  # closing it drops the lock
         _lock(handle, path)
         try:
-            log.info("run: %s", shown(path))
-            if not check_new_output_dir(output_dir, ckpt_path):  # again: the run may have started
-                write_hydra_record(path, cfg)  # (a run that goes on keeps how it was started)
-            yield
+            with held_until_accepted():  # a refused run's console: its refusal alone
+                log.info("run: %s", shown(path))
+                if not check_new_output_dir(output_dir, ckpt_path):  # again: it may have started
+                    write_hydra_record(path, cfg)  # (a run that goes on keeps how it started)
+                yield
         except CompactHydraException:  # (a full disk too: its checkpoints stay)
             refused = made and not any((path / name).exists() for name in RUN_FILES)
             raise

@@ -60,6 +60,9 @@ class JobReporter(Callback):
         if job_return.status == JobStatus.COMPLETED:
             value = job_return.return_value
             record["return_value"] = value if isinstance(value, (int, float)) else None
+            # what the value is: the best of the monitored metric (train.run's return)
+            monitor, mode = config.get("monitor"), config.get("monitor_mode")
+            record["return_value_of"] = f"best {monitor} ({mode})"
         else:
             error = job_return._return_value
             if isinstance(error, RunDirTaken):  # another run's directory: left as it is

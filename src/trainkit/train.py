@@ -22,13 +22,14 @@ from trainkit.callbacks import (
 )
 from trainkit.callbacks.preemption import Preempted
 from trainkit.checkpoint_io import remove_stale_temp_files
-from trainkit.console import quiet
+from trainkit.config import with_library_defaults
+from trainkit.console import quiet, results_line
 from trainkit.launch import first_process, isolated_job
 from trainkit.loggers import ending_tracker_runs, flat_hparams, log_final, log_run_config, run_tags
 from trainkit.plan import Settings, check_fits, table
 from trainkit.preflight import check_built_run, why_cannot
 from trainkit.resume import composing_overrides, job_overrides, record_launch
-from trainkit.run_dir import left_unused, owning_run_dir
+from trainkit.run_dir import left_unused, owning_run_dir, shown
 from trainkit.run_files import as_floats, stage_metrics, write_config, write_json
 from trainkit.run_plan import RunPlan, training_plan
 from trainkit.runtime import tune_malloc
@@ -69,6 +70,7 @@ def run(cfg: DictConfig) -> float | None:
 
     One job of a sweep leaves nothing behind for the next: see ``isolated_job``."""
     quiet()  # Lightning's messages that do not apply to this run
+    cfg = with_library_defaults(cfg)  # keys a fork's train.yaml may not have
     if Settings.from_config(cfg).show:
         return show_plan(cfg)
     if cfg.get("check", {}).get("run"):
@@ -140,9 +142,14 @@ def _fit_and_test(
         if not best:
             log.warning("No best checkpoint was saved: testing the final weights.")
         tested = trainer.test(
-            model, datamodule=datamodule, ckpt_path=best or None, weights_only=weights_only
+            model,
+            datamodule=datamodule,
+            ckpt_path=best or None,
+            weights_only=weights_only,
+            verbose=False,  # (Lightning's table: the line below says it)
         )
         test_metrics = stage_metrics(tested)  # every test loader's (none: limit_test_batches=0)
+        results_line("test", test_metrics, best and shown(Path(best)))
     write_json(
         Path(cfg.paths.output_dir) / "metrics.json",
         {"fit": fit_metrics, "test": test_metrics, "best_checkpoint": best},

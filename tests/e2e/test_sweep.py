@@ -137,6 +137,10 @@ def test_ddp_sweep_runs_every_job_with_its_own_processes(ddp_sweep: Path) -> Non
         assert sorted(p.name for p in job_dir.glob("*.log")) == expected_logs
         assert (job_dir / "checkpoints" / "last.ckpt").is_file()
         assert (job_dir / "metrics.json").is_file()
+        # its start-up is its own: the first job's from the process's start, a later one's from
+        # its own (not the jobs before it in the sweep's process)
+        since = "process start" if job["num"] == 0 else "the job's start"
+        assert f"s from {since} to the first training step" in (job_dir / "train.log").read_text()
     assert len(children) == 2  # a fresh rank 1 for each devices=2 job
     summary = json.loads((ddp_sweep / "sweep.json").read_text())
     assert (summary["completed"], summary["failed"]) == (4, 0)
@@ -190,6 +194,7 @@ def test_sweep_runs_are_side_by_side_in_tensorboard(ddp_sweep: Path) -> None:
         assert test_acc == [pytest.approx(metrics["test"]["test/acc"])]
         best = [e.value for e in scalars.Scalars("best/val/acc")]
         assert best == [pytest.approx(job["return_value"])]
+        assert job["return_value_of"] == "best val/acc (max)"  # sweep.json says which value
 
 
 # --- ddp_spawn, dp and pipeline in one sweep -----------------------------------------------------

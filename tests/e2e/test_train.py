@@ -238,10 +238,13 @@ def test_offline_the_quickstart_on_a_fresh_data_dir_ends_in_one_line_naming_the_
     (line,) = [ln for ln in proc.stderr.splitlines() if "MNIST files not found" in ln]
     readme = (ROOT / "README.md").read_text()
     for command in (
-        "python -m trainkit.data.synthetic --out data/synthetic",
+        ".venv/bin/python -m trainkit.data.synthetic --out data/synthetic",
         "data.root=data/synthetic data.val_size=1000",
     ):
         assert command in line and command in readme
+    # the train command is this run's (its overrides kept, where its data is replaced)
+    assert "train.py accelerator=cpu paths.log_dir=" in line and "paths.data_dir" not in line
+    assert [ln for ln in proc.stderr.splitlines() if ln.strip()] == [line]  # and nothing else
 
 
 def test_a_resumes_plan_is_made_once_and_the_build_reads_it(

@@ -11,15 +11,18 @@ The scenario, from two commits of a copy of this project:
   taken, the library identical to upstream's, and the updated fork trains.
 """
 
+import re
 import shlex
+import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 import myproject
 import trainkit
-from helpers import FAST, bash_block_after, copy_project, run_in
+from helpers import FAST, ROOT, bash_block_after, copy_project, run_in, run_python
 
 pytestmark = pytest.mark.slow
 OLD = myproject.__name__  # the project's package (so that this file holds in a renamed fork too)
@@ -111,8 +114,32 @@ def test_a_renamed_and_edited_fork_takes_a_later_upstream_version(
 
     logs = tmp_path / "logs"
     proc = run_in(fork, "train.py", f"data.root={mnist_root}", *FAST, f"paths.log_dir={logs}")
-    assert "Total FLOPs" in proc.stdout + proc.stderr
+    assert re.search(r"^model: .* FLOPs on a sample", proc.stdout, re.MULTILINE), proc.stdout
     (config,) = logs.glob("train/runs/*/config.yaml")
     assert f"_target_: {FORK}.models.MLP" in config.read_text()
     assert "lr: 0.002" in config.read_text()
     assert shlex.split(update_commands()[-1])[:2] == ["git", "merge"]
+
+
+def test_the_previous_releases_train_yaml_runs_after_an_update(
+    overrides: tuple[str, ...], tmp_path: Path
+) -> None:
+    """A fork that kept the previous release's conf/train.yaml (previous_release/, as 0.7.0
+    shipped it: no `check` block) and a data YAML without `seed` and `drop_last` trains after an
+    update, unedited: the library fills in what it reads (conf/run_keys.yaml, the run's seed)."""
+    conf = tmp_path / "conf"
+    shutil.copytree(ROOT / "conf", conf)
+    shutil.copy(Path(__file__).parent / "previous_release" / "train.yaml", conf / "train.yaml")
+    data = conf / "data" / "mnist.yaml"
+    edit(data, "seed: ${seed}", "")
+    edit(data, "drop_last: null", "")
+    assert "check" not in OmegaConf.load(conf / "train.yaml")
+    proc = run_python(
+        "train.py", f"--config-path={conf}", *overrides, "trainer.max_epochs=1", "seed=7",
+        log_dir=tmp_path / "logs",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = (tmp_path / "logs" / "train" / "runs").iterdir()
+    ran = OmegaConf.load(run_dir / "config.yaml")
+    assert ran.data.seed == 7 and ran.check.run is False  # the run's seed; the library's key
+    assert (run_dir / "checkpoints" / "best.ckpt").exists()

@@ -343,6 +343,7 @@ def test_traffic_per_rank_by_collective() -> None:
     assert f"{run} 1 | 280.0 KB | 280.0 KB | 16 B |  | 8 B | **560.0 KB** |" in table
 
 
+@pytest.mark.slow  # a process of its own: the full suite's, not make test-fast's
 def test_collective_bytes_count_each_calls_tensors(tmp_path: Path) -> None:
     """A real profile of a real (one-rank) gloo group: each call's tensors, by their shapes and
     dtypes."""

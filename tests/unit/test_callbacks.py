@@ -180,7 +180,7 @@ def test_the_bar_is_built_for_redraws_only_where_they_are_shown(
     else:
         assert redraws.asked == redraws.built == 0
     steps = trainer.num_training_batches
-    assert "Epoch 0/0 " in out.getvalue() and f" {steps}/{steps} " in out.getvalue()
+    assert "Epoch 1/1 " in out.getvalue() and f" {steps}/{steps} " in out.getvalue()
 
 
 # --- replicas that agree: the checksum and its comparison (e2e/test_replicas.py runs them) ------

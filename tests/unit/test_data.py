@@ -2,6 +2,7 @@
 
 import gzip
 import struct
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ from trainkit.data.in_memory import InMemoryLoader
 from trainkit.data.sharding import ShardSampler
 from trainkit.data.synthetic import write_mnist
 from trainkit.errors import DataNotFoundError
+from trainkit.run_dir import shown
 
 N_TRAIN, N_TEST = 120, 30
 
@@ -301,6 +303,8 @@ def test_offline_a_missing_mnist_is_one_line_naming_the_synthetic_data(
     message = str(info.value)
     assert "\n" not in message  # the console shows it as one line
     assert "the download failed (" in message
-    assert "`python -m trainkit.data.synthetic --out data/synthetic`" in message
-    assert "`python train.py data.root=data/synthetic data.val_size=1000`" in message
+    # with the interpreter that ran (the venv's, which has trainkit), as the README's commands
+    python = shown(Path(sys.executable))
+    assert f"`{python} -m trainkit.data.synthetic --out data/synthetic`" in message
+    assert f"`{python} train.py data.root=data/synthetic data.val_size=1000`" in message
     assert str(tmp_path / "MNIST" / "raw") in message

@@ -3,6 +3,7 @@ crop/flip augmentation that runs on the training device."""
 
 import os
 import pickle
+import sys
 from pathlib import Path
 
 import lightning as L
@@ -17,6 +18,7 @@ from myproject.data import CIFAR10DataModule
 from trainkit.data.decode import TEST_BATCH, TRAIN_BATCHES, random_crop_flip, read_batch
 from trainkit.data.synthetic import write_cifar10
 from trainkit.errors import DataNotFoundError
+from trainkit.run_dir import shown
 
 N_PER_BATCH, N_TEST, VAL_SIZE = 12, 10, 8
 # The official archive's label names, in label order.
@@ -387,4 +389,5 @@ def test_offline_a_missing_cifar10_is_one_line_naming_the_synthetic_data(
         CIFAR10DataModule(str(tmp_path), download=True).prepare_data()
     message = str(err.value)
     assert "\n" not in message and "the download failed (" in message
-    assert "`python -m trainkit.data.synthetic cifar10 --out data/synthetic`" in message
+    python = shown(Path(sys.executable))
+    assert f"`{python} -m trainkit.data.synthetic cifar10 --out data/synthetic`" in message

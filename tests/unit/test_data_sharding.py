@@ -25,6 +25,7 @@ from trainkit.data.sharding import (
     ShardSampler,
     batch_sizes,
     check_train_data,
+    seeded_split,
     shard_dataloader,
     unshardable,
 )
@@ -277,3 +278,12 @@ def test_an_epoch_resumed_on_other_ranks_or_batches_takes_each_sample_once(
     second = [int(i) for loader in resumed for batch in loader for i in batch[0]]
     whole = 103 // world // batch_size * batch_size if drop_last else 103 // world
     assert len(second) == whole * world  # the next pass is a whole epoch again
+
+
+def test_a_validation_split_of_most_of_the_training_set_is_said(recwarn) -> None:
+    # data.root=<a small dataset> with the full dataset's data.val_size (5,000 of 6,000)
+    seeded_split(6000, 600, seed=0)
+    assert not [w for w in recwarn if "holds out" in str(w.message)]
+    with pytest.warns(UserWarning, match=r"val_size=5000 holds out 5,000 of the 6,000 .* 1,000"):
+        train, val = seeded_split(6000, 5000, seed=0)
+    assert (len(train), len(val)) == (1000, 5000)  # as given: said, not changed

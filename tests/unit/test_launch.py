@@ -19,6 +19,7 @@ print(" and after it")
 """
 
 
+@pytest.mark.slow  # a process each: the full suite's, not make test-fast's
 @pytest.mark.parametrize(
     ("env", "ends_at_end_process"),
     [

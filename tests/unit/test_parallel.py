@@ -105,5 +105,5 @@ def test_a_misspelt_capability_is_an_error_not_false() -> None:
 def test_a_mesh_names_its_dimensions_in_the_runs_order(sizes) -> None:
     # the rank layout every strategy's groups assume: a dimension out of order, or unknown, would
     # build groups of other ranks than the strategy computes
-    with pytest.raises(ValueError, match="data_parallel.*pipe.*tensor_parallel"):
+    with pytest.raises(ValueError, match=r"data_parallel.*pipe.*tensor_parallel"):
         device_mesh("cpu", **sizes)

@@ -86,6 +86,7 @@ with owning_run_dir(compose_config("train", sys.argv[1], sys.argv[2:])):
 """
 
 
+@pytest.mark.slow  # a process of its own: the full suite's, not make test-fast's
 def test_a_directory_another_process_owns_is_refused_until_it_ends(
     tmp_path: Path, launched_by, overrides
 ) -> None:

@@ -60,7 +60,7 @@ class BenchProbe(L.Callback):
         if self.save:
             started = time.perf_counter()
             path = Path(self.out).parent / "saved.ckpt"
-            trainer.save_checkpoint(path)
+            trainer.save_checkpoint(path, weights_only=False)
             saved = time.perf_counter() - started
             getattr(trainer.strategy, "wait_for_saves", lambda: None)()
             trainer.strategy.remove_checkpoint(path)  # (rank 0's, a sharded one's directory too)

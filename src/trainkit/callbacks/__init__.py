@@ -1,5 +1,6 @@
 """Lightning callbacks: what the run records beside the model's own metrics."""
 
+from trainkit.callbacks.epoch_lines import EpochLines
 from trainkit.callbacks.logging_interval import LoggingInterval
 from trainkit.callbacks.model_summary import ModelSummary
 from trainkit.callbacks.monitored_metric import MonitoredMetric
@@ -11,12 +12,14 @@ from trainkit.callbacks.profile_steps import ProfileSteps
 from trainkit.callbacks.progress_bar import ProgressBar
 from trainkit.callbacks.replicas_agree import ReplicasAgree
 from trainkit.callbacks.resume_changes import ResumeChanges
+from trainkit.callbacks.run_accepted import RunAccepted
 from trainkit.callbacks.run_config import RunConfig
 from trainkit.callbacks.startup_time import StartupTime
 from trainkit.callbacks.training_monitor import TrainingMonitor
 from trainkit.callbacks.validation_images import ValidationImages
 
 __all__ = [
+    "EpochLines",
     "LoggingInterval",
     "ModelSummary",
     "MonitoredMetric",
@@ -28,6 +31,7 @@ __all__ = [
     "ProgressBar",
     "ReplicasAgree",
     "ResumeChanges",
+    "RunAccepted",
     "RunConfig",
     "StartupTime",
     "TrainingMonitor",

@@ -1,4 +1,5 @@
-"""Lightning's rich model summary, with the model's FLOPs.
+"""Lightning's model summary, with the model's FLOPs: its table in the run's log file, and one
+line on the console (the model, its parameters, size and FLOPs).
 
 Lightning counts FLOPs only on a module's ``example_input_array``, which its summary passes
 through the datamodule's batch hooks (ours normalise an (images, labels) pair), so it prints
@@ -10,9 +11,11 @@ pipeline or sharded by fsdp, whose blocks cannot run alone on one rank).
 from typing import Any
 
 import torch
-from lightning.pytorch.callbacks import RichModelSummary
+from lightning.pytorch.callbacks import ModelSummary as LightningModelSummary
+from lightning.pytorch.utilities.model_summary import get_human_readable_count
 from torch import nn
 
+from trainkit.console import say
 from trainkit.strategies.pipeline import block_flops
 
 
@@ -29,9 +32,13 @@ def sample_flops(module: nn.Module) -> int:
     return sum(block_flops(list(net), example))
 
 
-class ModelSummary(RichModelSummary):
+class ModelSummary(LightningModelSummary):
     def on_fit_start(self, trainer, pl_module) -> None:
         self._flops = sample_flops(pl_module) if trainer.is_global_zero else 0
+        self._name = type(pl_module).__name__
+        net = getattr(pl_module, "net", None)
+        if isinstance(net, nn.Module):
+            self._name += f" ({type(net).__name__})"
         super().on_fit_start(trainer, pl_module)
 
     def summarize(  # an instance's: it reads the count on_fit_start made
@@ -44,11 +51,8 @@ class ModelSummary(RichModelSummary):
         total_flops: int,
         **summarize_kwargs: Any,
     ) -> None:
-        if not total_flops and self._flops:
-            from lightning.pytorch.utilities.model_summary.model_summary import (
-                get_human_readable_count,
-            )
-
+        counted_here = not total_flops and self._flops
+        if counted_here:
             names = dict(summary_data)["Name"]
             summary_data = [
                 (column, [get_human_readable_count(self._flops) if n == "net" else v
@@ -65,4 +69,14 @@ class ModelSummary(RichModelSummary):
             total_training_modes,
             total_flops,
             **summarize_kwargs,
+        )
+        where = "a sample" if counted_here else "its example_input_array"
+        flops = f", {get_human_readable_count(total_flops)} FLOPs on {where}" if total_flops else ""
+        say(
+            "model: %s, %s parameters (%s trainable), %.1f MB%s; its table is in the log file",
+            self._name,
+            get_human_readable_count(total_parameters),
+            get_human_readable_count(trainable_parameters),
+            model_size,
+            flops,
         )

@@ -44,6 +44,7 @@ class PredictionWriter(BasePredictionWriter):
     def __init__(self, path: str) -> None:
         super().__init__(write_interval="epoch")
         self.path = Path(path)
+        self.count = 0  # predictions written (rank 0's number; metrics.json's predict entry)
 
     def write_on_epoch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, predictions: Any, batch_indices: Any
@@ -63,6 +64,7 @@ class PredictionWriter(BasePredictionWriter):
         if trainer.is_global_zero:
             # the stages of one pipeline replica predict the same samples: keep each index once
             index, first = _first_of_each(index.cpu())
+            self.count = len(index)
             atomic_torch_save({"predictions": mine.cpu()[first], "indices": index}, self.path)
 
     @staticmethod

@@ -75,14 +75,16 @@ class Preemption(L.Callback):
         self.requeued = signum == self.requeue_signal
         if not self.requeued:  # a second Ctrl-C during the save ends the process
             self._restore(signal.SIGTERM, signal.SIGINT)
-        trainer.save_checkpoint(self.checkpoint_path)  # every rank: the strategy gathers
+        # every rank: the strategy gathers; the whole state (Lightning logs its default otherwise)
+        trainer.save_checkpoint(self.checkpoint_path, weights_only=False)
         name = signal.Signals(signum).name
         stopped = f"{name}: stopped at step {trainer.global_step} (epoch {trainer.current_epoch})"
         if self.requeued:
             message = f"{stopped}; saved {self.checkpoint_path}; {self._requeue(trainer)}"
         else:
             message = f"{stopped}; saved {self.checkpoint_path}. Resume with ckpt_path=last"
-        log.warning(message)
+        # rank 0's on the console; every rank's in its log file
+        (log.warning if trainer.is_global_zero else log.info)(message)
         raise Preempted(signum, message)
 
     def _requeue(self, trainer) -> str:

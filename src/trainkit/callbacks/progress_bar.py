@@ -14,6 +14,9 @@ validation: the same bar, without Lightning's per-step update (about 0.06 ms a s
 On a console that is not a live display (a log file, a SLURM job's output), rich prints the bar
 only when it stops; its redraws would still build the whole bar each time (about 0.5 ms, 10 times
 a second), so they are not asked for there.
+
+Its epochs are counted as ``max_epochs`` counts them (``Epoch 2/2`` is the last of two), and it
+shows no value of the sanity check's few untrained batches.
 """
 
 import time
@@ -33,6 +36,7 @@ class ProgressBar(RichProgressBar):
         self._shown: dict[str, tuple[Any, float]] = {}  # name: (the value logged, as a number)
         self._next_update = 0.0  # time.monotonic() from which a step updates the bar again
         self._held: tuple[Any, Any, int] | None = None  # the last step's, if not handed over
+        self._sanity_only: set[str] = set()  # values of the sanity check, until a validation
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if not self.is_enabled:  # (ranks other than 0, refresh_rate=0: Lightning draws nothing)
@@ -62,6 +66,22 @@ class ProgressBar(RichProgressBar):
             self._hand_over_held(trainer, pl_module)
         super().on_validation_start(trainer, pl_module)
 
+    def on_sanity_check_end(self, trainer, pl_module) -> None:
+        self._sanity_only = set(trainer.progress_bar_metrics)
+        super().on_sanity_check_end(trainer, pl_module)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking:
+            self._sanity_only = set()
+        super().on_validation_end(trainer, pl_module)
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        """``Epoch 1/2`` for the first of ``max_epochs=2`` (Lightning's reads ``Epoch 0/1``)."""
+        text = f"Epoch {current_epoch + 1}"
+        if self.trainer.max_epochs is not None and self.trainer.max_epochs > 0:
+            text += f"/{self.trainer.max_epochs}"
+        return f"{text:{len(self.validation_description)}}"  # (as Lightning pads it)
+
     def refresh(self, hard: bool = False) -> None:
         if hard or self._console is None or self._drawn_live(self._console):
             super().refresh(hard)
@@ -81,6 +101,8 @@ class ProgressBar(RichProgressBar):
 
     def get_metrics(self, trainer, pl_module) -> dict[str, Any]:
         items = super().get_metrics(trainer, pl_module)
+        for name in self._sanity_only:  # (a sanity check validates a few batches, untrained)
+            items.pop(name, None)
         logged = trainer.callback_metrics
         # a step value is read at the step after a logging step (the bar's update after it), and
         # else shown as it was then; the first one whenever it comes

@@ -13,7 +13,7 @@ from typing import Any
 
 import lightning as L
 
-from trainkit.checkpoint_io import CONFIG_KEY
+from trainkit.checkpoint_io import CONFIG_KEY, renamed
 from trainkit.data.in_memory import InMemoryDataModule, InMemoryLoader
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ class ResumeChanges(L.Callback):
         self.config = config
 
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
-        saved = checkpoint.get(CONFIG_KEY)
+        saved = renamed(checkpoint.get(CONFIG_KEY))  # (its package as it is called now)
         if trainer.state.fn != "fit" or not saved:
             return
         old, new = saved.get("model") or {}, self.config.get("model") or {}

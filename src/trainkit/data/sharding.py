@@ -23,6 +23,7 @@ from lightning.pytorch.overrides.distributed import (
     _IndexBatchSamplerWrapper,
 )
 from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.data import (
     _get_dataloader_init_args_and_kwargs,
     _is_dataloader_shuffled,
@@ -161,6 +162,13 @@ def seeded_split(n: int, n_val: int, seed: int) -> tuple[Tensor, Tensor]:
         raise ConfigError(
             f"data.val_size={n_val} leaves no training data: the training set has {n} samples. "
             f"Use a smaller count or a fraction such as 0.1."
+        )
+    if n_val > n // 2:  # (a count made for the full dataset, given a small one: data.root=...)
+        rank_zero_warn(
+            f"data.val_size={n_val} holds out {n_val:,} of the {n:,} training samples for "
+            f"validation, leaving {n - n_val:,} to train on: give data.val_size=<count> or a "
+            f"fraction such as 0.1",
+            category=UserWarning,
         )
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     return order[n_val:], order[:n_val]

@@ -1,0 +1,64 @@
+"""A line per epoch on the console: the progress bar redraws in place, and its last screen shows
+the last epoch's values; these lines stay, and say the best so far."""
+
+from typing import Any
+
+from lightning.pytorch import Callback
+
+from trainkit.console import metrics_text, number, say
+
+
+class EpochLines(Callback):
+    """On rank 0, at each training epoch's end: ``epoch 3/10  train/loss ...  val/loss ...
+    val/acc ...  (best val/acc 0.83 at epoch 2)``: the epoch's losses (each logged key with
+    ``loss`` in its name, per epoch) and the monitored metric, where this epoch validated."""
+
+    def __init__(self, monitor: str | None = None, mode: str = "max") -> None:
+        self.monitor, self.mode = monitor, mode
+        self.best: tuple[float, int] | None = None  # (value, epoch counted from 1)
+        self._validated_in: int | None = None  # the epoch of the last validation (not sanity)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking:
+            self._validated_in = trainer.current_epoch
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if not trainer.is_global_zero:
+            return
+        epoch = trainer.current_epoch + 1
+        validated = self._validated_in == trainer.current_epoch
+        logged = {k: _float(v) for k, v in trainer.callback_metrics.items()}
+        losses = [
+            k
+            for k, v in logged.items()
+            if v is not None
+            and "loss" in k.rsplit("/", 1)[-1]
+            and not k.endswith("_step")
+            and (validated or not k.startswith("val"))
+        ]
+        losses.sort(key=lambda k: not k.startswith("train"))  # training's first, then the rest
+        shown = {k: logged[k] for k in losses}
+        best = ""
+        if self.monitor and validated and logged.get(self.monitor) is not None:
+            value = logged[self.monitor]
+            shown[self.monitor] = value
+            last = self.best[0] if self.best else None
+            if last is None or (value > last if self.mode == "max" else value < last):
+                self.best = (value, epoch)  # (a tie keeps the earlier epoch)
+        if self.best is not None:
+            best = f"  (best {self.monitor} {number(self.best[0])} at epoch {self.best[1]})"
+        of = f"/{trainer.max_epochs}" if trainer.max_epochs and trainer.max_epochs > 0 else ""
+        say("epoch %d%s  %s%s", epoch, of, metrics_text(shown), best)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.best = state_dict.get("best")
+
+
+def _float(value: Any) -> float | None:
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):
+        return None
