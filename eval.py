@@ -3,11 +3,13 @@
 from trainkit.runtime import imports_frozen
 
 with imports_frozen():  # faster start and exit: runtime.py
+    import sys
+
     import hydra
     from omegaconf import DictConfig
 
     import trainkit.startup  # noqa: F401  first: before Lightning imports torchmetrics
-    from trainkit.config import did_you_mean
+    from trainkit.config import did_you_mean, expand_shorthands
     from trainkit.console import one_line_refusals
     from trainkit.evaluate import run
     from trainkit.launch import end_process
@@ -19,6 +21,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    sys.argv = expand_shorthands(sys.argv, "eval")  # a library key an older eval.yaml lacks: ++
     # a line naming the closest key where Hydra refused an unknown one; a refusal as its line
     with did_you_mean("eval"), one_line_refusals():
         main()

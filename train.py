@@ -21,7 +21,7 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    sys.argv = expand_shorthands(sys.argv)  # plan=true is plan.show=true
+    sys.argv = expand_shorthands(sys.argv)  # plan=true is plan.show=true; ++ where train.yaml lacks a key
     # a line naming the closest key where Hydra refused an unknown one; a refusal as its line
     with did_you_mean("train"), one_line_refusals():
         main()

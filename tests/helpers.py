@@ -45,6 +45,7 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
+from hydra.core.hydra_config import HydraConfig
 from PIL import Image
 
 from trainkit.checkpoint_io import consolidated, is_sharded
@@ -310,13 +311,16 @@ class KillInSave(L.Callback):
 class PauseAt(L.Callback):
     """Holds rank 0 when global step ``step`` ends, in the first start of a run only: writes
     ``<out>.paused``, then waits (up to 5 minutes) for the test to create ``<out>.go``; so that
-    a signal from outside (``scancel``) lands at a step the test knows."""
+    a signal from outside (``scancel``) lands at a step the test knows. ``job``: in that sweep job
+    only (Hydra's job number); not in a start that resumes a checkpoint."""
 
-    def __init__(self, step: int, out: str) -> None:
-        self.step, self.out = step, out
+    def __init__(self, step: int, out: str, job: int | None = None) -> None:
+        self.step, self.out, self.job = step, out, job
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if restarted() or trainer.global_step != self.step or trainer.global_rank != 0:
+            return
+        if self.job is not None and (HydraConfig.get().job.num != self.job or trainer.ckpt_path):
             return
         Path(f"{self.out}.paused").touch()
         deadline = time.time() + 300

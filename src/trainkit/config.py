@@ -45,7 +45,7 @@ def compose_config(
             overrides=[
                 f"paths.root_dir='{ROOT_DIR}'",
                 f"paths.output_dir='{Path(output_dir).resolve()}'",
-                *expand_shorthands(overrides),
+                *expand_shorthands(overrides, config_name),
             ],
         )
     return with_library_defaults(cfg)
@@ -78,16 +78,52 @@ def _missing(defaults: DictConfig, cfg: DictConfig, prefix: str = "") -> list[st
 SHORTHANDS = {"plan": "plan.show", "check": "check.run"}
 
 
-def expand_shorthands(argv: Sequence[str]) -> list[str]:
-    """``plan=true`` (or false) as ``plan.show=true``, ``check=true`` as ``check.run=true``; the
-    other arguments as they are."""
+def expand_shorthands(argv: Sequence[str], config_name: str = "train") -> list[str]:
+    """``plan=true`` (or false) as ``plan.show=true``, ``check=true`` as ``check.run=true``, and a
+    library run key (``conf/run_keys.yaml``) that the project's ``<config_name>.yaml`` lacks (a
+    fork's file from before the key existed, which Hydra would refuse it on) typed with Hydra's
+    ``++`` (add or override). The other arguments as they are: a misspelt key is still refused."""
+    run_keys = _leaf_keys(OmegaConf.load(LIBRARY_CONF_DIR / "run_keys.yaml"))
+    project_file = _project_config_file(argv, config_name)
+    project = _leaf_keys(OmegaConf.load(project_file)) if project_file.is_file() else run_keys
     expanded = []
     for arg in argv:
         key, eq, value = arg.partition("=")
         if eq and key in SHORTHANDS and value.strip().lower() in ("true", "false"):
-            arg = f"{SHORTHANDS[key]}={value}"
+            key = SHORTHANDS[key]
+            arg = f"{key}={value}"
+        if eq and key in run_keys and key not in project:
+            arg = f"++{key}={value}"
         expanded.append(arg)
     return expanded
+
+
+def _project_config_file(argv: Sequence[str], config_name: str) -> Path:
+    """``conf/<config_name>.yaml``, or the file Hydra's ``--config-path``/``--config-name`` (or
+    ``-cp``/``-cn``) name; a relative config path is the script's directory's, as Hydra reads it."""
+    given = {"--config-path": None, "--config-name": None}
+    short = {"-cp": "--config-path", "-cn": "--config-name"}
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        flag = short.get(flag, flag)
+        if flag in given:
+            given[flag] = value if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+    directory = ROOT_DIR / given["--config-path"] if given["--config-path"] else CONF_DIR
+    name = given["--config-name"] or config_name
+    return directory / (name if name.endswith(".yaml") else f"{name}.yaml")
+
+
+def _leaf_keys(node: Any, prefix: str = "") -> set[str]:
+    """The dotted keys of a YAML file's values (``???`` and interpolations left unresolved)."""
+    if isinstance(node, DictConfig):
+        node = OmegaConf.to_container(node, resolve=False)
+    keys = set()
+    for key, value in node.items():
+        if isinstance(value, dict):
+            keys |= _leaf_keys(value, f"{prefix}{key}.")
+        else:
+            keys.add(f"{prefix}{key}")
+    return keys
 
 
 class _HeldUntilTheRun:
@@ -135,9 +171,9 @@ def did_you_mean(config_name: str) -> Iterator[None]:
 
 def unknown_keys(config_name: str, overrides: Sequence[str]) -> list[str]:
     """``<key>: not a key of the config; did you mean <closest>?`` for each ``key=value`` override
-    (not ``+key``, ``~key`` or ``hydra.*``) of a key the composed config does not have."""
+    (not ``+key``, ``~key``, ``hydra.*`` or a flag) of a key the composed config does not have."""
     groups = {p.name for d in (CONF_DIR, LIBRARY_CONF_DIR) for p in d.iterdir() if p.is_dir()}
-    keyed = [o.split("=", 1) for o in overrides if "=" in o and o[0] not in "+~"]
+    keyed = [o.split("=", 1) for o in overrides if "=" in o and o[0] not in "+~-"]
     chosen = [f"{k}={v}" for k, v in keyed if k in groups]
     try:
         cfg = compose_config(config_name, "/nonexistent", chosen)

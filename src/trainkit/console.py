@@ -17,6 +17,7 @@ import re
 import sys
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 
 from hydra.errors import CompactHydraException
 
@@ -182,6 +183,12 @@ def number(value: float) -> str:
 
 def metrics_text(metrics: dict[str, float]) -> str:
     return "  ".join(f"{name} {number(value)}" for name, value in metrics.items())
+
+
+def shown(path: Path) -> str:
+    """``path`` relative to the working directory where it is under it (as the user typed it)."""
+    path = Path(path).absolute()
+    return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
 
 
 def say(line: str, *args: object) -> None:

@@ -5,6 +5,8 @@ from pathlib import Path
 
 from hydra.errors import CompactHydraException
 
+from trainkit.console import shown
+
 
 class ConfigError(CompactHydraException, ValueError):
     """A config value that cannot run; the message names the value and what to do instead.
@@ -34,9 +36,7 @@ def offline_hint(dataset: str, out: str = "data/synthetic") -> str:
     (an ``experiment=...`` kept), the data's replaced."""
     from hydra.core.hydra_config import HydraConfig
 
-    python = Path(sys.executable).absolute()
-    if python.is_relative_to(Path.cwd()):  # .venv/bin/python, as the README's commands
-        python = python.relative_to(Path.cwd())
+    python = shown(Path(sys.executable))  # .venv/bin/python, as the README's commands
     typed = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
     tool = f"{python} -m trainkit.data.synthetic" + ("" if dataset == "mnist" else f" {dataset}")
     kept = [o for o in typed if o.split("=", 1)[0] not in OFFLINE_REPLACES]

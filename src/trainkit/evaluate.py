@@ -17,13 +17,13 @@ from trainkit.build import (
 from trainkit.callbacks import PredictionWriter
 from trainkit.checkpoint_io import damage, is_checkpoint, read_checkpoint_config
 from trainkit.config import settle, with_library_defaults
-from trainkit.console import quiet, results_line
+from trainkit.console import quiet, results_line, shown
 from trainkit.errors import ConfigError
 from trainkit.launch import isolated_job
 from trainkit.loggers import ending_tracker_runs
 from trainkit.preflight import check_built_run, check_runnable_stages
 from trainkit.resume import newest_last_checkpoint
-from trainkit.run_dir import owning_run_dir, shown
+from trainkit.run_dir import owning_run_dir
 from trainkit.run_files import stage_metrics, write_config, write_json
 from trainkit.run_plan import evaluation_plan
 

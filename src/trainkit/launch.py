@@ -61,6 +61,10 @@ def in_multirun() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
+def _key(override: str) -> str:
+    return override.lstrip("+~").split("=", 1)[0]
+
+
 def _quoted(path: str) -> str:
     """A path as a Hydra override value: sweep directories named by overrides hold '=' and ','.
 
@@ -70,8 +74,20 @@ def _quoted(path: str) -> str:
     return '"' + path.replace('"', '\\"') + '"'
 
 
+# A sweep job that an earlier launch of its sweep left interrupted resumes from its own last
+# checkpoint (sweep.continue_job): the ranks this process starts for it are told so.
+_job_ckpt_path: str | None = None
+
+
+def resume_job_from(path: str) -> None:
+    """This job's ranks resume from ``path``, as if ``ckpt_path=<path>`` had been typed."""
+    global _job_ckpt_path
+    _job_ckpt_path = path
+
+
 def job_command(local_rank: int) -> list[str]:
-    """The command that runs exactly this Hydra job (not its sweep) as rank ``local_rank``."""
+    """The command that runs exactly this Hydra job (not its sweep) as rank ``local_rank``; a
+    continued sweep job's with the checkpoint it resumes from."""
     from hydra.core.hydra_config import HydraConfig
 
     if not HydraConfig.initialized():
@@ -85,7 +101,9 @@ def job_command(local_rank: int) -> list[str]:
         elif source.provider == "command-line" and source.schema == "file":
             command += ["--config-dir", source.path]
     command += [o for o in hc.overrides.hydra if not o.lstrip("+~").startswith(_SWEEP_ONLY)]
-    command += list(hc.overrides.task)
+    command += [o for o in hc.overrides.task if not (_job_ckpt_path and _key(o) == "ckpt_path")]
+    if _job_ckpt_path:
+        command.append(f"ckpt_path={_quoted(_job_ckpt_path)}")
     return [
         *command,
         f"hydra.run.dir={_quoted(hc.runtime.output_dir)}",
@@ -241,6 +259,7 @@ class RankFailedError(RuntimeError):
 @contextlib.contextmanager
 def isolated_job(child_timeout_s: float = 120) -> Iterator[None]:
     """Run one job so that the next one in this process starts clean (see the module doc)."""
+    global _job_ckpt_path
     environ = dict(os.environ)
     _children.clear()
     failed = False
@@ -250,7 +269,7 @@ def isolated_job(child_timeout_s: float = 120) -> Iterator[None]:
         failed = True
         raise
     finally:
-        children, codes = list(_children), []
+        children, codes, _job_ckpt_path = list(_children), [], None
         _children.clear()
         for proc in children:
             try:

@@ -23,7 +23,7 @@ from pathlib import Path
 from hydra.errors import CompactHydraException
 from omegaconf import DictConfig, OmegaConf
 
-from trainkit.console import held_until_accepted
+from trainkit.console import held_until_accepted, shown
 from trainkit.errors import ConfigError
 from trainkit.launch import first_process
 from trainkit.resume import is_restart
@@ -92,12 +92,6 @@ def write_hydra_record(output_dir: Path, cfg: DictConfig) -> None:
     OmegaConf.save(cfg, record / "config.yaml")
     OmegaConf.save(hydra_cfg, record / "hydra.yaml")
     OmegaConf.save(hydra_cfg.hydra.overrides.task, record / "overrides.yaml")
-
-
-def shown(path: Path) -> str:
-    """``path`` relative to the working directory where it is under it (as the user typed it)."""
-    path = Path(path).absolute()
-    return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
 
 
 @contextlib.contextmanager

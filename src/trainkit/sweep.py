@@ -1,5 +1,5 @@
-"""What a sweep needs beyond Hydra's own engines: the script its ddp children re-run, and jobs that
-report how they ended.
+"""What a sweep needs beyond Hydra's own engines: the script its ddp children re-run, jobs that
+report how they ended, and a stopped sweep that the same command continues.
 
 ``JobReporter`` is a Hydra callback (conf/hydra/default.yaml). In every sweep job it writes
 ``job.json`` (overrides, status, the returned metric or the error) into the job's directory and
@@ -7,36 +7,60 @@ logs a failure with that directory, so a failed job is found without reading eve
 every job it rewrites ``sweep.json``, a summary of every job so far. Hydra's sweepers (basic,
 Optuna) still run the other jobs of the batch and then exit non-zero on a failed one, without
 calling ``on_multirun_end``: the summary is there all the same.
+
+A sweep continues where an earlier launch of it left its directory (``hydra.sweep.dir=<dir>``):
+the first launch records what defines the sweep in ``sweep.yaml``, and a later one with another
+definition is refused before any job (``check_same_sweep``); a launch holds ``.sweep.lock`` while
+it runs. Each job then finds its directory as it was left (``job_as_left``): a completed job is not
+run again (its recorded value counts), an interrupted one resumes from its own ``last.ckpt``, a
+failed one runs again up to ``sweep.retries`` times (``continue_job``), a new one starts.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
 import os
+import shlex
+import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from trainkit.checkpoint_io import atomic_write_text
-from trainkit.launch import ENTRY_POINT_ENV, in_multirun
+from trainkit.checkpoint_io import atomic_write_text, damage, is_checkpoint, saved_step
+from trainkit.config import settle
+from trainkit.console import shown
+from trainkit.errors import ConfigError
+from trainkit.launch import ENTRY_POINT_ENV, in_multirun, resume_job_from
 from trainkit.run_dir import RunDirTaken
 
 log = logging.getLogger(__name__)
 
 JOB_FILE, SWEEP_FILE = "job.json", "sweep.json"
+SWEEP_RECORD, SWEEP_LOCK = "sweep.yaml", ".sweep.lock"
 
 
 def _record_entry_point() -> None:
     """The script the user ran: a launcher may run jobs in processes whose argv is its own."""
     os.environ.setdefault(ENTRY_POINT_ENV, os.path.abspath(sys.argv[0]))
+
+
+class JobStaysFailed(ConfigError):
+    """A job that failed in an earlier launch of its sweep, with no retry left: not run again."""
+
+
+class SweepTaken(ConfigError):
+    """The sweep directory holds another sweep, or another launch of this one is running there."""
 
 
 class JobReporter(Callback):
@@ -45,26 +69,42 @@ class JobReporter(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         _record_entry_point()
+        try:
+            own_sweep_dir(config)
+        except SweepTaken as refused:  # Hydra turns a callback's Exception into a warning and
+            raise SystemExit(str(refused)) from None  # goes on: the refusal exits, as its line
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if in_multirun():  # read before the job writes anything (the job reads it too)
+            self._as_left = job_as_left(Path(HydraConfig.get().runtime.output_dir))
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         if not in_multirun():  # ddp children run their job in RUN mode: rank 0 reports it
             return
         hc = HydraConfig.get()
         job_dir = Path(hc.runtime.output_dir)
+        left: AsLeft = getattr(self, "_as_left", AsLeft("new"))
+        error = job_return._return_value if job_return.status != JobStatus.COMPLETED else None
+        if left.status == "completed" or isinstance(error, JobStaysFailed):
+            write_summary(job_dir.parent)  # its job.json stays as that launch wrote it
+            return
         record: dict[str, Any] = {
             "num": hc.job.num,
             "overrides": list(hc.overrides.task),
             "dir": str(job_dir),
             "status": job_return.status.name.lower(),
+            "attempts": left.attempts + 1,
         }
+        if left.step is not None:
+            record["resumed_from_step"] = left.step
         if job_return.status == JobStatus.COMPLETED:
             value = job_return.return_value
             record["return_value"] = value if isinstance(value, (int, float)) else None
             # what the value is: the best of the monitored metric (train.run's return)
             monitor, mode = config.get("monitor"), config.get("monitor_mode")
             record["return_value_of"] = f"best {monitor} ({mode})"
+            record["mode"] = mode
         else:
-            error = job_return._return_value
             if isinstance(error, RunDirTaken):  # another run's directory: left as it is
                 log.error("sweep job %s refused: %s", hc.job.num, error)
                 return
@@ -80,10 +120,180 @@ class JobReporter(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
         summary = write_summary(sweep_dir)
+        best = summary["best"]
         log.info(
-            "sweep: %d job(s) completed, %d failed; summary in %s",
-            *(summary["completed"], summary["failed"], sweep_dir / SWEEP_FILE),
+            "sweep: %d job(s) completed, %d failed%s; summary in %s",
+            *(summary["completed"], summary["failed"]),
+            f", the best job {best['num']} ({best['return_value']:.4g})" if best else "",
+            shown(sweep_dir / SWEEP_FILE),
         )
+        log.info("sweep: %s (continue it with: %s)", shown(sweep_dir), continuing_command(config))
+
+
+# --- continuing a stopped sweep ------------------------------------------------------------------
+
+_sweep_lock = None  # the open .sweep.lock of the sweep this process launches, held to its exit
+
+
+def own_sweep_dir(config: DictConfig) -> None:
+    """At a sweep's start, before any job: this launch owns the sweep directory (another launch
+    of it running there is refused), the sweep is the one recorded there (``check_same_sweep``;
+    the first launch records it), and its first line names it and the command that continues it."""
+    global _sweep_lock
+    sweep_dir = Path(config.hydra.sweep.dir)
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    handle = open(sweep_dir / SWEEP_LOCK, "a+")  # noqa: SIM115  held until the process ends
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        if err.errno in (errno.EAGAIN, errno.EACCES):
+            handle.seek(0)
+            raise SweepTaken(
+                f"{shown(sweep_dir)} is in use by another launch of its sweep "
+                f"({handle.read().strip() or 'unknown'}): wait for it to end"
+            ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()}\n")
+    handle.flush()
+    _sweep_lock = handle
+    now = sweep_definition(config)
+    record = sweep_dir / SWEEP_RECORD
+    if record.is_file():
+        check_same_sweep(yaml.safe_load(record.read_text()), now, sweep_dir)
+        left = [job_as_left(d) for d in sweep_dir.iterdir() if d.name[:1].isdigit()]
+        log.info("sweep: %s continued: %s", shown(sweep_dir), _counted(left))
+    elif any(sweep_dir.glob(f"*/{JOB_FILE}")):
+        raise SweepTaken(
+            f"{shown(sweep_dir)} holds a sweep without its {SWEEP_RECORD}: give a new "
+            f"hydra.sweep.dir (or leave it out)"
+        )
+    else:
+        atomic_write_text(record, yaml.safe_dump(now, sort_keys=False))
+    log.info("sweep: %s (continue it with: %s)", shown(sweep_dir), continuing_command(config))
+
+
+def sweep_definition(config: DictConfig) -> dict[str, Any]:
+    """What makes a sweep the same sweep: its overrides as typed (the swept values with the
+    rest) and its sweeper's settings; where and how its jobs run (the launcher, paths) apart."""
+    hydra = config.hydra
+    return {
+        "overrides": sorted(o for o in hydra.overrides.task if not _where(o)),
+        "sweeper": OmegaConf.to_container(hydra.sweeper, resolve=False),
+        "launcher": OmegaConf.to_container(hydra.launcher, resolve=False),
+        "command": continuing_command(config),
+    }
+
+
+def _where(override: str) -> bool:
+    key = override.lstrip("+~").split("=", 1)[0]
+    return key in ("launcher", "paths", "sweep") or key.startswith(("paths.", "hydra.", "sweep."))
+
+
+def check_same_sweep(recorded: dict[str, Any], now: dict[str, Any], sweep_dir: Path) -> None:
+    """A sweep directory is continued by its own sweep only: a difference in the overrides or the
+    sweeper's settings is one line naming what differs; another launcher is said, and runs."""
+    differ = sorted(
+        {o.split("=", 1)[0] for o in set(recorded["overrides"]) ^ set(now["overrides"])}
+    ) + sorted(_differing(recorded["sweeper"], now["sweeper"], "hydra.sweeper"))
+    if differ:
+        verb = "differs" if len(differ) == 1 else "differ"
+        raise SweepTaken(
+            f"{shown(sweep_dir)} holds another sweep ({', '.join(differ)} {verb}): continue it "
+            f"with its own command ({recorded['command']}), or give a new hydra.sweep.dir (or "
+            f"leave it out) for this one"
+        )
+    moved = _differing(recorded["launcher"], now["launcher"], "hydra.launcher")
+    if moved:
+        log.info("sweep: its jobs run elsewhere now (%s changed)", ", ".join(sorted(moved)))
+
+
+def _differing(a: Any, b: Any, prefix: str) -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [
+            k
+            for key in a.keys() | b.keys()
+            for k in _differing(a.get(key), b.get(key), f"{prefix}.{key}")
+        ]
+    return [] if a == b else [prefix]
+
+
+def continuing_command(config: DictConfig) -> str:
+    """The command line that continues this sweep: this one's, with its directory given."""
+    sweep_dir = str(Path(config.hydra.sweep.dir).absolute())
+    args = [a for a in sys.argv[1:] if not a.startswith("hydra.sweep.dir=")]
+    python = shown(Path(sys.executable))
+    script = shown(Path(os.environ.get(ENTRY_POINT_ENV) or sys.argv[0]))
+    return shlex.join([python, script, *args, f"hydra.sweep.dir={shown(Path(sweep_dir))}"])
+
+
+@dataclass(frozen=True)
+class AsLeft:
+    """A sweep job's directory as an earlier launch of its sweep left it: ``new`` (nothing in it),
+    ``completed`` or ``failed`` (its job.json says), or ``interrupted`` (a start without an end);
+    the checkpoint it would resume from and its step; the attempts it has had."""
+
+    status: str
+    record: dict[str, Any] | None = None
+    checkpoint: Path | None = None
+    step: int | None = None
+
+    @property
+    def attempts(self) -> int:
+        if self.record is not None:
+            return int(self.record.get("attempts", 1))
+        return 0 if self.status == "new" else 1
+
+
+def job_as_left(job_dir: Path) -> AsLeft:
+    last = job_dir / "checkpoints" / "last.ckpt"
+    checkpoint = last if is_checkpoint(last) else None
+    whole = checkpoint is not None and (checkpoint.is_dir() or damage(checkpoint) is None)
+    step = saved_step(checkpoint) if whole else None  # (a damaged one: the resume says which)
+    with contextlib.suppress(FileNotFoundError, ValueError):
+        record = json.loads((job_dir / JOB_FILE).read_text())
+        return AsLeft(record["status"], record, checkpoint, step)
+    if job_dir.is_dir() and any(job_dir.iterdir()):
+        return AsLeft("interrupted", None, checkpoint, step)
+    return AsLeft("new")
+
+
+def continue_job(cfg: DictConfig, left: AsLeft) -> DictConfig:
+    """The config a sweep job runs, as an earlier launch of its sweep left its directory: a new
+    job as it is; an interrupted or retried one resuming from its own ``last.ckpt``, or, with none,
+    starting again with what that start wrote moved aside (``attempt<N>/``); a failed job with no
+    retry left is refused (``JobStaysFailed``). A completed job is not run (train.run)."""
+    if left.status == "new":
+        return cfg
+    job_dir = Path(cfg.paths.output_dir)
+    num = HydraConfig.get().job.num
+    if left.status == "failed":
+        retries = int(cfg.get("sweep", {}).get("retries") or 0)
+        if left.attempts > retries:
+            raise JobStaysFailed(
+                f"sweep job {num} failed before ({left.record.get('error')}) and is not run "
+                f"again: sweep.retries={retries} (sweep.retries={left.attempts} runs it again)"
+            )
+        log.info("sweep job %d failed before: retry %d of %d", num, left.attempts, retries)
+    if left.checkpoint is None:
+        aside = job_dir / f"attempt{1 + len(list(job_dir.glob('attempt*')))}"
+        aside.mkdir()
+        for path in list(job_dir.iterdir()):
+            if path != aside and not path.name.startswith("attempt"):
+                shutil.move(path, aside / path.name)
+        log.info("sweep job %d starts again: what its last start wrote is in %s", num, aside)
+        return cfg
+    settle(cfg, "ckpt_path", str(left.checkpoint), "the sweep job's own, left by its last start")
+    resume_job_from(cfg.ckpt_path)  # the job's other ranks too
+    log.info("sweep job %d resumes from its last checkpoint (step %s)", num, left.step)
+    return cfg
+
+
+def _counted(jobs: list[AsLeft]) -> str:
+    counts: dict[str, int] = {}
+    for job in jobs:
+        counts[job.status] = counts.get(job.status, 0) + 1
+    return ", ".join(f"{n} {status}" for status, n in sorted(counts.items())) or "no job yet"
 
 
 def write_summary(sweep_dir: Path) -> dict[str, Any]:
@@ -101,6 +311,21 @@ def write_summary(sweep_dir: Path) -> dict[str, Any]:
                 jobs.append(json.loads(path.read_text()))
         jobs.sort(key=lambda job: job["num"])
         failed = [job for job in jobs if job["status"] != "completed"]
-        summary = {"jobs": jobs, "completed": len(jobs) - len(failed), "failed": len(failed)}
+        summary = {
+            "jobs": jobs,
+            "completed": len(jobs) - len(failed),
+            "failed": len(failed),
+            "best": _best(jobs),
+        }
         atomic_write_text(sweep_dir / SWEEP_FILE, json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _best(jobs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The completed job with the best returned value so far: its number, value and directory."""
+    done = [j for j in jobs if j["status"] == "completed" and j.get("return_value") is not None]
+    if not done:
+        return None
+    pick = min if done[0].get("mode") == "min" else max
+    job = pick(done, key=lambda j: j["return_value"])
+    return {"num": job["num"], "return_value": job["return_value"], "dir": job["dir"]}

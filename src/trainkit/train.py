@@ -23,16 +23,17 @@ from trainkit.callbacks import (
 from trainkit.callbacks.preemption import Preempted
 from trainkit.checkpoint_io import remove_stale_temp_files
 from trainkit.config import with_library_defaults
-from trainkit.console import quiet, results_line
-from trainkit.launch import first_process, isolated_job
+from trainkit.console import quiet, results_line, shown
+from trainkit.launch import first_process, in_multirun, isolated_job
 from trainkit.loggers import ending_tracker_runs, flat_hparams, log_final, log_run_config, run_tags
 from trainkit.plan import Settings, check_fits, table
 from trainkit.preflight import check_built_run, why_cannot
 from trainkit.resume import composing_overrides, job_overrides, record_launch
-from trainkit.run_dir import left_unused, owning_run_dir, shown
+from trainkit.run_dir import left_unused, owning_run_dir
 from trainkit.run_files import as_floats, stage_metrics, write_config, write_json
 from trainkit.run_plan import RunPlan, training_plan
 from trainkit.runtime import tune_malloc
+from trainkit.sweep import continue_job, job_as_left
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,11 @@ def run(cfg: DictConfig) -> float | None:
         return show_plan(cfg)
     if cfg.get("check", {}).get("run"):
         return check(cfg)
+    if in_multirun():  # a sweep job, as an earlier launch of its sweep may have left it
+        left = job_as_left(Path(cfg.paths.output_dir))
+        if left.status == "completed":
+            return left.record.get("return_value")  # counted as before; nothing is rewritten
+        cfg = continue_job(cfg, left)
     with isolated_job(), owning_run_dir(cfg):
         return _train_and_test(cfg)
 

@@ -7,9 +7,13 @@ overrides every rank ran, the job's own directory, and its final weights against
 alone.
 """
 
+import hashlib
 import itertools
 import json
 import os
+import signal
+import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,7 +24,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.backend.event_processing.plugin_event_multiplexer import EventMultiplexer
 from tensorboard.plugins.hparams import plugin_data_pb2
 
-from helpers import max_diff, processes, readme_run, run_python, run_weights
+from helpers import max_diff, processes, readme_run, run_python, run_weights, start_python
+from trainkit.checkpoint_io import saved_step
 
 pytestmark = pytest.mark.slow  # long end-to-end runs: CI's `slow` job
 
@@ -302,3 +307,104 @@ def test_submitit_local_runs_a_ddp_job(sweep_runner) -> None:
     assert job["status"] == "completed"
     check_processes(job, 2)
     assert (sweep / ".submitit").is_dir()
+
+
+# --- a stopped sweep continues ------------------------------------------------------------------
+
+# Three jobs of 3 epochs of 4 steps; each epoch saves last.ckpt
+STOPPED = (
+    "-m",
+    "model.optimizer.lr=0.1,0.05,0.02",
+    "trainer.max_epochs=3",
+    "trainer.limit_train_batches=4",
+    "trainer.limit_val_batches=2",
+    "trainer.limit_test_batches=2",
+)
+
+
+def held_in_job(job: int, out: Path) -> tuple[str, ...]:
+    """helpers.PauseAt holding sweep job ``job`` at step 6 (its second epoch, after the first
+    epoch's last.ckpt) until the test kills it; not in a start that resumes."""
+    pause = "+callbacks.pause"
+    return (f"{pause}._target_=helpers.PauseAt", f"{pause}.step=6", f"{pause}.out={out}",
+            f"{pause}.job={job}")  # fmt: skip
+
+
+def files_of(job_dir: Path) -> dict[str, tuple[int, str]]:
+    """Every file of a job directory: its modification time and its content's hash."""
+    return {
+        str(p.relative_to(job_dir)): (
+            p.stat().st_mtime_ns,
+            hashlib.sha256(p.read_bytes()).hexdigest(),
+        )
+        for p in sorted(job_dir.rglob("*"))
+        if p.is_file()
+    }
+
+
+def job_dirs(sweep: Path) -> dict[int, Path]:
+    return {int(d.name.split("_", 1)[0]): d for d in sweep.iterdir() if d.name[:1].isdigit()}
+
+
+def test_a_killed_sweep_continues_where_it_stopped(overrides, tmp_path: Path) -> None:
+    """A grid sweep SIGKILLed (its whole process group) while job 1 trains, after job 0
+    completed: a second launch of it meanwhile, and a changed sweep afterwards, are refused in
+    one line; the same command then continues it: job 0 is not run again (its files untouched),
+    job 1 resumes from its last checkpoint, job 2 trains, and every job's metrics and weights
+    equal those of the same sweep run without a stop."""
+    sweep, pause, logs = tmp_path / "sweep", tmp_path / "pause", tmp_path / "logs"
+    command = ("train.py", *STOPPED, *overrides, *held_in_job(1, pause), f"hydra.sweep.dir={sweep}")
+    first = start_python(*command, log_dir=logs, start_new_session=True,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        deadline = time.time() + 300
+        while not Path(f"{pause}.paused").exists() and first.poll() is None:
+            assert time.time() < deadline, "job 1 never reached step 6"
+            time.sleep(0.2)
+        assert first.poll() is None, "the sweep ended before job 1 was held"
+        second = run_python(*command, log_dir=logs)
+        assert second.returncode == 1
+        said = second.stderr.strip().splitlines()[-1]
+        assert said.endswith(
+            f"in use by another launch of its sweep (pid {first.pid}): wait for it to end"
+        ), second.stderr[-2000:]
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    left = job_dirs(sweep)
+    assert sorted(left) == [0, 1]  # job 2 never started
+    assert json.loads((left[0] / "job.json").read_text())["status"] == "completed"
+    assert not (left[1] / "job.json").exists()  # killed: no end recorded
+    assert saved_step(left[1] / "checkpoints" / "last.ckpt") == 4
+    untouched = files_of(left[0])
+
+    changed = [o.replace("0.02", "0.01") for o in command]
+    refused = run_python(*changed, log_dir=logs)
+    assert refused.returncode == 1
+    assert f"{sweep} holds another sweep (model.optimizer.lr differs)" in refused.stderr
+    assert "Traceback" not in refused.stderr and sorted(job_dirs(sweep)) == [0, 1]
+
+    again = run_python(*command, log_dir=logs)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "continued: 1 completed, 1 interrupted" in again.stdout + again.stderr
+    assert files_of(left[0]) == untouched
+    records = jobs(sweep)
+    assert [r["status"] for r in records] == ["completed"] * 3
+    assert [r["attempts"] for r in records] == [1, 2, 1]
+    assert [r.get("resumed_from_step") for r in records] == [None, 4, None]
+    assert "sweep job 1 resumes from its last checkpoint (step 4)" in again.stdout
+
+    # the same sweep without a stop (job 99 is never held)
+    reference = tmp_path / "reference"
+    unstopped = [*command[:-5], *held_in_job(99, pause), f"hydra.sweep.dir={reference}"]
+    assert run_python(*unstopped, log_dir=logs).returncode == 0
+    for num, job_dir in job_dirs(sweep).items():
+        twin = job_dirs(reference)[num]
+        metrics = json.loads((job_dir / "metrics.json").read_text())
+        expected = json.loads((twin / "metrics.json").read_text())
+        assert metrics["fit"] == expected["fit"] and metrics["test"] == expected["test"], num
+        assert max_diff(run_weights(job_dir), run_weights(twin)) == 0
+        assert (
+            json.loads((job_dir / "job.json").read_text())["return_value"]
+            == json.loads((twin / "job.json").read_text())["return_value"]
+        )

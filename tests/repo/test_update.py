@@ -143,3 +143,19 @@ def test_the_previous_releases_train_yaml_runs_after_an_update(
     ran = OmegaConf.load(run_dir / "config.yaml")
     assert ran.data.seed == 7 and ran.check.run is False  # the run's seed; the library's key
     assert (run_dir / "checkpoints" / "best.ckpt").exists()
+
+
+def test_an_older_train_yaml_takes_the_librarys_keys_on_the_command_line(tmp_path: Path) -> None:
+    """A fork's train.yaml from before the plan block and weights_only: `plan=true` and the keys
+    the guard's and the plan's lines name are taken (Hydra would refuse a key its file lacks)."""
+    conf = tmp_path / "conf"
+    shutil.copytree(ROOT / "conf", conf)
+    older = OmegaConf.load(conf / "train.yaml")
+    del older["plan"], older["weights_only"]
+    OmegaConf.save(older, conf / "train.yaml")
+    proc = run_python(
+        "train.py", f"--config-path={conf}", "plan=true", "plan.margin=0.5", "weights_only=false",
+        log_dir=tmp_path / "logs",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "after the 50% margin" in proc.stdout

@@ -13,9 +13,10 @@ from torch.utils.data import DataLoader
 
 import lightning_docs
 from helpers import quiet_trainer
-from trainkit.callbacks import MonitoredMetric, ProgressBar
+from trainkit.callbacks import EpochLines, MonitoredMetric, ProgressBar
 from trainkit.callbacks.prediction_writer import shard_indices
 from trainkit.callbacks.replicas_agree import checksums, disagreement
+from trainkit.console import number
 from trainkit.data.sharding import ShardSampler
 from trainkit.errors import ConfigError
 
@@ -210,3 +211,43 @@ def test_disagreement_names_the_replicas_and_parameters_that_differ() -> None:
     sums = torch.tensor([[1, 2, 3], [1, 2, 3], [1, 9, 3], [0, 2, 4]])
     assert disagreement(["a", "b", "c"], sums) == [(2, ["b"]), (3, ["a", "c"])]
     assert disagreement(["a", "b", "c"], sums[:2]) == []
+
+
+class EpochValues(L.Callback):
+    """What the module logged for ``key`` at each training epoch's end, as EpochLines reads it."""
+
+    def __init__(self, key: str) -> None:
+        self.key, self.values = key, []
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        self.values.append(float(trainer.callback_metrics[self.key]))
+
+
+def test_each_epochs_line_names_the_best_so_far_and_a_resume_keeps_it(
+    mnist_root: Path, tmp_path: Path, caplog, restore_seed_state
+) -> None:
+    """Lightning's docs' classifier for 3 epochs: each line shows the epoch's val_loss and the
+    best so far with its epoch; resumed for a 4th from the checkpoint, the best carries on. The
+    best is the highest loss (mode=max): an early epoch's, which only the checkpoint's state of
+    EpochLines can tell the resumed run."""
+    caplog.set_level("INFO", logger="trainkit.console")
+    lines, seen = EpochLines("val_loss", mode="max"), EpochValues("val_loss")
+    short = dict(limit_train_batches=3, limit_val_batches=2, num_sanity_val_steps=0)
+    trainer = fit_docs_module(mnist_root, callbacks=[lines, seen], max_epochs=3, **short)
+    trainer.save_checkpoint(tmp_path / "last.ckpt")
+    resumed, later = EpochLines("val_loss", mode="max"), EpochValues("val_loss")
+    quiet_trainer(callbacks=[resumed, later], max_epochs=4, **short).fit(
+        lightning_docs.LitClassifier(),
+        datamodule=lightning_docs.MNISTDataModule(str(mnist_root), download=False),
+        ckpt_path=tmp_path / "last.ckpt",
+    )
+    values = seen.values + later.values
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("epoch ")]
+    assert len(said) == len(values) == 4
+    for epoch, (line, value) in enumerate(zip(said, values, strict=True), start=1):
+        best = max(values[:epoch])
+        at = values.index(best) + 1
+        assert line.startswith(f"epoch {epoch}/{3 if epoch <= 3 else 4}  train_loss ")
+        assert f"val_loss {number(value)}" in line
+        assert line.endswith(f"(best val_loss {number(best)} at epoch {at})")
+    assert resumed.best == (max(values), values.index(max(values)) + 1) != (values[3], 4)

@@ -28,7 +28,14 @@ from myproject.data import MNISTDataModule
 from myproject.models import MLP
 from myproject.tasks import ImageClassifier
 from trainkit.callbacks import ProfileSteps, RunConfig, StartupTime
-from trainkit.config import CONF_DIR, LIBRARY_CONF_DIR, compose_config, settle, unknown_keys
+from trainkit.config import (
+    CONF_DIR,
+    LIBRARY_CONF_DIR,
+    compose_config,
+    expand_shorthands,
+    settle,
+    unknown_keys,
+)
 from trainkit.errors import ConfigError
 from trainkit.evaluate import check_data_keys, move_data_dir
 from trainkit.models.blocks import draw_init_seed
@@ -599,6 +606,7 @@ def test_an_unknown_key_is_named_with_the_closest_key_the_config_has() -> None:
         "+callbacks.mine._target_=x.Y",  # added on purpose
         "hydra.run.dir=/tmp/x",
         "zzz_nothing_like_it=1",
+        "--config-name=train",  # Hydra's flags are not keys
     ]
     assert unknown_keys("train", overrides) == [
         "trainer.max_epoch: not a key of the config; did you mean trainer.max_epochs?",
@@ -609,6 +617,25 @@ def test_an_unknown_key_is_named_with_the_closest_key_the_config_has() -> None:
     assert unknown_keys("eval", ["stage=test"]) == [
         "stage: not a key of the config; did you mean stages?"
     ]
+
+
+def test_a_library_key_an_older_train_yaml_lacks_is_typed_with_plus_plus(tmp_path: Path) -> None:
+    """On the project's train.yaml the shorthands expand to its keys; on a fork's older file
+    without a plan block or weights_only, Hydra's ++ adds them; a misspelt key stays as typed."""
+    typed = ["plan=true", "plan.margin=0.5", "weights_only=false", "plan.shwo=true", "seed=1"]
+    assert expand_shorthands(typed) == ["plan.show=true", *typed[1:]]
+    older = OmegaConf.load(CONF_DIR / "train.yaml")
+    del older["plan"], older["weights_only"]
+    OmegaConf.save(older, tmp_path / "train.yaml")
+    assert expand_shorthands([f"--config-path={tmp_path}", *typed]) == [
+        f"--config-path={tmp_path}",
+        "++plan.show=true",
+        "++plan.margin=0.5",
+        "++weights_only=false",
+        "plan.shwo=true",
+        "seed=1",
+    ]
+    assert expand_shorthands(["-cp", str(tmp_path), "check=true"])[-1] == "check.run=true"
 
 
 @pytest.mark.slow  # a process of its own: the full suite's, not make test-fast's

@@ -12,12 +12,12 @@ import torch
 from helpers import HostTraffic
 from myproject.data import MNISTDataModule
 from myproject.data.mnist import MNIST_FILES
+from trainkit.console import shown
 from trainkit.data.decode import normalize_images
 from trainkit.data.in_memory import InMemoryLoader
 from trainkit.data.sharding import ShardSampler
 from trainkit.data.synthetic import write_mnist
 from trainkit.errors import DataNotFoundError
-from trainkit.run_dir import shown
 
 N_TRAIN, N_TEST = 120, 30
 

@@ -15,10 +15,10 @@ from torch import Tensor, nn
 
 from helpers import quiet_trainer
 from myproject.data import CIFAR10DataModule
+from trainkit.console import shown
 from trainkit.data.decode import TEST_BATCH, TRAIN_BATCHES, random_crop_flip, read_batch
 from trainkit.data.synthetic import write_cifar10
 from trainkit.errors import DataNotFoundError
-from trainkit.run_dir import shown
 
 N_PER_BATCH, N_TEST, VAL_SIZE = 12, 10, 8
 # The official archive's label names, in label order.

@@ -33,9 +33,10 @@ from torch.utils.tensorboard.summary import hparams
 from helpers import SLURM_TASK
 from trainkit.callbacks import Preemption
 from trainkit.config import CONF_DIR, compose_config
-from trainkit.launch import ENTRY_POINT_ENV, job_command
+from trainkit.launch import ENTRY_POINT_ENV, isolated_job, job_command, resume_job_from
 from trainkit.loggers import flat_hparams, log_final
 from trainkit.resolvers import job_dirname
+from trainkit.sweep import SweepTaken, check_same_sweep, sweep_definition
 
 
 def compose_with_hydra(overrides: Sequence[str]) -> DictConfig:
@@ -208,6 +209,22 @@ def test_job_command_runs_exactly_this_job(
     ]
     for dropped in SWEEP_ONLY:
         assert dropped not in command
+
+
+def test_job_command_of_a_continued_job_resumes_its_checkpoint(
+    hydra_job: Callable[..., DictConfig], job_dir: Path
+) -> None:
+    """A sweep job that resumes its own last.ckpt (sweep.continue_job) starts its other ranks
+    with that checkpoint, in place of a ckpt_path the sweep typed; the next job without it."""
+    hydra_job(job_dir, [*TASK, "ckpt_path=/start/from.ckpt"])
+    own = job_dir / "checkpoints" / "last.ckpt"
+    with isolated_job():
+        resume_job_from(str(own))
+        _, overrides = split_command(job_command(1))
+        (given,) = [o for o in overrides if o.startswith("ckpt_path=")]
+        assert OverridesParser.create().parse_override(given).value() == str(own)
+    _, overrides = split_command(job_command(1))
+    assert [o for o in overrides if o.startswith("ckpt_path=")] == ["ckpt_path=/start/from.ckpt"]
 
 
 def test_job_command_run_dir_parses_back_to_the_job_dir(
@@ -499,3 +516,40 @@ def test_slurm_launcher_parameters_reach_the_sbatch_script(
     assert_sbatch_resources(script)
     assert not [line for line in script.splitlines() if line.startswith("#SBATCH --mem")]
     assert "#SBATCH --time=240" in script.splitlines()
+
+
+# --------------------------------------------------------------------------------------------
+# continuing a sweep: the same sweep only
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_continued_sweep_must_be_the_recorded_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The swept overrides and the sweeper's settings must match what the first launch recorded
+    (each differing key named); the launcher may change, and that is said."""
+
+    def sweep(task: list[str], **hydra: Any) -> dict[str, Any]:
+        cfg = compose_with_hydra([])
+        with open_dict(cfg):
+            cfg.hydra.overrides.task = task
+            for key, value in hydra.items():
+                OmegaConf.update(cfg, f"hydra.{key}", value, force_add=True)
+        return sweep_definition(cfg)
+
+    swept = ["model.optimizer.lr=0.1,0.01", "trainer.max_epochs=3"]
+    recorded = sweep(swept)
+    check_same_sweep(recorded, sweep(swept), tmp_path)  # the same: goes on
+    with caplog.at_level("INFO", logger="trainkit.sweep"):
+        check_same_sweep(recorded, sweep(swept, **{"launcher.n_jobs": 4}), tmp_path)
+    assert "its jobs run elsewhere now (hydra.launcher.n_jobs changed)" in caplog.text
+    moved = ["model.optimizer.lr=0.1,0.01", "trainer.max_epochs=3", "paths.log_dir=/elsewhere"]
+    check_same_sweep(recorded, sweep(moved, **{"sweep.dir": "/elsewhere/sweep"}), tmp_path)
+
+    other = ["model.optimizer.lr=0.1,0.02", "trainer.max_epochs=3"]
+    with pytest.raises(
+        SweepTaken,
+        match=r"holds another sweep \(model.optimizer.lr, hydra.sweeper.max_batch_size differ\):"
+        r" continue it with its own command",
+    ):
+        check_same_sweep(recorded, sweep(other, **{"sweeper.max_batch_size": 2}), tmp_path)

@@ -27,24 +27,23 @@ class EpochLines(Callback):
             return
         epoch = trainer.current_epoch + 1
         validated = self._validated_in == trainer.current_epoch
-        logged = {k: _float(v) for k, v in trainer.callback_metrics.items()}
+        metrics = trainer.callback_metrics
         losses = [
             k
-            for k, v in logged.items()
-            if v is not None
-            and "loss" in k.rsplit("/", 1)[-1]
+            for k in metrics
+            if "loss" in k.rsplit("/", 1)[-1]
             and not k.endswith("_step")
             and (validated or not k.startswith("val"))
         ]
         losses.sort(key=lambda k: not k.startswith("train"))  # training's first, then the rest
-        shown = {k: logged[k] for k in losses}
+        shown = {k: v for k in losses if (v := _float(metrics[k])) is not None}
+        monitored = _float(metrics.get(self.monitor)) if self.monitor and validated else None
         best = ""
-        if self.monitor and validated and logged.get(self.monitor) is not None:
-            value = logged[self.monitor]
-            shown[self.monitor] = value
+        if monitored is not None:
+            shown[self.monitor] = monitored
             last = self.best[0] if self.best else None
-            if last is None or (value > last if self.mode == "max" else value < last):
-                self.best = (value, epoch)  # (a tie keeps the earlier epoch)
+            if last is None or (monitored > last if self.mode == "max" else monitored < last):
+                self.best = (monitored, epoch)  # (a tie keeps the earlier epoch)
         if self.best is not None:
             best = f"  (best {self.monitor} {number(self.best[0])} at epoch {self.best[1]})"
         of = f"/{trainer.max_epochs}" if trainer.max_epochs and trainer.max_epochs > 0 else ""
