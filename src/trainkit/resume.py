@@ -300,6 +300,8 @@ REFUSED_MID_EPOCH = {
     "seed": "it draws the epoch's order",
     "data.split_seed": "it decides which samples are training ones",
     "data.val_size": "it decides which samples are training ones",
+    "data.folds": "it decides which samples are training ones",
+    "data.fold": "it decides which samples are training ones",
 }
 
 

@@ -127,6 +127,13 @@ class JobReporter(Callback):
             f", the best job {best['num']} ({best['return_value']:.4g})" if best else "",
             shown(sweep_dir / SWEEP_FILE),
         )
+        for group in summary.get("folds", []):
+            if group["values"]:
+                log.info(
+                    "sweep: %d folds of %s: %.4g +- %.4g",
+                    *(len(group["values"]), " ".join(group["overrides"]) or "the run"),
+                    *(group["mean"], group["std"]),
+                )
         log.info("sweep: %s (continue it with: %s)", shown(sweep_dir), continuing_command(config))
 
 
@@ -317,6 +324,8 @@ def write_summary(sweep_dir: Path) -> dict[str, Any]:
             "failed": len(failed),
             "best": _best(jobs),
         }
+        if any(_fold_of(job) is not None for job in jobs):
+            summary["folds"] = _fold_means(jobs)
         atomic_write_text(sweep_dir / SWEEP_FILE, json.dumps(summary, indent=2) + "\n")
     return summary
 
@@ -329,3 +338,32 @@ def _best(jobs: list[dict[str, Any]]) -> dict[str, Any] | None:
     pick = min if done[0].get("mode") == "min" else max
     job = pick(done, key=lambda j: j["return_value"])
     return {"num": job["num"], "return_value": job["return_value"], "dir": job["dir"]}
+
+
+def _fold_of(job: dict[str, Any]) -> str | None:
+    found = [o.split("=", 1)[1] for o in job["overrides"] if o.startswith("data.fold=")]
+    return found[0] if found else None
+
+
+def _fold_means(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The folds of each setting (a job's overrides less ``data.fold``): their completed jobs'
+    values, mean and standard deviation (over the folds, population)."""
+    groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+    for job in jobs:
+        if _fold_of(job) is not None:
+            setting = tuple(o for o in job["overrides"] if not o.startswith("data.fold="))
+            groups.setdefault(setting, []).append(job)
+    means = []
+    for setting, folds in groups.items():
+        values = [j["return_value"] for j in folds if j["status"] == "completed"]
+        values = [v for v in values if v is not None]
+        mean = sum(values) / len(values) if values else None
+        std = (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5 if values else None
+        means.append({
+            "overrides": list(setting),
+            "jobs": [j["num"] for j in folds],
+            "values": values,
+            "mean": mean,
+            "std": std,
+        })  # fmt: skip
+    return means

@@ -12,6 +12,7 @@ import itertools
 import json
 import os
 import signal
+import statistics
 import subprocess
 import time
 from collections.abc import Callable
@@ -408,3 +409,38 @@ def test_a_killed_sweep_continues_where_it_stopped(overrides, tmp_path: Path) ->
             json.loads((job_dir / "job.json").read_text())["return_value"]
             == json.loads((twin / "job.json").read_text())["return_value"]
         )
+
+
+# --- folds --------------------------------------------------------------------------------------
+
+
+def test_a_three_fold_sweep_reports_each_fold_and_their_mean(
+    sweep_runner, overrides: tuple[str, ...], tmp_path: Path
+) -> None:
+    """``-m data.folds=3 'data.fold=range(3)'``: each job validates on its fold of the training
+    set (recorded in its directory), the folds disjoint and covering it; sweep.json has the
+    folds' values, mean and std as the jobs returned them. Fold 1 under ddp x2 validates on the
+    same samples as on one device."""
+    sweep, _ = sweep_runner(
+        "-m", "data.folds=3", "data.fold=range(3)", "trainer.limit_train_batches=3"
+    )
+    records = jobs(sweep)
+    splits = [json.loads((Path(r["dir"]) / "data_split.json").read_text()) for r in records]
+    assert [s["fold"] for s in splits] == [0, 1, 2]
+    total = splits[0]["train_size"] + splits[0]["val_size"]
+    vals = [set(s["val_indices"]) for s in splits]
+    assert sum(map(len, vals)) == total and set.union(*vals) == set(range(total))
+    (group,) = json.loads((sweep / "sweep.json").read_text())["folds"]
+    values = [r["return_value"] for r in records]
+    assert group["jobs"] == [0, 1, 2] and group["values"] == values
+    assert group["mean"] == pytest.approx(statistics.fmean(values), abs=1e-12)
+    assert group["std"] == pytest.approx(statistics.pstdev(values), abs=1e-12)
+    assert "data.fold=0" not in " ".join(group["overrides"])
+
+    ddp = run_python(
+        "train.py", *own_overrides(records[1]), "strategy=ddp", "devices=2", log_dir=tmp_path
+    )
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    (run_dir,) = (tmp_path / "train" / "runs").iterdir()
+    split = json.loads((run_dir / "data_split.json").read_text())
+    assert split["val_sha256"] == splits[1]["val_sha256"] and split["val_size"] == len(vals[1])

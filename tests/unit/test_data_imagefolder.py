@@ -197,6 +197,24 @@ def test_without_val_folder_splits_by_val_size(tmp_path: Path, layout: str, val_
     assert set(splits(1)[1]) != set(val)  # another split_seed, another split
 
 
+def test_folds_of_a_tree_validate_on_each_image_once_a_class_share_each(tmp_path: Path) -> None:
+    """``folds=3``: train/'s images (a val/ folder aside) dealt into 3 folds, each fold's
+    validation images disjoint from the others' and together all of train/, each class in each
+    fold 4 // 3 or 4 // 3 + 1 times."""
+    files = write_tree(tmp_path, {"train": 4, "val": 2})
+    vals = []
+    for fold in range(3):
+        dm = setup(tmp_path, folds=3, fold=fold)
+        train, val = sample_paths(dm.datasets["train"]), sample_paths(dm.datasets["val"])
+        assert set(train) | set(val) == as_strings(files["train"]) and not set(train) & set(val)
+        classes = [Path(p).parent.name for p in val]
+        assert all(classes.count(c) in (1, 2) for c in CLASSES)
+        vals.append(set(val))
+    assert sum(map(len, vals)) == len(files["train"]) and set.union(*vals) == as_strings(
+        files["train"]
+    )
+
+
 def test_split_val_view_uses_eval_transforms(tmp_path: Path) -> None:
     write_tree(tmp_path, {"": 4})
     torch.manual_seed(0)

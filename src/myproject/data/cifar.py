@@ -40,10 +40,13 @@ class CIFAR10DataModule(InMemoryDataModule):
         crop_padding: int = 4,
         augment: bool = True,
         drop_last: bool | None = None,
+        folds: int | None = None,
+        fold: int | None = None,
     ) -> None:
         super().__init__(
-            root, batch_size, eval_batch_size, val_size, split_seed, seed, download, drop_last
-        )
+            root, batch_size, eval_batch_size, val_size, split_seed, seed, download, drop_last,
+            folds, fold,
+        )  # fmt: skip
         if crop_padding < 0:
             raise ValueError(f"data.crop_padding must be >= 0, got {crop_padding}")
         self.crop_padding, self.use_augment = crop_padding, augment

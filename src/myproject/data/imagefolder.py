@@ -137,8 +137,12 @@ class ImageFolderDataModule(ShardedDataModule):
         mean: tuple[float, ...] = IMAGENET_MEAN,
         std: tuple[float, ...] = IMAGENET_STD,
         drop_last: bool | None = None,
+        folds: int | None = None,
+        fold: int | None = None,
     ) -> None:
-        super().__init__(root, batch_size, eval_batch_size, val_size, split_seed, seed, drop_last)
+        super().__init__(
+            root, batch_size, eval_batch_size, val_size, split_seed, seed, drop_last, folds, fold
+        )
         if bad_files not in BAD_FILES:
             raise ValueError(f"data.bad_files must be one of {BAD_FILES}, got {bad_files!r}")
         if image_size <= 0:
@@ -236,10 +240,10 @@ class ImageFolderDataModule(ShardedDataModule):
             return
         dirs = self.split_dirs()
         train = self._folder(dirs["train"], train=True)
-        if "val" in dirs:
+        if "val" in dirs and self.folds is None:
             val: Dataset = self._folder(dirs["val"], train=False)
-        else:
-            train_idx, val_idx = self.split_train(len(train))
+        else:  # (folds: made of train/, a val/ folder aside)
+            train_idx, val_idx = self.split_train(len(train), torch.tensor(train.targets))
             eval_view = self.read_as(copy.copy(train), train=False)
             train, val = Subset(train, train_idx.tolist()), Subset(eval_view, val_idx.tolist())
         test = self._folder(dirs["test"], train=False) if "test" in dirs else val

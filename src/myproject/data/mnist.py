@@ -36,10 +36,13 @@ class MNISTDataModule(InMemoryDataModule):
         seed: int | None = 0,
         download: bool = True,
         drop_last: bool | None = None,
+        folds: int | None = None,
+        fold: int | None = None,
     ) -> None:
         super().__init__(
-            root, batch_size, eval_batch_size, val_size, split_seed, seed, download, drop_last
-        )
+            root, batch_size, eval_batch_size, val_size, split_seed, seed, download, drop_last,
+            folds, fold,
+        )  # fmt: skip
 
     @property
     def raw_dir(self) -> Path:

@@ -102,14 +102,18 @@ class InMemoryDataModule(ShardedDataModule):
         seed: int | None,
         download: bool,
         drop_last: bool | None = None,
+        folds: int | None = None,
+        fold: int | None = None,
     ) -> None:
-        super().__init__(root, batch_size, eval_batch_size, val_size, split_seed, seed, drop_last)
+        super().__init__(
+            root, batch_size, eval_batch_size, val_size, split_seed, seed, drop_last, folds, fold
+        )
         self.download = download
         self.splits: dict[str, tuple[Tensor, Tensor]] = {}
 
     def set_splits(self, images: Tensor, labels: Tensor, test: tuple[Tensor, Tensor]) -> None:
-        """Training file -> seeded train/val split; test file as it is."""
-        train_idx, val_idx = self.split_train(len(images))
+        """Training file -> seeded train/val split (or its fold); test file as it is."""
+        train_idx, val_idx = self.split_train(len(images), labels)
         self.splits = {
             "train": (images[train_idx], labels[train_idx]),
             "val": (images[val_idx], labels[val_idx]),

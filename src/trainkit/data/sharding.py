@@ -7,6 +7,7 @@ evaluation shards with duplicate samples and skew distributed val/test metrics; 
 """
 
 import copy
+import json
 import logging
 import os
 from collections.abc import Iterator
@@ -40,6 +41,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
+from trainkit.data.folds import SPLIT_FILE, check_fold, fold_split, split_record
 from trainkit.errors import ConfigError
 from trainkit.parallel import capabilities, data_shard
 
@@ -184,8 +186,9 @@ def val_count(val_size: int | float, n: int) -> int:
 
 
 class ShardedDataModule(L.LightningDataModule):
-    """Base of our datamodules: batch sizes, the seeded validation split of the training data,
-    and one shard per rank for each loader. Subclasses build ``_loader(split, train)``."""
+    """Base of our datamodules: batch sizes, the seeded validation split of the training data (or
+    its fold: ``folds``/``fold``, folds.py), and one shard per rank for each loader. Subclasses
+    build ``_loader(split, train)``."""
 
     shards_itself = True  # its loaders are one rank's part already: check_train_data skips them
 
@@ -198,6 +201,8 @@ class ShardedDataModule(L.LightningDataModule):
         split_seed: int,
         seed: int | None,
         drop_last: bool | None = None,
+        folds: int | None = None,
+        fold: int | None = None,
     ) -> None:
         super().__init__()
         if batch_size <= 0 or (eval_batch_size is not None and eval_batch_size <= 0):
@@ -206,6 +211,9 @@ class ShardedDataModule(L.LightningDataModule):
                 f"got {batch_size} and {eval_batch_size}"
             )
         val_count(val_size, 1 << 30)  # reject bad values now, before any file is read
+        if folds is not None or fold is not None:
+            check_fold(folds, fold)
+        self.folds, self.fold = folds, fold
         self.root = Path(root).expanduser()
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size or batch_size
@@ -214,9 +222,21 @@ class ShardedDataModule(L.LightningDataModule):
         self.seed = 0 if seed is None else seed
         self.train_drop_last = drop_last  # None: what the strategy requires
 
-    def split_train(self, n: int) -> tuple[Tensor, Tensor]:
-        """(train indices, val indices) of a training set of ``n`` samples."""
-        return seeded_split(n, val_count(self.val_size, n), self.split_seed)
+    def split_train(self, n: int, labels: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """(train indices, val indices) of a training set of ``n`` samples: a seeded split of
+        ``val_size``, or, with ``folds``, fold ``fold`` (stratified by ``labels`` where given),
+        which the run's first process records in its directory (``folds.SPLIT_FILE``)."""
+        if self.folds is None:
+            return seeded_split(n, val_count(self.val_size, n), self.split_seed)
+        train, val = fold_split(
+            n if labels is None else labels, self.folds, self.fold, self.split_seed
+        )
+        if self.trainer is not None and self.trainer.is_global_zero:
+            record = split_record(train, val, self.folds, self.fold, self.split_seed)
+            path = Path(self.trainer.default_root_dir) / SPLIT_FILE
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(record) + "\n")  # (rewritten whole at each start)
+        return train, val
 
     def shard(self, size: int, train: bool) -> ShardSampler:
         """This rank's indices: shuffled equal shards to train, every sample once to evaluate.
