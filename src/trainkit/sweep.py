@@ -41,8 +41,8 @@ from trainkit.checkpoint_io import atomic_write_text, damage, is_checkpoint, sav
 from trainkit.config import settle
 from trainkit.console import shown
 from trainkit.errors import ConfigError
-from trainkit.launch import ENTRY_POINT_ENV, in_multirun, resume_job_from
-from trainkit.run_dir import RunDirTaken
+from trainkit.launch import ENTRY_POINT_ENV, first_process, in_multirun, resume_job_from
+from trainkit.run_dir import HYDRA_RECORD, RUN_FILES, RunDirTaken
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,9 @@ class JobReporter(Callback):
             self._as_left = job_as_left(Path(HydraConfig.get().runtime.output_dir))
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
-        if not in_multirun():  # ddp children run their job in RUN mode: rank 0 reports it
+        # ddp children run their job in RUN mode, and a SLURM job runs it in each of its tasks:
+        # the job's first process reports it
+        if not in_multirun() or not first_process():
             return
         hc = HydraConfig.get()
         job_dir = Path(hc.runtime.output_dir)
@@ -260,16 +262,21 @@ def job_as_left(job_dir: Path) -> AsLeft:
     with contextlib.suppress(FileNotFoundError, ValueError):
         record = json.loads((job_dir / JOB_FILE).read_text())
         return AsLeft(record["status"], record, checkpoint, step)
-    if job_dir.is_dir() and any(job_dir.iterdir()):
-        return AsLeft("interrupted", None, checkpoint, step)
-    return AsLeft("new")
+    if any((job_dir / name).exists() for name in (*RUN_FILES, "config.yaml", HYDRA_RECORD)):
+        return AsLeft("interrupted", None, checkpoint, step)  # (a start's first process wrote)
+    return AsLeft("new")  # (logs alone: another task of this start may have begun them)
 
 
 def continue_job(cfg: DictConfig, left: AsLeft) -> DictConfig:
     """The config a sweep job runs, as an earlier launch of its sweep left its directory: a new
     job as it is; an interrupted or retried one resuming from its own ``last.ckpt``, or, with none,
-    starting again with what that start wrote moved aside (``attempt<N>/``); a failed job with no
-    retry left is refused (``JobStaysFailed``). A completed job is not run (train.run)."""
+    starting again with what that start trained moved aside (``attempt<N>/``: its checkpoints,
+    metrics and TensorBoard run; the logs go on); a failed job with no retry left is refused
+    (``JobStaysFailed``). A completed job is not run (train.run).
+
+    Every process of the job decides alike (a SLURM job runs this in each task): what it reads,
+    a job.json or a checkpoint, is written only once all of them have started. The job's first
+    process alone moves files and says so (the others may see its new log as a start's)."""
     if left.status == "new":
         return cfg
     job_dir = Path(cfg.paths.output_dir)
@@ -283,12 +290,13 @@ def continue_job(cfg: DictConfig, left: AsLeft) -> DictConfig:
             )
         log.info("sweep job %d failed before: retry %d of %d", num, left.attempts, retries)
     if left.checkpoint is None:
-        aside = job_dir / f"attempt{1 + len(list(job_dir.glob('attempt*')))}"
-        aside.mkdir()
-        for path in list(job_dir.iterdir()):
-            if path != aside and not path.name.startswith("attempt"):
+        trained = [job_dir / n for n in (*RUN_FILES, JOB_FILE) if (job_dir / n).exists()]
+        if trained and first_process():  # (else that start wrote only logs, which go on)
+            aside = job_dir / f"attempt{1 + len(list(job_dir.glob('attempt*')))}"
+            aside.mkdir()
+            for path in trained:
                 shutil.move(path, aside / path.name)
-        log.info("sweep job %d starts again: what its last start wrote is in %s", num, aside)
+            log.info("sweep job %d starts again: what its last start trained is in %s", num, aside)
         return cfg
     settle(cfg, "ckpt_path", str(left.checkpoint), "the sweep job's own, left by its last start")
     resume_job_from(cfg.ckpt_path)  # the job's other ranks too
