@@ -29,6 +29,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from pickle import UnpicklingError
 from typing import Any
 
 import yaml
@@ -37,7 +38,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from trainkit.checkpoint_io import atomic_write_text, damage, is_checkpoint, saved_step
+from trainkit.checkpoint_io import atomic_write_text, is_checkpoint, saved_step
 from trainkit.config import settle
 from trainkit.console import shown
 from trainkit.errors import ConfigError
@@ -255,12 +256,20 @@ class AsLeft:
 
 
 def job_as_left(job_dir: Path) -> AsLeft:
-    last = job_dir / "checkpoints" / "last.ckpt"
-    checkpoint = last if is_checkpoint(last) else None
-    whole = checkpoint is not None and (checkpoint.is_dir() or damage(checkpoint) is None)
-    step = saved_step(checkpoint) if whole else None  # (a damaged one: the resume says which)
+    record = None
     with contextlib.suppress(FileNotFoundError, ValueError):
         record = json.loads((job_dir / JOB_FILE).read_text())
+    if record is not None and record["status"] == "completed":
+        return AsLeft("completed", record)  # (its checkpoints are not read)
+    last = job_dir / "checkpoints" / "last.ckpt"
+    checkpoint = last if is_checkpoint(last) else None
+    step = None
+    if checkpoint is not None:
+        with contextlib.suppress(
+            RuntimeError, OSError, EOFError, KeyError, ValueError, UnpicklingError
+        ):
+            step = saved_step(checkpoint)  # (a damaged one: None, and the resume says which)
+    if record is not None:
         return AsLeft(record["status"], record, checkpoint, step)
     if any((job_dir / name).exists() for name in (*RUN_FILES, "config.yaml", HYDRA_RECORD)):
         return AsLeft("interrupted", None, checkpoint, step)  # (a start's first process wrote)
