@@ -4,8 +4,11 @@ composes or runs a config: the recipes (trainkit.train, trainkit.evaluate) and t
 
 import hashlib
 import os
+import re
 from datetime import datetime
+from pathlib import Path
 
+import yaml
 from omegaconf import OmegaConf
 
 from trainkit.launch import launcher_rank, launcher_run_id
@@ -43,13 +46,31 @@ def gpus_per_node(accelerator: str, devices: object) -> object:
 OmegaConf.register_new_resolver("gpus_per_node", gpus_per_node, replace=True)
 
 
-def job_dirname(num: int, overrides: str, limit: int = 120) -> str:
-    """``3_devices=2,model.optimizer.lr=0.001``: a sweep job's directory, named by its overrides
-    (and so its TensorBoard run); '/' in values flattened, long names cut and made unique."""
+SWEEP_RECORD = "sweep.yaml"  # what defines a sweep, in its directory (trainkit.sweep)
+
+
+def job_dirname(num: int, overrides: str, sweep_dir: str = "", limit: int = 120) -> str:
+    """``3_model.optimizer.lr=0.001``: a sweep job's directory, named by its overrides of the keys
+    that the sweep in ``sweep_dir`` varies (its record's ``varying``; every override where it
+    records none), and so its TensorBoard run; '/' in values flattened, long names cut and made
+    unique."""
+    varying = _varying(sweep_dir)
+    if varying is not None:  # (the overrides are "key=value" joined by ",": split before a key)
+        kept = re.split(r",(?=[~+]*[\w.@/-]+=)", overrides) if overrides else []
+        overrides = ",".join(o for o in kept if o.lstrip("+~").split("=", 1)[0] in varying)
     name = f"{num}_{overrides}".replace("/", "_") if overrides else str(num)
     if len(name) > limit:
         name = name[: limit - 9] + "_" + hashlib.sha1(name.encode()).hexdigest()[:8]
     return name
+
+
+def _varying(sweep_dir: str) -> list[str] | None:
+    try:
+        record = yaml.safe_load((Path(sweep_dir) / SWEEP_RECORD).read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    varying = record.get("varying") if isinstance(record, dict) else None
+    return varying if isinstance(varying, list) else None
 
 
 OmegaConf.register_new_resolver("job_dirname", job_dirname, replace=True)

@@ -4,9 +4,9 @@ report how they ended, and a stopped sweep that the same command continues.
 ``JobReporter`` is a Hydra callback (conf/hydra/default.yaml). In every sweep job it writes
 ``job.json`` (overrides, status, the returned metric or the error) into the job's directory and
 logs a failure with that directory, so a failed job is found without reading every log; after
-every job it rewrites ``sweep.json``, a summary of every job so far. Hydra's sweepers (basic,
-Optuna) still run the other jobs of the batch and then exit non-zero on a failed one, without
-calling ``on_multirun_end``: the summary is there all the same.
+every job it rewrites ``sweep.json``, ``report.md`` and ``report.png`` (trainkit.report). Hydra's
+sweepers (basic, Optuna) still run the other jobs of the batch and then exit non-zero on a failed
+one, without calling ``on_multirun_end``: the summary is there all the same.
 
 A sweep continues where an earlier launch of it left its directory (``hydra.sweep.dir=<dir>``):
 the first launch records what defines the sweep in ``sweep.yaml``, and a later one with another
@@ -43,12 +43,13 @@ from trainkit.config import settle
 from trainkit.console import shown
 from trainkit.errors import ConfigError
 from trainkit.launch import ENTRY_POINT_ENV, first_process, in_multirun, resume_job_from
+from trainkit.report import JOB_FILE, SWEEP_FILE, sweep_shape, update_report
+from trainkit.resolvers import SWEEP_RECORD
 from trainkit.run_dir import HYDRA_RECORD, RUN_FILES, RunDirTaken
 
 log = logging.getLogger(__name__)
 
-JOB_FILE, SWEEP_FILE = "job.json", "sweep.json"
-SWEEP_RECORD, SWEEP_LOCK = "sweep.yaml", ".sweep.lock"
+SWEEP_LOCK = ".sweep.lock"
 
 
 def _record_entry_point() -> None:
@@ -89,7 +90,7 @@ class JobReporter(Callback):
         left: AsLeft = getattr(self, "_as_left", AsLeft("new"))
         error = job_return._return_value if job_return.status != JobStatus.COMPLETED else None
         if left.status == "completed" or isinstance(error, JobStaysFailed):
-            write_summary(job_dir.parent)  # its job.json stays as that launch wrote it
+            update_report(job_dir.parent)  # its job.json stays as that launch wrote it
             return
         record: dict[str, Any] = {
             "num": hc.job.num,
@@ -106,7 +107,7 @@ class JobReporter(Callback):
             # what the value is: the best of the monitored metric (train.run's return)
             monitor, mode = config.get("monitor"), config.get("monitor_mode")
             record["return_value_of"] = f"best {monitor} ({mode})"
-            record["mode"] = mode
+            record["monitor"], record["mode"] = monitor, mode
         else:
             if isinstance(error, RunDirTaken):  # another run's directory: left as it is
                 log.error("sweep job %s refused: %s", hc.job.num, error)
@@ -118,11 +119,11 @@ class JobReporter(Callback):
             )
         job_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(job_dir / JOB_FILE, json.dumps(record, indent=2) + "\n")
-        write_summary(job_dir.parent)  # (the sweep dir: a job dir is one of its subdirs)
+        update_report(job_dir.parent)  # (the sweep dir: a job dir is one of its subdirs)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
-        summary = write_summary(sweep_dir)
+        summary = update_report(sweep_dir)
         best = summary["best"]
         log.info(
             "sweep: %d job(s) completed, %d failed%s; summary in %s",
@@ -187,12 +188,14 @@ def sweep_definition(config: DictConfig) -> dict[str, Any]:
     """What makes a sweep the same sweep: its overrides as typed (the swept values with the
     rest) and its sweeper's settings; where and how its jobs run (the launcher, paths) apart."""
     hydra = config.hydra
-    return {
+    definition = {
         "overrides": sorted(o for o in hydra.overrides.task if not _where(o)),
         "sweeper": OmegaConf.to_container(hydra.sweeper, resolve=False),
         "launcher": OmegaConf.to_container(hydra.launcher, resolve=False),
         "command": continuing_command(config),
     }
+    definition["varying"], _ = sweep_shape(definition)  # (what names its jobs' directories)
+    return definition
 
 
 def _where(override: str) -> bool:
@@ -318,69 +321,3 @@ def _counted(jobs: list[AsLeft]) -> str:
     for job in jobs:
         counts[job.status] = counts.get(job.status, 0) + 1
     return ", ".join(f"{n} {status}" for status, n in sorted(counts.items())) or "no job yet"
-
-
-def write_summary(sweep_dir: Path) -> dict[str, Any]:
-    """``sweep.json`` from every ``job.json`` of the sweep so far, replaced whole. Jobs that a
-    launcher runs at once each rewrite it, one at a time under a lock beside it, where the
-    filesystem locks (across nodes, a shared filesystem may neither lock nor list another node's
-    newest files at once: the last job's summary can miss a job that ends at the same time)."""
-    sweep_dir.mkdir(parents=True, exist_ok=True)
-    with open(sweep_dir / f".{SWEEP_FILE}.lock", "w") as lock:
-        with contextlib.suppress(OSError):  # a filesystem without locks: unlocked, still whole
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        jobs = []
-        for path in sweep_dir.glob(f"*/{JOB_FILE}"):
-            with contextlib.suppress(OSError, ValueError):  # gone or unreadable: the next has it
-                jobs.append(json.loads(path.read_text()))
-        jobs.sort(key=lambda job: job["num"])
-        failed = [job for job in jobs if job["status"] != "completed"]
-        summary = {
-            "jobs": jobs,
-            "completed": len(jobs) - len(failed),
-            "failed": len(failed),
-            "best": _best(jobs),
-        }
-        if any(_fold_of(job) is not None for job in jobs):
-            summary["folds"] = _fold_means(jobs)
-        atomic_write_text(sweep_dir / SWEEP_FILE, json.dumps(summary, indent=2) + "\n")
-    return summary
-
-
-def _best(jobs: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The completed job with the best returned value so far: its number, value and directory."""
-    done = [j for j in jobs if j["status"] == "completed" and j.get("return_value") is not None]
-    if not done:
-        return None
-    pick = min if done[0].get("mode") == "min" else max
-    job = pick(done, key=lambda j: j["return_value"])
-    return {"num": job["num"], "return_value": job["return_value"], "dir": job["dir"]}
-
-
-def _fold_of(job: dict[str, Any]) -> str | None:
-    found = [o.split("=", 1)[1] for o in job["overrides"] if o.startswith("data.fold=")]
-    return found[0] if found else None
-
-
-def _fold_means(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The folds of each setting (a job's overrides less ``data.fold``): their completed jobs'
-    values, mean and standard deviation (over the folds, population)."""
-    groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
-    for job in jobs:
-        if _fold_of(job) is not None:
-            setting = tuple(o for o in job["overrides"] if not o.startswith("data.fold="))
-            groups.setdefault(setting, []).append(job)
-    means = []
-    for setting, folds in groups.items():
-        values = [j["return_value"] for j in folds if j["status"] == "completed"]
-        values = [v for v in values if v is not None]
-        mean = sum(values) / len(values) if values else None
-        std = (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5 if values else None
-        means.append({
-            "overrides": list(setting),
-            "jobs": [j["num"] for j in folds],
-            "values": values,
-            "mean": mean,
-            "std": std,
-        })  # fmt: skip
-    return means

@@ -11,6 +11,7 @@ import hashlib
 import itertools
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -21,12 +22,14 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.backend.event_processing.plugin_event_multiplexer import EventMultiplexer
 from tensorboard.plugins.hparams import plugin_data_pb2
 
 from helpers import max_diff, processes, readme_run, run_python, run_weights, start_python
 from trainkit.checkpoint_io import saved_step
+from trainkit.report import CURVES_KEY
 
 pytestmark = pytest.mark.slow  # long end-to-end runs: CI's `slow` job
 
@@ -63,6 +66,28 @@ def value(overrides: list[str], key: str) -> str:
 def own_overrides(job: dict) -> list[str]:
     """A job's overrides without the log directory, which run_script/run_python add themselves."""
     return [o for o in job["overrides"] if not o.startswith("paths.log_dir=")]
+
+
+def plotted(sweep: Path) -> dict[int, dict[str, list]]:
+    """The curves report.png draws (job number -> steps, values), read from the PNG's own text
+    chunk, which trainkit.report writes from the arrays it plots."""
+    with Image.open(sweep / "report.png") as image:
+        assert image.format == "PNG" and image.size[0] > 300
+        return {int(num): curve for num, curve in json.loads(image.text[CURVES_KEY]).items()}
+
+
+def report_table(sweep: Path, title: str | None = None) -> list[dict[str, str]]:
+    """The rows of report.md's job table (or of the table under ``## <title>``), by column."""
+    text = (sweep / "report.md").read_text()
+    if title is not None:
+        text = text.split(f"## {title}\n", 1)[1]
+    lines = [line for line in text.splitlines() if line.startswith("|")]
+    header, _, *rows = ([c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]] for line in lines)
+    return [dict(zip(header, row, strict=True)) for row in rows if len(row) == len(header)]
+
+
+def shown(value: float) -> str:
+    return format(value, ".6g")  # how report.md writes a value
 
 
 def check_processes(job: dict, world_size: int) -> list[dict]:
@@ -286,6 +311,16 @@ def test_optuna_trials_with_ddp(sweep_runner) -> None:
     assert len({value(j["overrides"], "model.optimizer.lr") for j in records}) == 2
     results = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
     assert results["best_value"] == max(job["return_value"] for job in records)
+    # the report: a curve per trial, named by the searched parameters
+    curves = plotted(sweep)
+    assert sorted(curves) == [0, 1]
+    for job in records:
+        assert max(curves[job["num"]]["values"]) == job["return_value"]
+    rows = report_table(sweep)
+    assert [row["job"] for row in rows] == [
+        str(j["num"]) for j in sorted(records, key=lambda j: -j["return_value"])
+    ]
+    assert {"model.optimizer.lr", "data.batch_size"} <= set(rows[0])
 
 
 @shares_ddp_sweep
@@ -377,6 +412,15 @@ def test_a_killed_sweep_continues_where_it_stopped(overrides, tmp_path: Path) ->
     assert json.loads((left[0] / "job.json").read_text())["status"] == "completed"
     assert not (left[1] / "job.json").exists()  # killed: no end recorded
     assert saved_step(left[1] / "checkpoints" / "last.ckpt") == 4
+    # its report, on demand: what each job was left as
+    on_demand = run_python("-m", "trainkit.report", str(sweep))
+    assert on_demand.returncode == 0, on_demand.stderr[-3000:]
+    summary = json.loads((sweep / "sweep.json").read_text())
+    assert [j["status"] for j in summary["jobs"]] == ["completed", "unfinished"]
+    assert (summary["not_started"], summary["varying"]) == (1, ["model.optimizer.lr"])
+    assert [(r["job"], r["status"]) for r in report_table(sweep)] == [
+        ("0", "completed"), ("1", "unfinished")]  # fmt: skip
+    assert "1 not started" in (sweep / "report.md").read_text()
     untouched = files_of(left[0])
 
     changed = [o.replace("0.02", "0.01") for o in command]
@@ -394,11 +438,25 @@ def test_a_killed_sweep_continues_where_it_stopped(overrides, tmp_path: Path) ->
     assert [r["attempts"] for r in records] == [1, 2, 1]
     assert [r.get("resumed_from_step") for r in records] == [None, 4, None]
     assert "sweep job 1 resumes from its last checkpoint (step 4)" in again.stdout
+    rows = {row["job"]: row for row in report_table(sweep)}
+    assert rows["1"]["status"] == "completed, resumed from step 4, attempt 2"
+    for record in records:  # report.md's values are the jobs' own
+        assert rows[str(record["num"])]["best val/acc (max)"] == shown(record["return_value"])
+    ranking = sorted(records, key=lambda r: (-r["return_value"], r["num"]))
+    assert [row["rank"] for row in report_table(sweep)] == ["1", "2", "3"]
+    assert [row["job"] for row in report_table(sweep)] == [str(r["num"]) for r in ranking]
 
     # the same sweep without a stop (job 99 is never held)
     reference = tmp_path / "reference"
     unstopped = [*command[:-5], *held_in_job(99, pause), f"hydra.sweep.dir={reference}"]
     assert run_python(*unstopped, log_dir=logs).returncode == 0
+    # report.png: one curve per job, every validation of each, equal to the unstopped sweep's
+    curves = plotted(sweep)
+    assert curves == plotted(reference)
+    assert sorted(curves) == [0, 1, 2]
+    for record in records:
+        assert len(curves[record["num"]]["steps"]) == 3  # each epoch's validation
+        assert max(curves[record["num"]]["values"]) == record["return_value"]
     for num, job_dir in job_dirs(sweep).items():
         twin = job_dirs(reference)[num]
         metrics = json.loads((job_dir / "metrics.json").read_text())
@@ -436,6 +494,14 @@ def test_a_three_fold_sweep_reports_each_fold_and_their_mean(
     assert group["mean"] == pytest.approx(statistics.fmean(values), abs=1e-12)
     assert group["std"] == pytest.approx(statistics.pstdev(values), abs=1e-12)
     assert "data.fold=0" not in " ".join(group["overrides"])
+    (row,) = report_table(sweep, "Folds")
+    assert (row["mean"], row["std"]) == (shown(group["mean"]), shown(group["std"]))
+    assert row["values"] == ", ".join(map(shown, values)) and row["folds"] == "3 of 3"
+    assert sorted(plotted(sweep)) == [0, 1, 2]
+    assert [r["data.fold"] for r in report_table(sweep)] == [
+        value(r["overrides"], "data.fold")
+        for r in sorted(records, key=lambda r: -r["return_value"])
+    ]
 
     ddp = run_python(
         "train.py", *own_overrides(records[1]), "strategy=ddp", "devices=2", log_dir=tmp_path

@@ -107,6 +107,19 @@ def test_sweep_subdir_is_named_by_the_jobs_overrides() -> None:
     assert cfg.hydra.sweep.subdir == "3_devices=2,model.optimizer.lr=0.01"
 
 
+def test_sweep_subdir_is_named_by_what_the_sweep_varies(tmp_path: Path) -> None:
+    """Where the sweep's record says what it varies (sweep.yaml, written before any job), the
+    job is named by those overrides alone: TensorBoard's run names say what differs."""
+    trained = ["model.optimizer.lr=0.01", "devices=2", "+callbacks.x.y=[1,2]", "seed=3"]
+    cfg = compose_with_hydra([*trained, f"hydra.sweep.dir={tmp_path}"])
+    with open_dict(cfg):
+        cfg.hydra.job.num = 3
+    (tmp_path / "sweep.yaml").write_text("varying: [seed, model.optimizer.lr]\n")
+    assert cfg.hydra.sweep.subdir == "3_model.optimizer.lr=0.01,seed=3"
+    (tmp_path / "sweep.yaml").write_text("varying: []\n")
+    assert cfg.hydra.sweep.subdir == "3"
+
+
 # --------------------------------------------------------------------------------------------
 # job_command: what a ddp child rank of one sweep job runs
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,382 @@
+"""What a sweep found: ``sweep.json`` (every job as its ``job.json`` says, or started and not
+ended; what varies; the best so far; folds) and, for a reader, ``report.md`` (every job, the best
+first by the value the sweep optimises, with its final metrics; folds with their mean +- std)
+and ``report.png`` (the monitored metric's validation curve of every job on one plot), each job
+named by the overrides that vary across the sweep, not all of them.
+
+Rewritten after every job of a sweep (``trainkit.sweep.JobReporter``), so a sweep that stopped or
+failed has them, and on demand, also on a sweep still running or stopped::
+
+    python -m trainkit.report logs/train/multiruns/<sweep>
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import logging
+import math
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import yaml
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+
+from trainkit.checkpoint_io import atomic_write_text, temp_name
+from trainkit.console import shown
+from trainkit.resolvers import SWEEP_RECORD
+from trainkit.run_dir import HYDRA_RECORD
+
+log = logging.getLogger(__name__)
+
+JOB_FILE, SWEEP_FILE = "job.json", "sweep.json"  # a job's end (trainkit.sweep), all jobs'
+REPORT_MD, REPORT_PNG = "report.md", "report.png"
+CURVES_KEY = "trainkit.curves"  # report.png's text chunk: the curves it draws, as JSON
+
+
+def write_summary(sweep_dir: Path) -> dict[str, Any]:
+    """``sweep.json`` from every job directory of the sweep so far, replaced whole: each job as
+    its ``job.json`` says (completed or failed, its attempts and the step it resumed from), or
+    ``unfinished`` (started, no end recorded: running, or stopped with the sweep); the jobs not
+    started yet where the sweeper says how many it runs; what varies; the best so far; folds.
+    Jobs that a launcher runs at once each rewrite it, one at a time under a lock beside it, where
+    the filesystem locks (across nodes, a shared filesystem may neither lock nor list another
+    node's newest files at once: the last job's summary can miss a job that ends at the same
+    time)."""
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    with open(sweep_dir / f".{SWEEP_FILE}.lock", "w") as lock:
+        with contextlib.suppress(OSError):  # a filesystem without locks: unlocked, still whole
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        jobs = [job for job_dir in _job_dirs(sweep_dir) if (job := _job_record(job_dir))]
+        varying, planned = sweep_shape(recorded_sweep(sweep_dir))
+        summary = {
+            "jobs": jobs,
+            "completed": sum(job["status"] == "completed" for job in jobs),
+            "failed": sum(job["status"] == "failed" for job in jobs),
+            "unfinished": sum(job["status"] == "unfinished" for job in jobs),
+            "not_started": None if planned is None else max(0, planned - len(jobs)),
+            "varying": varying,
+            "monitor": _monitor(jobs),
+            "best": _best(jobs),
+        }
+        if any(_fold_of(job) is not None for job in jobs):
+            summary["folds"] = _fold_means(jobs)
+        atomic_write_text(sweep_dir / SWEEP_FILE, json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def update_report(sweep_dir: Path) -> dict[str, Any]:
+    """``sweep.json``, then ``report.md`` and ``report.png`` from it: a sweep's files that say
+    what it found, rewritten after each of its jobs."""
+    summary = write_summary(sweep_dir)
+    try:
+        write_report(sweep_dir, summary)
+    except Exception as err:
+        log.warning("sweep: no report in %s (%s: %s)", shown(sweep_dir), type(err).__name__, err)
+    return summary
+
+
+def _monitor(jobs: list[dict[str, Any]]) -> dict[str, str] | None:
+    """The metric the sweep's jobs return the best of, and whether more is better, as a completed
+    job recorded it (or its start's config)."""
+    for job in jobs:
+        if job.get("monitor"):
+            return {"key": job["monitor"], "mode": job.get("mode") or "max"}
+    for job in jobs:  # (none completed yet)
+        with contextlib.suppress(OSError, yaml.YAMLError, AttributeError):
+            cfg = yaml.safe_load((Path(job["dir"]) / HYDRA_RECORD / "config.yaml").read_text())
+            if isinstance(cfg.get("monitor"), str):
+                return {"key": cfg["monitor"], "mode": str(cfg.get("monitor_mode") or "max")}
+    return None
+
+
+def _job_dirs(sweep_dir: Path) -> list[Path]:
+    """The sweep's job directories (``<number>`` or ``<number>_<overrides>``), in job order."""
+    found = [d for d in sweep_dir.iterdir() if d.is_dir() and d.name.split("_")[0].isdigit()]
+    return sorted(found, key=lambda d: int(d.name.split("_")[0]))
+
+
+def _job_record(job_dir: Path) -> dict[str, Any] | None:
+    """A job's ``job.json``; for a job started without an end, what its start recorded (its
+    number and overrides, ``unfinished``); None for a directory of nothing but logs."""
+    with contextlib.suppress(OSError, ValueError):  # gone or unreadable: the next summary has it
+        return json.loads((job_dir / JOB_FILE).read_text())
+    with contextlib.suppress(OSError, yaml.YAMLError):
+        overrides = yaml.safe_load((job_dir / HYDRA_RECORD / "overrides.yaml").read_text())
+        num = int(job_dir.name.split("_")[0])
+        return {"num": num, "overrides": overrides, "dir": str(job_dir), "status": "unfinished"}
+    return None
+
+
+def sweep_shape(definition: dict[str, Any] | None) -> tuple[list[str], int | None]:
+    """What varies across a sweep (its swept keys: a grid's lists and ranges, the sweeper's
+    ``params``) and how many jobs it runs (a grid's product, Optuna's ``n_trials``; None where
+    the sweeper does not say), from its definition (``sweep_definition``)."""
+    with contextlib.suppress(AttributeError, KeyError, TypeError, HydraException):
+        sweeper = definition.get("sweeper") or {}
+        params = [f"{key}={value}" for key, value in (sweeper.get("params") or {}).items()]
+        parsed = OverridesParser.create().parse_overrides([*params, *definition["overrides"]])
+        swept = [o for o in parsed if o.is_sweep_override()]
+        varying = list(dict.fromkeys(o.key_or_group for o in swept))
+        target = str(sweeper.get("_target_", ""))
+        if target.endswith("BasicSweeper"):  # every combination of the swept values
+            return varying, math.prod(len(list(o.sweep_iterator())) for o in swept)
+        n_trials = sweeper.get("n_trials") if "optuna" in target.lower() else None
+        return varying, n_trials if isinstance(n_trials, int) else None
+    return [], None
+
+
+def recorded_sweep(sweep_dir: Path) -> dict[str, Any] | None:
+    """The definition that the sweep's first launch recorded in ``sweep_dir``, if any."""
+    with contextlib.suppress(OSError, yaml.YAMLError):
+        record = yaml.safe_load((sweep_dir / SWEEP_RECORD).read_text())
+        return record if isinstance(record, dict) else None
+    return None
+
+
+def _best(jobs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The completed job with the best returned value so far: its number, value and directory."""
+    done = [j for j in jobs if j["status"] == "completed" and j.get("return_value") is not None]
+    if not done:
+        return None
+    pick = min if done[0].get("mode") == "min" else max
+    job = pick(done, key=lambda j: j["return_value"])
+    return {"num": job["num"], "return_value": job["return_value"], "dir": job["dir"]}
+
+
+def _fold_of(job: dict[str, Any]) -> str | None:
+    found = [o.split("=", 1)[1] for o in job["overrides"] if o.startswith("data.fold=")]
+    return found[0] if found else None
+
+
+def _fold_means(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The folds of each setting (a job's overrides less ``data.fold``): their completed jobs'
+    values, mean and standard deviation (over the folds, population)."""
+    groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+    for job in jobs:
+        if _fold_of(job) is not None:
+            setting = tuple(o for o in job["overrides"] if not o.startswith("data.fold="))
+            groups.setdefault(setting, []).append(job)
+    means = []
+    for setting, folds in groups.items():
+        values = [j["return_value"] for j in folds if j["status"] == "completed"]
+        values = [v for v in values if v is not None]
+        mean = sum(values) / len(values) if values else None
+        std = (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5 if values else None
+        means.append({
+            "overrides": list(setting),
+            "jobs": [j["num"] for j in folds],
+            "values": values,
+            "mean": mean,
+            "std": std,
+        })  # fmt: skip
+    return means
+
+
+# --- report.md and report.png ----------------------------------------------------------------
+
+
+def job_name(job: dict[str, Any], varying: list[str]) -> str:
+    """A job by what varies across its sweep: ``model.optimizer.lr=0.01 data.fold=2``."""
+    own = {override.lstrip("+~").split("=", 1)[0]: override for override in job["overrides"]}
+    return " ".join(own[key].lstrip("+~") for key in varying if key in own) or f"job {job['num']}"
+
+
+def curves(summary: dict[str, Any]) -> dict[int, tuple[list[int], list[float]]]:
+    """Each job's monitored metric as its TensorBoard run holds it: job number -> (the training
+    steps it was logged at, its values). Jobs without one yet are left out."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monitor = summary["monitor"]["key"]
+    found = {}
+    for job in summary["jobs"]:
+        run = Path(job["dir"]) / "tensorboard"
+        if not run.is_dir():
+            continue
+        events = EventAccumulator(str(run), size_guidance={"scalars": 0})
+        with _quiet("tensorboard"):  # (its INFO lines, one per event file, into the job's log)
+            events.Reload()
+        if monitor in events.Tags()["scalars"]:
+            points = {e.step: e.value for e in events.Scalars(monitor)}  # a resumed step: its last
+            steps = sorted(points)
+            found[job["num"]] = (steps, [points[s] for s in steps])
+    return found
+
+
+@contextlib.contextmanager
+def _quiet(logger: str) -> Iterator[None]:
+    """``logger`` says warnings and errors only, for the block."""
+    target = logging.getLogger(logger)
+    level = target.level
+    target.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        target.setLevel(level)
+
+
+def write_report(sweep_dir: Path, summary: dict[str, Any]) -> None:
+    """``report.md`` and ``report.png`` of the sweep in ``sweep_dir``, from its summary
+    (``trainkit.sweep.write_summary``), each replaced whole."""
+    drawn = curves(summary) if summary.get("monitor") else {}
+    if drawn:
+        _save_png(draw(summary, drawn), drawn, summary, sweep_dir / REPORT_PNG)
+    atomic_write_text(sweep_dir / REPORT_MD, markdown(sweep_dir, summary, bool(drawn)))
+
+
+def _finals(job: dict[str, Any]) -> dict[str, float]:
+    """A job's final validation and test metrics, as its ``metrics.json`` has them."""
+    try:
+        metrics = json.loads((Path(job["dir"]) / "metrics.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return {
+        key: value
+        for stage in ("fit", "test")
+        for key, value in (metrics.get(stage) or {}).items()
+        if key.startswith(("val/", "test/")) and isinstance(value, (int, float))
+    }
+
+
+def ranked(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """The jobs, the best first: the completed ones by their returned value (the sweep's mode),
+    then the others in job order."""
+    scored = [j for j in summary["jobs"] if j.get("return_value") is not None]
+    rest = [j for j in summary["jobs"] if j.get("return_value") is None]
+    maximise = (summary.get("monitor") or {}).get("mode") != "min"
+    scored.sort(key=lambda j: (-j["return_value"] if maximise else j["return_value"], j["num"]))
+    return scored + rest
+
+
+def _shown(value: Any) -> str:
+    return format(value, ".6g") if isinstance(value, float) else str(value)
+
+
+def _status(job: dict[str, Any]) -> str:
+    said = job["status"]
+    if job.get("resumed_from_step") is not None:
+        said += f", resumed from step {job['resumed_from_step']}"
+    if job.get("attempts", 1) > 1:
+        said += f", attempt {job['attempts']}"
+    if job.get("error"):
+        said += f": {job['error'].splitlines()[0][:80]}"
+    return said
+
+
+def markdown(sweep_dir: Path, summary: dict[str, Any], with_plot: bool) -> str:
+    varying, monitor = summary["varying"], summary.get("monitor") or {}
+    best_of = f"best {monitor['key']} ({monitor['mode']})" if monitor else "returned value"
+    counts = ", ".join(
+        f"{summary[key]} {key.replace('_', ' ')}"
+        for key in ("completed", "failed", "unfinished", "not_started")
+        if summary.get(key)
+    )
+    total = len(summary["jobs"]) + (summary.get("not_started") or 0)
+    lines = [f"# Sweep {sweep_dir.name}", "", f"{total} job(s): {counts or 'none yet'}."]
+    if varying:
+        lines.append(f"What varies: {', '.join(varying)}.")
+    best = summary.get("best")
+    if best:
+        (job,) = [j for j in summary["jobs"] if j["num"] == best["num"]]
+        name = job_name(job, varying)
+        lines.append(f"Best: job {best['num']} ({name}), {best_of} {_shown(best['return_value'])}.")
+    if with_plot:
+        lines += ["", f"![{monitor['key']} of every job]({REPORT_PNG})"]
+
+    jobs = ranked(summary)
+    finals = {job["num"]: _finals(job) for job in jobs}
+    if any(finals.values()):
+        lines += ["", "val/...: each job's last validation; test/...: its best checkpoint's test."]
+    metric_keys = sorted({key for final in finals.values() for key in final})
+    metric_keys.sort(key=lambda key: not key.startswith("val/"))  # validation's, then test's
+    header = ["rank", "job", *varying, best_of, *metric_keys, "status"]
+    lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for rank, job in enumerate(jobs, 1):
+        own = dict(o.lstrip("+~").split("=", 1) for o in job["overrides"] if "=" in o)
+        final = finals[job["num"]]
+        cells = [
+            str(rank) if job.get("return_value") is not None else "",
+            str(job["num"]),
+            *(own.get(key, "") for key in varying),
+            _shown(job.get("return_value")) if job.get("return_value") is not None else "",
+            *(_shown(final[key]) if key in final else "" for key in metric_keys),
+            _status(job),
+        ]
+        lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+
+    folds = summary.get("folds") or []
+    if folds:
+        setting = [key for key in varying if key != "data.fold"]
+        lines += ["", "## Folds", "", f"{best_of} of each fold, and their mean +- std."]
+        header = [*setting, "folds", "mean", "std", "values"]
+        lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        for group in folds:
+            own = dict(o.lstrip("+~").split("=", 1) for o in group["overrides"] if "=" in o)
+            mean, std = group["mean"], group["std"]
+            cells = [
+                *(own.get(key, "") for key in setting),
+                f"{len(group['values'])} of {len(group['jobs'])}",
+                "" if mean is None else _shown(mean),
+                "" if std is None else _shown(std),
+                ", ".join(_shown(v) for v in group["values"]),
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def draw(summary: dict[str, Any], drawn: dict[int, tuple[list[int], list[float]]]) -> Any:
+    """One plot: the monitored metric of every job against its training step, each job's line
+    named by what varies (a matplotlib ``Figure``, drawn without pyplot's global state)."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    monitor, varying = summary["monitor"], summary["varying"]
+    by_num = {job["num"]: job for job in summary["jobs"]}
+    figure = Figure(figsize=(9, 5.5), layout="constrained")
+    axes = figure.add_subplot()
+    for num, (steps, values) in sorted(drawn.items()):
+        axes.plot(steps, values, marker="o", label=f"{num}: {job_name(by_num[num], varying)}")
+    axes.set_xlabel("training step")
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes.set_ylabel(f"{monitor['key']} ({monitor['mode']} is best)")
+    axes.set_title(f"{monitor['key']} of every job")
+    axes.grid(alpha=0.3)
+    axes.legend(title="job: " + (", ".join(varying) or "overrides"), fontsize="small")
+    return figure
+
+
+def _save_png(figure: Any, drawn: dict, summary: dict[str, Any], path: Path) -> None:
+    """The figure as a PNG, replaced whole, with the curves it draws in a text chunk (what a
+    reader, or a test, takes the plot's data from)."""
+    data = {str(num): {"steps": s, "values": v} for num, (s, v) in drawn.items()}
+    partial = temp_name(path)
+    figure.savefig(partial, format="png", dpi=100, metadata={CURVES_KEY: json.dumps(data)})
+    partial.replace(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m trainkit.report",
+        description="Write report.md and report.png of a sweep (running, stopped or finished).",
+    )
+    parser.add_argument("sweep_dir", type=Path, help="the sweep's directory (hydra.sweep.dir)")
+    args = parser.parse_args(argv)
+    if not (args.sweep_dir / SWEEP_RECORD).is_file():
+        parser.error(
+            f"{args.sweep_dir} holds no sweep ({SWEEP_RECORD} is missing): give the directory "
+            f"a sweep's first line names (logs/train/multiruns/<date>_<time>_<µs>)"
+        )
+    write_report(args.sweep_dir, write_summary(args.sweep_dir))
+    for name in (REPORT_MD, REPORT_PNG):
+        if (args.sweep_dir / name).is_file():
+            print(shown(args.sweep_dir / name))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
