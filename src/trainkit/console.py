@@ -105,6 +105,7 @@ CONSOLE_LOGGERS = {
     "trainkit.callbacks.logging_interval": "an epoch shorter than trainer.log_every_n_steps",
     "trainkit.evaluate": "where eval.py wrote the predictions",
     "trainkit.sweep": "a sweep's jobs completed and failed, and its summary file",
+    "trainkit.study": "an Optuna sweep's stored study continued: its trials ended and to run",
     "trainkit.train": "a killed save's leftovers removed",
 }
 

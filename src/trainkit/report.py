@@ -226,7 +226,14 @@ def write_report(sweep_dir: Path, summary: dict[str, Any]) -> None:
     drawn = curves(summary) if summary.get("monitor") else {}
     if drawn:
         _save_png(draw(summary, drawn), drawn, summary, sweep_dir / REPORT_PNG)
-    atomic_write_text(sweep_dir / REPORT_MD, markdown(sweep_dir, summary, bool(drawn)))
+    sweeper = str(((recorded_sweep(sweep_dir) or {}).get("sweeper") or {}).get("_target_", ""))
+    study_plots = []
+    if sweeper.endswith("StoredOptunaSweeper"):  # (Optuna imported for an Optuna sweep only)
+        from trainkit.study import draw_study
+
+        study_plots = draw_study(sweep_dir)
+    text = markdown(sweep_dir, summary, bool(drawn), study_plots)
+    atomic_write_text(sweep_dir / REPORT_MD, text)
 
 
 def _finals(job: dict[str, Any]) -> dict[str, float]:
@@ -268,7 +275,9 @@ def _status(job: dict[str, Any]) -> str:
     return said
 
 
-def markdown(sweep_dir: Path, summary: dict[str, Any], with_plot: bool) -> str:
+def markdown(
+    sweep_dir: Path, summary: dict[str, Any], with_plot: bool, study_plots: list[str]
+) -> str:
     varying, monitor = summary["varying"], summary.get("monitor") or {}
     best_of = f"best {monitor['key']} ({monitor['mode']})" if monitor else "returned value"
     counts = ", ".join(
@@ -326,6 +335,9 @@ def markdown(sweep_dir: Path, summary: dict[str, Any], with_plot: bool) -> str:
                 ", ".join(_shown(v) for v in group["values"]),
             ]
             lines.append("| " + " | ".join(cells) + " |")
+    if study_plots:
+        lines += ["", "## Optuna's plots of the study", ""]
+        lines += [f"![{name}]({name})" for name in study_plots]
     return "\n".join(lines) + "\n"
 
 

@@ -7,6 +7,7 @@ overrides every rank ran, the job's own directory, and its final weights against
 alone.
 """
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -16,9 +17,10 @@ import signal
 import statistics
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import optuna
 import pytest
 import torch
 import yaml
@@ -361,9 +363,36 @@ STOPPED = (
 def held_in_job(job: int, out: Path) -> tuple[str, ...]:
     """helpers.PauseAt holding sweep job ``job`` at step 6 (its second epoch, after the first
     epoch's last.ckpt) until the test kills it; not in a start that resumes."""
-    pause = "+callbacks.pause"
-    return (f"{pause}._target_=helpers.PauseAt", f"{pause}.step=6", f"{pause}.out={out}",
+    pause = f"+callbacks.pause{job}"
+    return (f"{pause}._target_=helpers.PauseAt", f"{pause}.step=6", f"{pause}.out={out}{job}",
             f"{pause}.job={job}")  # fmt: skip
+
+
+@contextlib.contextmanager
+def held_sweep(command: tuple[str, ...], logs: Path, *held: Path) -> Iterator[subprocess.Popen]:
+    """The sweep ``command`` started in a session of its own and, once every ``held``
+    (held_in_job's ``out`` with its job number) is held, the block; then SIGKILL to the sweep's
+    whole process group."""
+    sweep = start_python(*command, log_dir=logs, start_new_session=True,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        deadline = time.time() + 300
+        while not all(Path(f"{out}.paused").exists() for out in held) and sweep.poll() is None:
+            assert time.time() < deadline, f"never held at {held}"
+            time.sleep(0.2)
+        assert sweep.poll() is None, "the sweep ended before it was held"
+        yield sweep
+    finally:
+        os.killpg(sweep.pid, signal.SIGKILL)
+        sweep.wait()
+
+
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie (killed, not yet reaped by its new parent)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def files_of(job_dir: Path) -> dict[str, tuple[int, str]]:
@@ -390,23 +419,13 @@ def test_a_killed_sweep_continues_where_it_stopped(overrides, tmp_path: Path) ->
     equal those of the same sweep run without a stop."""
     sweep, pause, logs = tmp_path / "sweep", tmp_path / "pause", tmp_path / "logs"
     command = ("train.py", *STOPPED, *overrides, *held_in_job(1, pause), f"hydra.sweep.dir={sweep}")
-    first = start_python(*command, log_dir=logs, start_new_session=True,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    try:
-        deadline = time.time() + 300
-        while not Path(f"{pause}.paused").exists() and first.poll() is None:
-            assert time.time() < deadline, "job 1 never reached step 6"
-            time.sleep(0.2)
-        assert first.poll() is None, "the sweep ended before job 1 was held"
+    with held_sweep(command, logs, Path(f"{pause}1")) as first:
         second = run_python(*command, log_dir=logs)
         assert second.returncode == 1
         said = second.stderr.strip().splitlines()[-1]
         assert said.endswith(
             f"in use by another launch of its sweep (pid {first.pid}): wait for it to end"
         ), second.stderr[-2000:]
-    finally:
-        os.killpg(first.pid, signal.SIGKILL)
-        first.wait()
     left = job_dirs(sweep)
     assert sorted(left) == [0, 1]  # job 2 never started
     assert json.loads((left[0] / "job.json").read_text())["status"] == "completed"
@@ -467,6 +486,79 @@ def test_a_killed_sweep_continues_where_it_stopped(overrides, tmp_path: Path) ->
             json.loads((job_dir / "job.json").read_text())["return_value"]
             == json.loads((twin / "job.json").read_text())["return_value"]
         )
+
+
+def test_a_killed_joblib_sweep_continues_its_jobs_in_flight(overrides, tmp_path: Path) -> None:
+    """launcher=joblib, its 2 jobs in flight (each in its worker process, held in its second
+    epoch) when the sweep's process group is SIGKILLed: the same command resumes both from
+    their own last checkpoints, at once again."""
+    sweep, pause, logs = tmp_path / "sweep", tmp_path / "pause", tmp_path / "logs"
+    command = ("train.py", "-m", "launcher=joblib", "model.optimizer.lr=0.1,0.05", *STOPPED[2:],
+               *overrides, *held_in_job(0, pause), *held_in_job(1, pause),
+               f"hydra.sweep.dir={sweep}")  # fmt: skip
+    with held_sweep(command, logs, Path(f"{pause}0"), Path(f"{pause}1")):
+        held = {num: processes(job_dir)[0]["pid"] for num, job_dir in job_dirs(sweep).items()}
+    assert sorted(held) == [0, 1] and held[0] != held[1]  # two worker processes
+    deadline = time.time() + 30
+    while any(map(running, held.values())) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not any(map(running, held.values()))  # the workers went with the sweep's group
+    assert not any(sweep.glob("*/job.json"))
+
+    again = run_python(*command, log_dir=logs)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "continued: 2 interrupted" in again.stdout + again.stderr
+    records = jobs(sweep)
+    assert [(r["status"], r["resumed_from_step"], r["attempts"]) for r in records] == [
+        ("completed", 4, 2), ("completed", 4, 2)]  # fmt: skip
+    assert len({p["pid"] for r in records for p in processes(Path(r["dir"]))[-1:]}) == 2
+    assert all(len(curve["steps"]) == 3 for curve in plotted(sweep).values())
+
+
+def test_a_killed_optuna_sweep_continues_its_study(overrides, tmp_path: Path) -> None:
+    """hparams_search=mnist_optuna, n_trials=4, SIGKILLed while trial 2 trains; the same command
+    then runs what remains of the study (optuna.db in the sweep directory): it holds exactly 4
+    complete trials, none with another's parameters; trial 2, failed by the continuation and
+    queued again by Optuna's retry callback, ran in job 2's directory from its last checkpoint;
+    the best value is the best job's."""
+    sweep, pause, logs = tmp_path / "sweep", tmp_path / "pause", tmp_path / "logs"
+    search = ("hparams_search=mnist_optuna", "hydra.sweeper.n_trials=4")
+    command = ("train.py", *search, *STOPPED[2:], *overrides, *held_in_job(2, pause),
+               f"hydra.sweep.dir={sweep}")  # fmt: skip
+    with held_sweep(command, logs, Path(f"{pause}2")):
+        pass
+    storage = f"sqlite:///{sweep / 'optuna.db'}"
+    left = optuna.load_study(study_name="train", storage=storage).trials
+    assert [t.state.name for t in left] == ["COMPLETE", "COMPLETE", "RUNNING"]
+    assert sorted(job_dirs(sweep)) == [0, 1, 2]
+
+    again = run_python(*command, log_dir=logs)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "optuna: study train continued: 2 of 4 trials ended, 2 to run" in again.stdout
+    trials = optuna.load_study(study_name="train", storage=storage).trials
+    assert [t.state.name for t in trials] == [
+        "COMPLETE",
+        "COMPLETE",
+        "FAIL",
+        "COMPLETE",
+        "COMPLETE",
+    ]
+    complete = [t for t in trials if t.state.name == "COMPLETE"]
+    assert len({tuple(sorted(t.params.items())) for t in complete}) == 4  # none repeated
+    assert trials[3].params == left[2].params  # the retry: trial 2's parameters, in job 2
+    records = jobs(sweep)
+    assert [r["num"] for r in records] == [0, 1, 2, 3]
+    assert [r.get("resumed_from_step") for r in records] == [None, None, 4, None]
+    assert [r["return_value"] for r in records] == [complete[i].value for i in (0, 1, 2, 3)]
+    results = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    assert results["best_value"] == max(r["return_value"] for r in records)
+    assert json.loads((sweep / "sweep.json").read_text())["not_started"] == 0
+    curves = plotted(sweep)  # report.png: a curve per job, job 2's whole though resumed
+    assert sorted(curves) == [0, 1, 2, 3] and len(curves[2]["steps"]) == 3
+    for name in ("optuna_history.png", "optuna_slice.png"):  # Optuna's own, linked in the report
+        with Image.open(sweep / name) as image:
+            assert image.format == "PNG"
+        assert f"]({name})" in (sweep / "report.md").read_text()
 
 
 # --- folds --------------------------------------------------------------------------------------
