@@ -12,6 +12,7 @@ with imports_frozen():  # faster start and exit: runtime.py
     from trainkit.config import did_you_mean, expand_shorthands
     from trainkit.console import one_line_refusals
     from trainkit.launch import end_process
+    from trainkit.sweep import newest_sweep_named
     from trainkit.train import run
 
 
@@ -21,7 +22,9 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    sys.argv = expand_shorthands(sys.argv)  # plan=true is plan.show=true; ++ where train.yaml lacks a key
+    # plan=true is plan.show=true; ++ where train.yaml lacks a key; hydra.sweep.dir=last is the
+    # newest sweep directory of this command's sweep
+    sys.argv = newest_sweep_named(expand_shorthands(sys.argv))
     # a line naming the closest key where Hydra refused an unknown one; a refusal as its line
     with did_you_mean("train"), one_line_refusals():
         main()

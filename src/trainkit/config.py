@@ -84,7 +84,7 @@ def expand_shorthands(argv: Sequence[str], config_name: str = "train") -> list[s
     fork's file from before the key existed, which Hydra would refuse it on) typed with Hydra's
     ``++`` (add or override). The other arguments as they are: a misspelt key is still refused."""
     run_keys = _leaf_keys(OmegaConf.load(LIBRARY_CONF_DIR / "run_keys.yaml"))
-    project_file = _project_config_file(argv, config_name)
+    project_file = project_config_file(argv, config_name)
     project = _leaf_keys(OmegaConf.load(project_file)) if project_file.is_file() else run_keys
     expanded = []
     for arg in argv:
@@ -98,7 +98,7 @@ def expand_shorthands(argv: Sequence[str], config_name: str = "train") -> list[s
     return expanded
 
 
-def _project_config_file(argv: Sequence[str], config_name: str) -> Path:
+def project_config_file(argv: Sequence[str], config_name: str) -> Path:
     """``conf/<config_name>.yaml``, or the file Hydra's ``--config-path``/``--config-name`` (or
     ``-cp``/``-cn``) name; a relative config path is the script's directory's, as Hydra reads it."""
     given = {"--config-path": None, "--config-name": None}

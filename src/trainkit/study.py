@@ -103,11 +103,14 @@ class StoredStudySweep(OptunaSweeperImpl):
         except KeyError:  # no such study yet
             return []
         if dead_at_once:  # (no other launch can be running it: Optuna's grace period is moot)
+            study_id = self.storage.get_study_id_from_name(self.study_name)
             for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-                if self.storage.set_trial_state(trial._trial_id, TrialState.FAIL):
-                    self.storage.get_failed_trial_callback()(
-                        study, self.storage.get_trial(trial._trial_id)
-                    )
+                trial_id = self.storage.get_trial_id_from_study_id_trial_number(
+                    study_id, trial.number
+                )
+                if self.storage.set_trial_state(trial_id, TrialState.FAIL):
+                    retry = self.storage.get_failed_trial_callback()
+                    retry(study, self.storage.get_trial(trial_id))
         else:
             optuna.storages.fail_stale_trials(study)
         if hasattr(self.sampler, "reseed_rng"):
@@ -131,7 +134,8 @@ class TrialJobs(Launcher):
         running = [t for t in trials if t.state == TrialState.RUNNING]
         if len(running) != len(job_overrides):  # (not the batch just asked: numbered as given)
             return self.launcher.launch(job_overrides, initial_job_idx=initial_job_idx)
-        beat(self.sweep.storage, running)  # (from their start: one without any is never stale)
+        study_id = self.sweep.storage.get_study_id_from_name(self.sweep.study_name)
+        beat(self.sweep.storage, study_id, running)  # (from their start: never stale without)
         jobs = job_numbers(trials)
         numbers = [jobs[t.number] for t in sorted(running, key=lambda t: t.number)]
         if numbers == list(range(numbers[0], numbers[0] + len(numbers))):
@@ -165,7 +169,7 @@ class Heartbeat:
             if study_id is None:
                 study_id = self._study_id()
             if study_id is not None:
-                beat(self.storage, self.storage.get_all_trials(study_id, deepcopy=False))
+                beat(self.storage, study_id, self.storage.get_all_trials(study_id, deepcopy=False))
             self.stopped.wait(1 if study_id is None else HEARTBEAT_S)
 
     def _study_id(self) -> int | None:
@@ -175,11 +179,13 @@ class Heartbeat:
             return None
 
 
-def beat(storage: RDBStorage, trials: list[FrozenTrial]) -> None:
-    """A heartbeat for each running trial of ``trials``."""
+def beat(storage: RDBStorage, study_id: int, trials: list[FrozenTrial]) -> None:
+    """A heartbeat for each running trial of ``trials`` (of the study ``study_id``)."""
     for trial in trials:
         if trial.state == TrialState.RUNNING:
-            storage.record_heartbeat(trial._trial_id)
+            storage.record_heartbeat(
+                storage.get_trial_id_from_study_id_trial_number(study_id, trial.number)
+            )
 
 
 def draw_study(sweep_dir: Path) -> list[str]:

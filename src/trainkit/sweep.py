@@ -27,19 +27,23 @@ import os
 import shlex
 import shutil
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from pickle import UnpicklingError
 from typing import Any
 
 import yaml
+from hydra import initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from trainkit.checkpoint_io import atomic_write_text, is_checkpoint, saved_step
-from trainkit.config import settle
+from trainkit.config import project_config_file, settle
 from trainkit.console import shown
 from trainkit.errors import ConfigError
 from trainkit.launch import ENTRY_POINT_ENV, first_process, in_multirun, resume_job_from
@@ -203,12 +207,17 @@ def _where(override: str) -> bool:
     return key in ("launcher", "paths", "sweep") or key.startswith(("paths.", "hydra.", "sweep."))
 
 
+def sweep_differences(recorded: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """The keys whose overrides, or the sweeper's settings, differ between two sweeps."""
+    return sorted(
+        {o.split("=", 1)[0] for o in set(recorded["overrides"]) ^ set(now["overrides"])}
+    ) + sorted(_differing(recorded["sweeper"], now["sweeper"], "hydra.sweeper"))
+
+
 def check_same_sweep(recorded: dict[str, Any], now: dict[str, Any], sweep_dir: Path) -> None:
     """A sweep directory is continued by its own sweep only: a difference in the overrides or the
     sweeper's settings is one line naming what differs; another launcher is said, and runs."""
-    differ = sorted(
-        {o.split("=", 1)[0] for o in set(recorded["overrides"]) ^ set(now["overrides"])}
-    ) + sorted(_differing(recorded["sweeper"], now["sweeper"], "hydra.sweeper"))
+    differ = sweep_differences(recorded, now)
     if differ:
         verb = "differs" if len(differ) == 1 else "differ"
         raise SweepTaken(
@@ -229,6 +238,38 @@ def _differing(a: Any, b: Any, prefix: str) -> list[str]:
             for k in _differing(a.get(key), b.get(key), f"{prefix}.{key}")
         ]
     return [] if a == b else [prefix]
+
+
+LAST = "hydra.sweep.dir=last"  # the short form: the newest sweep of this command
+
+
+def newest_sweep_named(argv: list[str], config_name: str = "train") -> list[str]:
+    """``argv`` with ``hydra.sweep.dir=last`` as the newest sweep directory (in
+    ``<paths.log_dir>/<task_name>/multiruns``) whose recorded sweep this command makes (its
+    overrides and sweeper; ``sweep_differences``). Refused in one line where there is none."""
+    if LAST not in argv:
+        return argv
+    project = project_config_file(argv, config_name)
+    overrides, skip = [], False
+    for arg in argv[1:]:  # (Hydra's flags and their values left out)
+        if not skip and not arg.startswith("-") and arg != LAST:
+            overrides.append(arg)
+        skip = arg in ("-cp", "-cn", "-cd", "--config-path", "--config-name", "--config-dir")
+    with initialize_config_dir(config_dir=str(project.parent), version_base="1.3"):
+        loader = GlobalHydra.instance().config_loader()
+        cfg = loader.load_configuration(project.stem, overrides, run_mode=RunMode.MULTIRUN)
+    now = sweep_definition(cfg)
+    multiruns = Path(cfg.paths.log_dir) / str(cfg.task_name) / "multiruns"
+    records = sorted(multiruns.glob(f"*/{SWEEP_RECORD}"), key=lambda p: p.stat().st_mtime)
+    for record in reversed(records):  # the newest first
+        with contextlib.suppress(OSError, yaml.YAMLError, KeyError, TypeError):
+            if not sweep_differences(yaml.safe_load(record.read_text()), now):
+                found = f"hydra.sweep.dir={record.parent}"
+                return [found if arg == LAST else arg for arg in argv]
+    raise SystemExit(
+        f"{LAST}: no sweep in {shown(multiruns)} was launched with these overrides and sweeper "
+        f"({len(records)} looked at): leave out {LAST} to start this one"
+    )
 
 
 def continuing_command(config: DictConfig) -> str:
@@ -317,7 +358,5 @@ def continue_job(cfg: DictConfig, left: AsLeft) -> DictConfig:
 
 
 def _counted(jobs: list[AsLeft]) -> str:
-    counts: dict[str, int] = {}
-    for job in jobs:
-        counts[job.status] = counts.get(job.status, 0) + 1
+    counts = Counter(job.status for job in jobs)
     return ", ".join(f"{n} {status}" for status, n in sorted(counts.items())) or "no job yet"

@@ -7,6 +7,7 @@ or root are missing (``.ci/run`` installs the packages where apt can)."""
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from helpers import alive, max_diff, processes, run_python, run_weights, start_python
+from trainkit.checkpoint_io import saved_step
 from trainkit.runtime import free_port
 
 pytestmark = [
@@ -213,6 +215,51 @@ def test_sweep_of_ddp_and_fsdp_jobs_over_two_nodes(
         assert max_diff(run_weights(job_dir), run_weights(alone)) < 3e-5
     # and none is left behind: SLURM lists a finished job until its nodes report it ended
     # (COMPLETING), which can outlast the sweep's reading of the job's result
+    cluster.wait_for(lambda: cluster.jobs() == [], 60, "the array's jobs to leave the queue")
+
+
+# --- a sweep whose launcher and jobs were cancelled, continued ----------------------------------
+
+
+def test_a_cancelled_sweep_continues_on_the_cluster(
+    cluster: Cluster, job_env: dict, base: tuple[str, ...], tmp_path: Path
+) -> None:
+    """A launcher=slurm sweep of 2 jobs: while job 1 is held in its second epoch, its launcher is
+    SIGKILLed and its jobs cancelled (``scancel``: SIGTERM, each saves where it stopped). The same
+    command then continues it on the cluster: job 1 resumes from the step it saved, and the sweep
+    ends with both jobs completed."""
+    pause, logs, sweep = tmp_path / "pause", tmp_path / "logs", tmp_path / "sweep"
+    # 800 images in batches of 50: 16 steps an epoch; job 1 held at step 20
+    command = (
+        "train.py", "-m", "launcher=slurm", *base, "model.optimizer.lr=0.1,0.05",
+        "trainer.max_epochs=2", "devices=1", "hydra.launcher.cpus_per_task=1",
+        "+callbacks.pause._target_=helpers.PauseAt", "+callbacks.pause.step=20",
+        f"+callbacks.pause.out={pause}", "+callbacks.pause.job=1", f"hydra.sweep.dir={sweep}",
+    )  # fmt: skip
+    launcher = start_python(*command, log_dir=logs, env=job_env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        cluster.wait_for(lambda: Path(f"{pause}.paused").exists(), 300, "job 1's pause")
+    finally:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+    for job in cluster.jobs():
+        cluster.command("scancel", job)
+    Path(f"{pause}.go").touch()
+    cluster.wait_for(lambda: cluster.jobs() == [], 120, "the cancelled jobs to leave")
+    job_dir = {int(d.name.split("_")[0]): d for d in sweep.iterdir() if d.name[:1].isdigit()}
+    stopped = saved_step(job_dir[1] / "checkpoints" / "last.ckpt")
+    assert stopped >= 20 and not (job_dir[1] / "job.json").exists()
+
+    again = run_python(*command, log_dir=logs, env=job_env)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    summary = json.loads((sweep / "sweep.json").read_text())
+    assert [job["status"] for job in summary["jobs"]] == ["completed", "completed"], summary
+    resumed = summary["jobs"][1]
+    assert (resumed["resumed_from_step"], resumed["attempts"]) == (stopped, 2)
+    log = (job_dir[1] / "train.log").read_text()
+    assert f"sweep job 1 resumes from its last checkpoint (step {stopped})" in log
+    assert torch.load(job_dir[1] / "checkpoints" / "last.ckpt")["global_step"] == 32
     cluster.wait_for(lambda: cluster.jobs() == [], 60, "the array's jobs to leave the queue")
 
 

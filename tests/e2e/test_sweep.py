@@ -520,20 +520,28 @@ def test_a_killed_optuna_sweep_continues_its_study(overrides, tmp_path: Path) ->
     then runs what remains of the study (optuna.db in the sweep directory): it holds exactly 4
     complete trials, none with another's parameters; trial 2, failed by the continuation and
     queued again by Optuna's retry callback, ran in job 2's directory from its last checkpoint;
-    the best value is the best job's."""
-    sweep, pause, logs = tmp_path / "sweep", tmp_path / "pause", tmp_path / "logs"
+    the best value is the best job's. The sweep is started in the default directory and
+    continued by the short form, ``hydra.sweep.dir=last``, beside a newer sweep of other
+    overrides."""
+    pause, logs = tmp_path / "pause", tmp_path / "logs"
     search = ("hparams_search=mnist_optuna", "hydra.sweeper.n_trials=4")
-    command = ("train.py", *search, *STOPPED[2:], *overrides, *held_in_job(2, pause),
-               f"hydra.sweep.dir={sweep}")  # fmt: skip
+    command = ("train.py", *search, *STOPPED[2:], *overrides, *held_in_job(2, pause))
     with held_sweep(command, logs, Path(f"{pause}2")):
         pass
+    (sweep,) = (logs / "train" / "multiruns").iterdir()
+    other = logs / "train" / "multiruns" / "newer"  # another sweep, launched after it
+    other.mkdir()
+    record = yaml.safe_load((sweep / "sweep.yaml").read_text())
+    record["overrides"] = [o for o in record["overrides"] if "n_trials" not in o] + ["seed=7"]
+    (other / "sweep.yaml").write_text(yaml.safe_dump(record))
     storage = f"sqlite:///{sweep / 'optuna.db'}"
     left = optuna.load_study(study_name="train", storage=storage).trials
     assert [t.state.name for t in left] == ["COMPLETE", "COMPLETE", "RUNNING"]
     assert sorted(job_dirs(sweep)) == [0, 1, 2]
 
-    again = run_python(*command, log_dir=logs)
+    again = run_python(*command, "hydra.sweep.dir=last", log_dir=logs)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"hydra.sweep.dir={sweep})" in again.stdout  # continue it with: (its path, not last)
     assert "optuna: study train continued: 2 of 4 trials ended, 2 to run" in again.stdout
     trials = optuna.load_study(study_name="train", storage=storage).trials
     assert [t.state.name for t in trials] == [

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import submitit
+import yaml
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -36,7 +37,7 @@ from trainkit.config import CONF_DIR, compose_config
 from trainkit.launch import ENTRY_POINT_ENV, isolated_job, job_command, resume_job_from
 from trainkit.loggers import flat_hparams, log_final
 from trainkit.resolvers import job_dirname
-from trainkit.sweep import SweepTaken, check_same_sweep, sweep_definition
+from trainkit.sweep import SweepTaken, check_same_sweep, newest_sweep_named, sweep_definition
 
 
 def compose_with_hydra(overrides: Sequence[str]) -> DictConfig:
@@ -566,3 +567,21 @@ def test_a_continued_sweep_must_be_the_recorded_one(
         r" continue it with its own command",
     ):
         check_same_sweep(recorded, sweep(other, **{"sweeper.max_batch_size": 2}), tmp_path)
+
+
+def test_the_short_form_continues_only_a_sweep_of_this_command(tmp_path: Path) -> None:
+    """``hydra.sweep.dir=last`` is the newest recorded sweep that this command makes; with none,
+    one line says so (and how many it looked at); without it, the arguments are as typed."""
+    argv = ["train.py", "-m", "seed=1,2", f"paths.log_dir={tmp_path}"]
+    assert newest_sweep_named(argv) == argv
+    with pytest.raises(SystemExit, match=r"no sweep in .* was launched with these overrides"):
+        newest_sweep_named([*argv, "hydra.sweep.dir=last"])
+    for name, task in (("old", ["seed=1,2"]), ("new", ["seed=1,3"])):
+        cfg = compose_with_hydra([])
+        with open_dict(cfg):
+            cfg.hydra.overrides.task = task
+        sweep = tmp_path / "train" / "multiruns" / name
+        sweep.mkdir(parents=True)
+        (sweep / "sweep.yaml").write_text(yaml.safe_dump(sweep_definition(cfg)))
+    found = newest_sweep_named([*argv, "hydra.sweep.dir=last"])
+    assert found == [*argv, f"hydra.sweep.dir={tmp_path / 'train' / 'multiruns' / 'old'}"]
