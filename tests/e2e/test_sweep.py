@@ -17,6 +17,7 @@ import signal
 import statistics
 import subprocess
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -29,7 +30,15 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.backend.event_processing.plugin_event_multiplexer import EventMultiplexer
 from tensorboard.plugins.hparams import plugin_data_pb2
 
-from helpers import max_diff, processes, readme_run, run_python, run_weights, start_python
+from helpers import (
+    max_diff,
+    processes,
+    readme_run,
+    run_python,
+    run_weights,
+    start_python,
+    write_tree,
+)
 from trainkit.checkpoint_io import saved_step
 from trainkit.report import CURVES_KEY
 
@@ -572,16 +581,11 @@ def test_a_killed_optuna_sweep_continues_its_study(overrides, tmp_path: Path) ->
 # --- folds --------------------------------------------------------------------------------------
 
 
-def test_a_three_fold_sweep_reports_each_fold_and_their_mean(
-    sweep_runner, overrides: tuple[str, ...], tmp_path: Path
-) -> None:
-    """``-m data.folds=3 'data.fold=range(3)'``: each job validates on its fold of the training
-    set (recorded in its directory), the folds disjoint and covering it; sweep.json has the
-    folds' values, mean and std as the jobs returned them. Fold 1 under ddp x2 validates on the
-    same samples as on one device."""
-    sweep, _ = sweep_runner(
-        "-m", "data.folds=3", "data.fold=range(3)", "trainer.limit_train_batches=3"
-    )
+def check_fold_sweep(sweep: Path) -> tuple[list[dict], list[dict]]:
+    """A sweep of ``data.folds=3 'data.fold=range(3)'``: each job validated on its own fold
+    (its directory's data_split.json), the folds disjoint and covering the training set;
+    sweep.json and report.md give each fold's value, their mean and std as the jobs returned
+    them; report.png has each fold's curve. Returns the jobs' records and splits."""
     records = jobs(sweep)
     splits = [json.loads((Path(r["dir"]) / "data_split.json").read_text()) for r in records]
     assert [s["fold"] for s in splits] == [0, 1, 2]
@@ -602,6 +606,21 @@ def test_a_three_fold_sweep_reports_each_fold_and_their_mean(
         value(r["overrides"], "data.fold")
         for r in sorted(records, key=lambda r: -r["return_value"])
     ]
+    return records, splits
+
+
+def test_a_three_fold_sweep_reports_each_fold_and_their_mean(
+    sweep_runner, overrides: tuple[str, ...], tmp_path: Path
+) -> None:
+    """``-m data.folds=3 'data.fold=range(3)'``: each job validates on its fold of the training
+    set (recorded in its directory), the folds disjoint and covering it; sweep.json has the
+    folds' values, mean and std as the jobs returned them. Fold 1 under ddp x2 validates on the
+    same samples as on one device."""
+    sweep, _ = sweep_runner(
+        "-m", "data.folds=3", "data.fold=range(3)", "trainer.limit_train_batches=3"
+    )
+    records, splits = check_fold_sweep(sweep)
+    vals = [set(s["val_indices"]) for s in splits]
 
     ddp = run_python(
         "train.py", *own_overrides(records[1]), "strategy=ddp", "devices=2", log_dir=tmp_path
@@ -610,3 +629,24 @@ def test_a_three_fold_sweep_reports_each_fold_and_their_mean(
     (run_dir,) = (tmp_path / "train" / "runs").iterdir()
     split = json.loads((run_dir / "data_split.json").read_text())
     assert split["val_sha256"] == splits[1]["val_sha256"] and split["val_size"] == len(vals[1])
+
+
+def test_a_three_fold_sweep_of_an_image_folder_tree(tmp_path: Path) -> None:
+    """The same on an ImageFolder tree (train/ of 3 classes of 8 images, and test/): its folds
+    are train/'s 24 images, each class's 8 dealt into the 3 folds (3, 3 and 2 of each), and the
+    test set is never in one (each fold's training and validation sets are train/)."""
+    root = tmp_path / "tree"
+    files = write_tree(root, {"train": 8, "test": 4})
+    proc = run_python(
+        "train.py", "-m", "data=imagefolder", f"data.root={root}", "data.image_size=16",
+        "data.num_workers=0", "model.net.in_features=768", "accelerator=cpu", "data.folds=3",
+        "data.fold=range(3)", "data.batch_size=8", "trainer.max_epochs=2",
+        log_dir=tmp_path / "logs",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _, splits = check_fold_sweep(the_sweep(tmp_path / "logs"))
+    assert [s["val_size"] for s in splits] == [8, 8, 8]
+    for split in splits:  # ImageFolder's order: class by class, 8 each
+        per_class = Counter(i // 8 for i in split["val_indices"])
+        assert sorted(per_class) == [0, 1, 2] and set(per_class.values()) <= {2, 3}, per_class
+    assert {s["train_size"] + s["val_size"] for s in splits} == {len(files["train"])}
