@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,8 @@ log = logging.getLogger(__name__)
 JOB_FILE, SWEEP_FILE = "job.json", "sweep.json"  # a job's end (trainkit.sweep), all jobs'
 REPORT_MD, REPORT_PNG = "report.md", "report.png"
 CURVES_KEY = "trainkit.curves"  # report.png's text chunk: the curves it draws, as JSON
+STORED_OPTUNA = "StoredOptunaSweeper"  # the Optuna sweeper whose study a sweep keeps
+STUDY_FILE = "optuna.db"  # its study, in the sweep directory (trainkit.study)
 
 
 def write_summary(sweep_dir: Path) -> dict[str, Any]:
@@ -127,7 +130,11 @@ def sweep_shape(definition: dict[str, Any] | None) -> tuple[list[str], int | Non
         if target.endswith("BasicSweeper"):  # every combination of the swept values
             return varying, math.prod(len(list(o.sweep_iterator())) for o in swept)
         n_trials = sweeper.get("n_trials") if "optuna" in target.lower() else None
-        return varying, n_trials if isinstance(n_trials, int) else None
+        folds = definition.get("trial_folds")  # (a trial of K folds: K jobs)
+        if folds:
+            varying.append("data.fold")
+        n_jobs = n_trials * (folds or 1) if isinstance(n_trials, int) else None
+        return varying, n_jobs
     return [], None
 
 
@@ -184,7 +191,8 @@ def _fold_means(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def job_name(job: dict[str, Any], varying: list[str]) -> str:
     """A job by what varies across its sweep: ``model.optimizer.lr=0.01 data.fold=2``."""
     own = {override.lstrip("+~").split("=", 1)[0]: override for override in job["overrides"]}
-    return " ".join(own[key].lstrip("+~") for key in varying if key in own) or f"job {job['num']}"
+    named = " ".join(own[key].lstrip("+~") for key in varying if key in own)
+    return named or f"job {job.get('num', '')}".strip()
 
 
 def curves(summary: dict[str, Any]) -> dict[int, tuple[list[int], list[float]]]:
@@ -228,12 +236,47 @@ def write_report(sweep_dir: Path, summary: dict[str, Any]) -> None:
         _save_png(draw(summary, drawn), drawn, summary, sweep_dir / REPORT_PNG)
     sweeper = str(((recorded_sweep(sweep_dir) or {}).get("sweeper") or {}).get("_target_", ""))
     study_plots = []
-    if sweeper.endswith("StoredOptunaSweeper"):  # (Optuna imported for an Optuna sweep only)
-        from trainkit.study import draw_study
-
+    if sweeper.endswith(STORED_OPTUNA):
         study_plots = draw_study(sweep_dir)
     text = markdown(sweep_dir, summary, bool(drawn), study_plots)
     atomic_write_text(sweep_dir / REPORT_MD, text)
+
+
+def draw_study(sweep_dir: Path) -> list[str]:
+    """Optuna's own plots of the sweep's stored study, where they apply (a completed trial):
+    its optimization history and each parameter's slice, as ``optuna_<plot>.png`` in the sweep
+    directory, which report.md links. Returns the files written."""
+    import matplotlib
+    import numpy
+    from matplotlib import pyplot  # (Optuna's plots draw through it)
+    from sqlalchemy.exc import SADeprecationWarning
+
+    with warnings.catch_warnings():  # SQLAlchemy 1.4's notice of 2.0 at Optuna 2.x's import
+        warnings.simplefilter("ignore", SADeprecationWarning)
+        import optuna
+    from optuna.trial import TrialState
+    from optuna.visualization import matplotlib as plots
+
+    storage = f"sqlite:///{(sweep_dir / STUDY_FILE).absolute()}"
+    # (Optuna 2.x's matplotlib plots are experimental, and set pyplot's style for the process)
+    with warnings.catch_warnings(), matplotlib.rc_context():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        warnings.simplefilter("ignore", UserWarning)  # (a parameter of one value: a flat slice)
+        (summary,) = optuna.get_all_study_summaries(storage)  # (the sweep's one study)
+        study = optuna.load_study(study_name=summary.study_name, storage=storage)
+        if not study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+            return []
+        written = []
+        for name, plot in (
+            ("history", plots.plot_optimization_history),
+            ("slice", plots.plot_slice),
+        ):
+            figure = numpy.asarray(plot(study)).flat[0].figure
+            path = sweep_dir / f"optuna_{name}.png"
+            figure.savefig(path, dpi=100, bbox_inches="tight")
+            pyplot.close(figure)
+            written.append(path.name)
+    return written
 
 
 def _finals(job: dict[str, Any]) -> dict[str, float]:

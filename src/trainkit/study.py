@@ -12,7 +12,9 @@ through ``hydra_plugins.trainkit_sweeper.StoredOptunaSweeper``, ``hydra.sweeper.
 - a trial left running by a launch that died failed, and queued again with its parameters by
   Optuna's own ``RetryFailedTrialCallback``: the retry runs as the same job, in its directory,
   and resumes from its last checkpoint there (``trainkit.sweep.continue_job``);
-- the sampler of a continued study reseeded, so that it does not repeat its first proposals.
+- the sampler of a continued study reseeded, so that it does not repeat its first proposals;
+- with ``data.folds=K`` (and no ``data.fold``), each trial run as K jobs, one per fold, its value
+  the folds' mean; each fold job continues as any job does.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import numpy
+from hydra.core.utils import JobReturn, JobStatus
 from hydra.plugins.launcher import Launcher
 from sqlalchemy.exc import SADeprecationWarning
 
@@ -34,9 +36,11 @@ from hydra_plugins.hydra_optuna_sweeper._impl import OptunaSweeperImpl
 from optuna.storages import RDBStorage, RetryFailedTrialCallback
 from optuna.trial import FrozenTrial, TrialState
 
+from trainkit.report import STUDY_FILE
+from trainkit.sweep import trial_folds
+
 log = logging.getLogger(__name__)
 
-STUDY_FILE = "optuna.db"
 HEARTBEAT_S = 30  # a running trial's heartbeat; one silent for twice as long has lost its sweep
 ENDED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 
@@ -68,6 +72,7 @@ class StoredStudySweep(OptunaSweeperImpl):
     def setup(self, **kwargs: Any) -> None:
         super().setup(**kwargs)
         self.launcher = TrialJobs(self.launcher, self)
+        self.folds = trial_folds(self.config)  # (each trial K jobs, or None)
 
     def sweep(self, arguments: list[str]) -> None:
         own = self.storage is None  # the sweep's own file: this launch holds the sweep directory
@@ -138,12 +143,36 @@ class TrialJobs(Launcher):
         beat(self.sweep.storage, study_id, running)  # (from their start: never stale without)
         jobs = job_numbers(trials)
         numbers = [jobs[t.number] for t in sorted(running, key=lambda t: t.number)]
+        folds = self.sweep.folds
+        if not folds:
+            return self._launch(list(job_overrides), numbers)
+        # a trial of K folds: its jobs K * job + fold, each the trial's overrides and its fold
+        each = [(*o, f"data.fold={fold}") for o in job_overrides for fold in range(folds)]
+        returns = self._launch(each, [folds * n + fold for n in numbers for fold in range(folds)])
+        return [
+            folds_mean(returns[i * folds : (i + 1) * folds], overrides)
+            for i, overrides in enumerate(job_overrides)
+        ]
+
+    def _launch(self, job_overrides: list[Any], numbers: list[int]) -> list[JobReturn]:
+        """The jobs in their numbers: at once where the numbers follow on, else one by one (a
+        retry among new trials)."""
         if numbers == list(range(numbers[0], numbers[0] + len(numbers))):
-            return self.launcher.launch(job_overrides, initial_job_idx=numbers[0])
-        returns = []  # a retry among new trials: one launch each, in their own numbers
+            return list(self.launcher.launch(job_overrides, initial_job_idx=numbers[0]))
+        returns = []
         for overrides, number in zip(job_overrides, numbers, strict=True):
             returns += self.launcher.launch([overrides], initial_job_idx=number)
         return returns
+
+
+def folds_mean(returns: list[JobReturn], overrides: Any) -> JobReturn:
+    """A trial's fold jobs as one job to the sweep: the folds' mean, or the first failed fold."""
+    for ret in returns:
+        if ret.status != JobStatus.COMPLETED:
+            return ret
+    values = [float(ret.return_value) for ret in returns]
+    mean = sum(values) / len(values)
+    return JobReturn(overrides=list(overrides), status=JobStatus.COMPLETED, _return_value=mean)
 
 
 class Heartbeat:
@@ -186,32 +215,3 @@ def beat(storage: RDBStorage, study_id: int, trials: list[FrozenTrial]) -> None:
             storage.record_heartbeat(
                 storage.get_trial_id_from_study_id_trial_number(study_id, trial.number)
             )
-
-
-def draw_study(sweep_dir: Path) -> list[str]:
-    """Optuna's own plots of the sweep's stored study, where they apply (a completed trial):
-    its optimization history and each parameter's slice, as ``optuna_<plot>.png`` in the sweep
-    directory (trainkit.report links them). Returns the files written."""
-    import matplotlib
-    from matplotlib import pyplot  # (Optuna's plots draw through it)
-    from optuna.visualization import matplotlib as plots
-
-    storage = f"sqlite:///{(sweep_dir / STUDY_FILE).absolute()}"
-    # (Optuna 2.x's matplotlib plots are experimental, and set pyplot's style for the process)
-    with warnings.catch_warnings(), matplotlib.rc_context():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        (summary,) = optuna.get_all_study_summaries(storage)  # (the sweep's one study)
-        study = optuna.load_study(study_name=summary.study_name, storage=storage)
-        if not study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
-            return []
-        written = []
-        for name, plot in (
-            ("history", plots.plot_optimization_history),
-            ("slice", plots.plot_slice),
-        ):
-            figure = numpy.asarray(plot(study)).flat[0].figure
-            path = sweep_dir / f"optuna_{name}.png"
-            figure.savefig(path, dpi=100, bbox_inches="tight")
-            pyplot.close(figure)
-            written.append(path.name)
-    return written

@@ -47,7 +47,14 @@ from trainkit.config import project_config_file, settle
 from trainkit.console import shown
 from trainkit.errors import ConfigError
 from trainkit.launch import ENTRY_POINT_ENV, first_process, in_multirun, resume_job_from
-from trainkit.report import JOB_FILE, SWEEP_FILE, sweep_shape, update_report
+from trainkit.report import (
+    JOB_FILE,
+    STORED_OPTUNA,
+    SWEEP_FILE,
+    job_name,
+    sweep_shape,
+    update_report,
+)
 from trainkit.resolvers import SWEEP_RECORD
 from trainkit.run_dir import HYDRA_RECORD, RUN_FILES, RunDirTaken
 
@@ -135,11 +142,12 @@ class JobReporter(Callback):
             f", the best job {best['num']} ({best['return_value']:.4g})" if best else "",
             shown(sweep_dir / SWEEP_FILE),
         )
+        setting = [key for key in summary["varying"] if key != "data.fold"]
         for group in summary.get("folds", []):
             if group["values"]:
                 log.info(
                     "sweep: %d folds of %s: %.4g +- %.4g",
-                    *(len(group["values"]), " ".join(group["overrides"]) or "the run"),
+                    *(len(group["values"]), job_name(group, setting) if setting else "the run"),
                     *(group["mean"], group["std"]),
                 )
         log.info("sweep: %s (continue it with: %s)", shown(sweep_dir), continuing_command(config))
@@ -198,8 +206,18 @@ def sweep_definition(config: DictConfig) -> dict[str, Any]:
         "launcher": OmegaConf.to_container(hydra.launcher, resolve=False),
         "command": continuing_command(config),
     }
+    if str(hydra.sweeper.get("_target_", "")).endswith(STORED_OPTUNA):
+        definition["trial_folds"] = trial_folds(config)
     definition["varying"], _ = sweep_shape(definition)  # (what names its jobs' directories)
     return definition
+
+
+def trial_folds(config: DictConfig) -> int | None:
+    """K where an Optuna sweep's trials are K folds each (trainkit.study): ``data.folds=K``
+    without ``data.fold``."""
+    data = config.get("data") or {}
+    folds, fold = data.get("folds"), data.get("fold")
+    return int(folds) if folds and fold is None else None
 
 
 def _where(override: str) -> bool:

@@ -631,6 +631,37 @@ def test_a_three_fold_sweep_reports_each_fold_and_their_mean(
     assert split["val_sha256"] == splits[1]["val_sha256"] and split["val_size"] == len(vals[1])
 
 
+def test_an_optuna_trial_of_three_folds_is_worth_their_mean(overrides, tmp_path: Path) -> None:
+    """hparams_search=mnist_optuna_folds, 2 trials: each trial is 3 jobs, one per fold, all with
+    the trial's parameters; the study's value of a trial is its folds' mean, as sweep.json's
+    fold groups and report.md's Folds table say."""
+    sweep = tmp_path / "sweep"
+    proc = run_python(
+        "train.py", "hparams_search=mnist_optuna_folds", "hydra.sweeper.n_trials=2", *overrides,
+        "trainer.max_epochs=1", "trainer.limit_train_batches=3", f"hydra.sweep.dir={sweep}",
+        log_dir=tmp_path / "logs",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = jobs(sweep)
+    assert [value(r["overrides"], "data.fold") for r in records] == ["0", "1", "2"] * 2
+    params = ("model.optimizer.lr", "data.batch_size")
+    trials = (records[:3], records[3:])
+    for trial in trials:
+        assert len({tuple(value(r["overrides"], k) for k in params) for r in trial}) == 1
+    study = optuna.load_study(study_name="train", storage=f"sqlite:///{sweep / 'optuna.db'}")
+    assert [t.state.name for t in study.trials] == ["COMPLETE", "COMPLETE"]
+    means = [
+        statistics.fmean(r["return_value"] for r in trial) for trial in (records[:3], records[3:])
+    ]
+    assert [t.value for t in study.trials] == pytest.approx(means, abs=1e-12)
+    groups = json.loads((sweep / "sweep.json").read_text())["folds"]
+    assert [g["jobs"] for g in groups] == [[0, 1, 2], [3, 4, 5]]
+    assert [g["mean"] for g in groups] == pytest.approx(means, abs=1e-12)
+    rows = report_table(sweep, "Folds")
+    assert [row["mean"] for row in rows] == [shown(g["mean"]) for g in groups]
+    assert sorted(plotted(sweep)) == list(range(6))
+
+
 def test_a_three_fold_sweep_of_an_image_folder_tree(tmp_path: Path) -> None:
     """The same on an ImageFolder tree (train/ of 3 classes of 8 images, and test/): its folds
     are train/'s 24 images, each class's 8 dealt into the 3 folds (3, 3 and 2 of each), and the
