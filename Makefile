@@ -33,9 +33,11 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)  ## create .venv with the pinned, tested set (CPU-only torch: TORCH_INDEX=<PyTorch's CPU index>)
 
-$(SERVERS_STAMP): constraints.txt
+$(SERVERS_STAMP): constraints.txt constraints-servers.txt
 	$(PYTHON) -m venv $(SERVERS)
-	$(SERVERS)/bin/python -m pip install --quiet -c constraints.txt mlflow
+	grep -v -E '^(SQLAlchemy|alembic)==' constraints.txt > $(SERVERS)/constraints.txt
+	$(SERVERS)/bin/python -m pip install --quiet -c $(SERVERS)/constraints.txt \
+	  -c constraints-servers.txt mlflow
 	@touch $(SERVERS_STAMP)
 
 servers: $(SERVERS_STAMP)  ## the tracking server the tests start: MLflow, in .venv-servers
