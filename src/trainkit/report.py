@@ -230,14 +230,11 @@ def _quiet(logger: str) -> Iterator[None]:
 
 def write_report(sweep_dir: Path, summary: dict[str, Any]) -> None:
     """``report.md`` and ``report.png`` of the sweep in ``sweep_dir``, from its summary
-    (``trainkit.sweep.write_summary``), each replaced whole."""
+    (``write_summary``), each replaced whole; Optuna's plots where it keeps a study."""
     drawn = curves(summary) if summary.get("monitor") else {}
     if drawn:
-        _save_png(draw(summary, drawn), drawn, summary, sweep_dir / REPORT_PNG)
-    sweeper = str(((recorded_sweep(sweep_dir) or {}).get("sweeper") or {}).get("_target_", ""))
-    study_plots = []
-    if sweeper.endswith(STORED_OPTUNA):
-        study_plots = draw_study(sweep_dir)
+        _save_png(draw(summary, drawn), drawn, sweep_dir / REPORT_PNG)
+    study_plots = draw_study(sweep_dir) if (sweep_dir / STUDY_FILE).is_file() else []
     text = markdown(sweep_dir, summary, bool(drawn), study_plots)
     atomic_write_text(sweep_dir / REPORT_MD, text)
 
@@ -405,7 +402,7 @@ def draw(summary: dict[str, Any], drawn: dict[int, tuple[list[int], list[float]]
     return figure
 
 
-def _save_png(figure: Any, drawn: dict, summary: dict[str, Any], path: Path) -> None:
+def _save_png(figure: Any, drawn: dict, path: Path) -> None:
     """The figure as a PNG, replaced whole, with the curves it draws in a text chunk (what a
     reader, or a test, takes the plot's data from)."""
     data = {str(num): {"steps": s, "values": v} for num, (s, v) in drawn.items()}
