@@ -105,7 +105,8 @@ CONSOLE_LOGGERS = {
     "trainkit.callbacks.logging_interval": "an epoch shorter than trainer.log_every_n_steps",
     "trainkit.evaluate": "where eval.py wrote the predictions",
     "trainkit.sweep": "a sweep's jobs completed and failed, and its summary file",
-    "trainkit.study": "an Optuna sweep's stored study continued: its trials ended and to run",
+    "trainkit.study": "an Optuna sweep's study: where, continued, a trial of folds pruned",
+    "trainkit.callbacks.trial_pruning": "the epoch after which a trial's pruner stopped it",
     "trainkit.train": "a killed save's leftovers removed",
 }
 

@@ -42,11 +42,71 @@ STORED_OPTUNA = "StoredOptunaSweeper"  # the Optuna sweeper whose study a sweep 
 STUDY_FILE = "optuna.db"  # its study, in the sweep directory (trainkit.study)
 
 
+@contextlib.contextmanager
+def optuna_importing() -> Iterator[None]:
+    """Around Optuna's first import: without SQLAlchemy 1.4's notice of 2.0, which Optuna 2.x
+    (pinned by Hydra's Optuna plugin) gives at its import."""
+    from sqlalchemy.exc import SADeprecationWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SADeprecationWarning)
+        yield
+
+
+def import_optuna() -> Any:
+    with optuna_importing():
+        import optuna
+    return optuna
+
+
+def job_numbers(trials: list[Any]) -> dict[int, int]:
+    """Each trial's job number (of an Optuna sweep that keeps its study, trainkit.study): a new
+    trial gets the next one, a retry the number of the job it retries (so it runs in that job's
+    directory)."""
+    jobs: dict[int, int] = {}
+    for trial in sorted(trials, key=lambda t: t.number):
+        retried = trial.system_attrs.get("failed_trial")  # (RetryFailedTrialCallback's record)
+        jobs[trial.number] = jobs[retried] if retried in jobs else len(set(jobs.values()))
+    return jobs
+
+
+def last_trials(trials: list[Any]) -> dict[int, Any]:
+    """Each job's last trial (a job runs again as a retry's trial)."""
+    jobs = job_numbers(trials)
+    return {jobs[t.number]: t for t in sorted(trials, key=lambda t: t.number)}
+
+
+def stored_study(sweep_dir: Path) -> Any:
+    """The Optuna study a sweep keeps in its directory (``optuna.db``); None where it keeps none."""
+    if not (sweep_dir / STUDY_FILE).is_file():
+        return None
+    optuna = import_optuna()
+    storage = f"sqlite:///{(sweep_dir / STUDY_FILE).absolute()}"
+    summaries = optuna.get_all_study_summaries(storage)
+    if len(summaries) != 1:  # (the sweep's one study; none yet where its first trial is asked)
+        return None
+    return optuna.load_study(study_name=summaries[0].study_name, storage=storage)
+
+
+def pruned_jobs(study: Any) -> dict[int, int]:
+    """The jobs whose last trial was pruned: each with the steps its trial reported (its epochs,
+    or a trial of K folds its folds)."""
+    from optuna.trial import TrialState
+
+    trials = study.get_trials(deepcopy=False)
+    return {
+        job: len(trial.intermediate_values)
+        for job, trial in last_trials(trials).items()
+        if trial.state == TrialState.PRUNED
+    }
+
+
 def write_summary(sweep_dir: Path) -> dict[str, Any]:
     """``sweep.json`` from every job directory of the sweep so far, replaced whole: each job as
-    its ``job.json`` says (completed or failed, its attempts and the step it resumed from), or
-    ``unfinished`` (started, no end recorded: running, or stopped with the sweep); the jobs not
-    started yet where the sweeper says how many it runs; what varies; the best so far; folds.
+    its ``job.json`` says (completed or failed, its attempts, the step it resumed from, the epoch
+    its trial was pruned after), or ``unfinished`` (started, no end recorded: running, or stopped
+    with the sweep); the trials pruned and the jobs not started yet where the sweeper says how
+    many it runs (a pruned trial's folds never run); what varies; the best so far; folds.
     Jobs that a launcher runs at once each rewrite it, one at a time under a lock beside it, where
     the filesystem locks (across nodes, a shared filesystem may neither lock nor list another
     node's newest files at once: the last job's summary can miss a job that ends at the same
@@ -56,19 +116,29 @@ def write_summary(sweep_dir: Path) -> dict[str, Any]:
         with contextlib.suppress(OSError):  # a filesystem without locks: unlocked, still whole
             fcntl.flock(lock, fcntl.LOCK_EX)
         jobs = [job for job_dir in _job_dirs(sweep_dir) if (job := _job_record(job_dir))]
-        varying, planned = sweep_shape(recorded_sweep(sweep_dir))
+        definition = recorded_sweep(sweep_dir)
+        varying, planned = sweep_shape(definition)
+        study = stored_study(sweep_dir)
+        pruned = pruned_jobs(study) if study is not None else {}
+        folds = (definition or {}).get("trial_folds")  # (an Optuna trial of K folds)
+        skipped = sum(folds - ran for ran in pruned.values()) if folds else 0  # (never to run)
         summary = {
             "jobs": jobs,
             "completed": sum(job["status"] == "completed" for job in jobs),
             "failed": sum(job["status"] == "failed" for job in jobs),
             "unfinished": sum(job["status"] == "unfinished" for job in jobs),
-            "not_started": None if planned is None else max(0, planned - len(jobs)),
+            "pruned": len(pruned),
+            "not_started": None if planned is None else max(0, planned - len(jobs) - skipped),
             "varying": varying,
             "monitor": _monitor(jobs),
             "best": _best(jobs),
         }
         if any(_fold_of(job) is not None for job in jobs):
             summary["folds"] = _fold_means(jobs)
+            for group in summary["folds"] if folds else []:  # a pruned trial's fold group
+                ran = pruned.get(group["jobs"][0] // folds)
+                if ran is not None:
+                    group["pruned_after_fold"] = ran - 1
         atomic_write_text(sweep_dir / SWEEP_FILE, json.dumps(summary, indent=2) + "\n")
     return summary
 
@@ -147,8 +217,15 @@ def recorded_sweep(sweep_dir: Path) -> dict[str, Any] | None:
 
 
 def _best(jobs: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The completed job with the best returned value so far: its number, value and directory."""
-    done = [j for j in jobs if j["status"] == "completed" and j.get("return_value") is not None]
+    """The completed (not pruned) job with the best returned value so far: its number, value
+    and directory."""
+    done = [
+        j
+        for j in jobs
+        if j["status"] == "completed"
+        and j.get("return_value") is not None
+        and j.get("pruned_after_epoch") is None  # (stopped early: not a result, as for Optuna)
+    ]
     if not done:
         return None
     pick = min if done[0].get("mode") == "min" else max
@@ -234,33 +311,28 @@ def write_report(sweep_dir: Path, summary: dict[str, Any]) -> None:
     drawn = curves(summary) if summary.get("monitor") else {}
     if drawn:
         _save_png(draw(summary, drawn), drawn, sweep_dir / REPORT_PNG)
-    study_plots = draw_study(sweep_dir) if (sweep_dir / STUDY_FILE).is_file() else []
+    study = stored_study(sweep_dir)
+    study_plots = draw_study(study, sweep_dir) if study is not None else []
     text = markdown(sweep_dir, summary, bool(drawn), study_plots)
     atomic_write_text(sweep_dir / REPORT_MD, text)
 
 
-def draw_study(sweep_dir: Path) -> list[str]:
+def draw_study(study: Any, sweep_dir: Path) -> list[str]:
     """Optuna's own plots of the sweep's stored study, where they apply (a completed trial):
     its optimization history and each parameter's slice, as ``optuna_<plot>.png`` in the sweep
     directory, which report.md links. Returns the files written."""
     import matplotlib
     import numpy
     from matplotlib import pyplot  # (Optuna's plots draw through it)
-    from sqlalchemy.exc import SADeprecationWarning
 
-    with warnings.catch_warnings():  # SQLAlchemy 1.4's notice of 2.0 at Optuna 2.x's import
-        warnings.simplefilter("ignore", SADeprecationWarning)
-        import optuna
+    optuna = import_optuna()
     from optuna.trial import TrialState
     from optuna.visualization import matplotlib as plots
 
-    storage = f"sqlite:///{(sweep_dir / STUDY_FILE).absolute()}"
     # (Optuna 2.x's matplotlib plots are experimental, and set pyplot's style for the process)
     with warnings.catch_warnings(), matplotlib.rc_context():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         warnings.simplefilter("ignore", UserWarning)  # (a parameter of one value: a flat slice)
-        (summary,) = optuna.get_all_study_summaries(storage)  # (the sweep's one study)
-        study = optuna.load_study(study_name=summary.study_name, storage=storage)
         if not study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
             return []
         written = []
@@ -292,11 +364,17 @@ def _finals(job: dict[str, Any]) -> dict[str, float]:
 
 def ranked(summary: dict[str, Any]) -> list[dict[str, Any]]:
     """The jobs, the best first: the completed ones by their returned value (the sweep's mode),
-    then the others in job order."""
+    those pruned after them, then the others in job order."""
     scored = [j for j in summary["jobs"] if j.get("return_value") is not None]
     rest = [j for j in summary["jobs"] if j.get("return_value") is None]
     maximise = (summary.get("monitor") or {}).get("mode") != "min"
-    scored.sort(key=lambda j: (-j["return_value"] if maximise else j["return_value"], j["num"]))
+    scored.sort(
+        key=lambda j: (
+            j.get("pruned_after_epoch") is not None,  # (a pruned job after every result)
+            -j["return_value"] if maximise else j["return_value"],
+            j["num"],
+        )
+    )
     return scored + rest
 
 
@@ -306,6 +384,8 @@ def _shown(value: Any) -> str:
 
 def _status(job: dict[str, Any]) -> str:
     said = job["status"]
+    if job.get("pruned_after_epoch") is not None:
+        said += f", pruned after epoch {job['pruned_after_epoch']}"
     if job.get("resumed_from_step") is not None:
         said += f", resumed from step {job['resumed_from_step']}"
     if job.get("attempts", 1) > 1:
@@ -325,6 +405,8 @@ def markdown(
         for key in ("completed", "failed", "unfinished", "not_started")
         if summary.get(key)
     )
+    if summary.get("pruned"):
+        counts += f" ({summary['pruned']} trial(s) pruned)"
     total = len(summary["jobs"]) + (summary.get("not_started") or 0)
     lines = [f"# Sweep {sweep_dir.name}", "", f"{total} job(s): {counts or 'none yet'}."]
     if varying:
@@ -369,7 +451,12 @@ def markdown(
             mean, std = group["mean"], group["std"]
             cells = [
                 *(own.get(key, "") for key in setting),
-                f"{len(group['values'])} of {len(group['jobs'])}",
+                f"{len(group['values'])} of {len(group['jobs'])}"
+                + (
+                    f", pruned after fold {group['pruned_after_fold']}"
+                    if "pruned_after_fold" in group
+                    else ""
+                ),
                 "" if mean is None else _shown(mean),
                 "" if std is None else _shown(std),
                 ", ".join(_shown(v) for v in group["values"]),

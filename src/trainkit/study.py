@@ -1,7 +1,8 @@
 """Hydra's Optuna sweeper with its study in the sweep's directory, so that a stopped Optuna sweep
-continues as a grid does (trainkit.sweep). Upstream, the plugin's sweeper keeps the study in memory
-unless given a storage, counts ``n_trials`` from each launch, and a reloaded seeded sampler
-proposes its first trials again (hydra #3328, optuna #3255).
+continues as a grid does (trainkit.sweep), and with Optuna's pruning. Upstream, the plugin's
+sweeper keeps the study in memory unless given a storage, counts ``n_trials`` from each launch, a
+reloaded seeded sampler proposes its first trials again, and no trial can be pruned (hydra #3328,
+optuna #3255, hydra #1954).
 
 ``StoredStudySweep`` is the plugin's Optuna sweep (its ``OptunaSweeperImpl``; Hydra builds it
 through ``hydra_plugins.trainkit_sweeper.StoredOptunaSweeper``, ``hydra.sweeper._target_``) with:
@@ -14,30 +15,43 @@ through ``hydra_plugins.trainkit_sweeper.StoredOptunaSweeper``, ``hydra.sweeper.
   and resumes from its last checkpoint there (``trainkit.sweep.continue_job``);
 - the sampler of a continued study reseeded, so that it does not repeat its first proposals;
 - with ``data.folds=K`` (and no ``data.fold``), each trial run as K jobs, one per fold, its value
-  the folds' mean; each fold job continues as any job does.
+  the folds' mean; each fold job continues as any job does;
+- the pruner of ``sweep.pruner``: a trial's job reports each epoch's monitored value and stops
+  when pruned (``callbacks.TrialPruning``, which finds its trial with ``running_trial``); a trial
+  of K folds reports its folds' running mean after each fold. The sweep tells a pruned trial so.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
+import statistics
 import threading
 import warnings
 from pathlib import Path
 from typing import Any
 
+from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobReturn, JobStatus
-from hydra.plugins.launcher import Launcher
-from sqlalchemy.exc import SADeprecationWarning
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
 
-with warnings.catch_warnings():  # SQLAlchemy 1.4's notice of 2.0 at Optuna 2.x's import (pinned <2)
-    warnings.simplefilter("ignore", SADeprecationWarning)
+from trainkit.report import STORED_OPTUNA, STUDY_FILE, job_numbers, last_trials, optuna_importing
+
+with optuna_importing():
     import optuna
-from hydra_plugins.hydra_optuna_sweeper._impl import OptunaSweeperImpl
+    from hydra_plugins.hydra_optuna_sweeper._impl import (
+        OptunaSweeperImpl,
+        create_params_from_overrides,
+    )
+from optuna.pruners import BasePruner
 from optuna.storages import RDBStorage, RetryFailedTrialCallback
 from optuna.trial import FrozenTrial, TrialState
 
-from trainkit.report import STUDY_FILE
-from trainkit.sweep import trial_folds
+from trainkit.errors import ConfigError
+from trainkit.launch import in_multirun
+from trainkit.sweep import Pruned, trial_folds
 
 log = logging.getLogger(__name__)
 
@@ -45,23 +59,75 @@ HEARTBEAT_S = 30  # a running trial's heartbeat; one silent for twice as long ha
 ENDED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 
 
-def job_numbers(trials: list[FrozenTrial]) -> dict[int, int]:
-    """Each trial's job number: a new trial gets the next one, a retry the number of the job it
-    retries (so it runs in that job's directory)."""
-    jobs: dict[int, int] = {}
-    for trial in sorted(trials, key=lambda t: t.number):
-        retried = trial.system_attrs.get("failed_trial")  # (RetryFailedTrialCallback's record)
-        jobs[trial.number] = jobs[retried] if retried in jobs else len(set(jobs.values()))
-    return jobs
-
-
 def ended_jobs(trials: list[FrozenTrial]) -> int:
     """The jobs whose last trial ended (completed, pruned, or failed with no retry queued)."""
-    last: dict[int, FrozenTrial] = {}
+    return sum(trial.state in ENDED for trial in last_trials(trials).values())
+
+
+def study_location(sweeper: Any, sweep_dir: str | Path) -> tuple[str, str]:
+    """A stored Optuna sweep's study, from its ``hydra.sweeper`` settings: the storage URL (its
+    ``storage``, or ``optuna.db`` in the sweep directory) and the study's name."""
+    storage = sweeper.get("storage")
+    url = str(storage) if storage else f"sqlite:///{Path(sweep_dir).absolute() / STUDY_FILE}"
+    return url, str(sweeper.get("study_name") or "study")
+
+
+def sweep_pruner(cfg: DictConfig) -> BasePruner | None:
+    """The pruner of ``sweep.pruner`` built (None where it is null), or a refusal naming it."""
+    spec = (cfg.get("sweep") or {}).get("pruner")
+    if not spec:
+        return None
+    target = spec.get("_target_") if isinstance(spec, DictConfig) else spec
+    try:
+        pruner = instantiate(spec)
+    except Exception as err:
+        raise ConfigError(
+            f"sweep.pruner: cannot build {target} ({type(err).__name__}: {err}); give an Optuna "
+            "pruner, e.g. sweep.pruner={_target_:optuna.pruners.MedianPruner}"
+        ) from None
+    if not isinstance(pruner, BasePruner):
+        raise ConfigError(
+            f"sweep.pruner: {target} is not an Optuna pruner (optuna.pruners.BasePruner); give "
+            "one, e.g. sweep.pruner={_target_:optuna.pruners.MedianPruner}"
+        )
+    return pruner
+
+
+def running_trial(cfg: DictConfig) -> tuple[optuna.Trial, set[int]] | None:
+    """The Optuna trial this sweep job runs, with the sweep's pruner, and the steps it has
+    reported: the stored study's running trial whose job is this one (``job_numbers``); None
+    outside a stored Optuna sweep."""
+    if not in_multirun():
+        return None
+    hc = HydraConfig.get()
+    if not str(hc.sweeper.get("_target_", "")).endswith(STORED_OPTUNA):
+        return None
+    url, name = study_location(hc.sweeper, hc.sweep.dir)
+    storage = RDBStorage(url)
+    study = optuna.load_study(study_name=name, storage=storage, pruner=sweep_pruner(cfg))
+    trials = study.get_trials(deepcopy=False)
     jobs = job_numbers(trials)
-    for trial in sorted(trials, key=lambda t: t.number):
-        last[jobs[trial.number]] = trial
-    return sum(trial.state in ENDED for trial in last.values())
+    for trial in trials:
+        if trial.state == TrialState.RUNNING and jobs[trial.number] == hc.job.num:
+            study_id = storage.get_study_id_from_name(name)
+            trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, trial.number)
+            return optuna.Trial(study, trial_id), set(trial.intermediate_values)
+    return None
+
+
+def trial_end(ret: JobReturn) -> tuple[TrialState, list[float] | None, JobReturn | None]:
+    """How a trial's job ended: its state, its values, and its return where it failed (a job
+    that raised, or returned no number)."""
+    if ret.status != JobStatus.COMPLETED:
+        return TrialState.FAIL, None, ret
+    value = ret.return_value
+    if isinstance(value, Pruned):  # (stopped by its pruner: train.run)
+        return TrialState.PRUNED, None, None
+    try:
+        values = [float(v) for v in value] if isinstance(value, (list, tuple)) else [float(value)]
+    except (TypeError, ValueError):
+        return TrialState.FAIL, None, ret
+    return TrialState.COMPLETE, values, None
 
 
 class StoredStudySweep(OptunaSweeperImpl):
@@ -71,20 +137,24 @@ class StoredStudySweep(OptunaSweeperImpl):
 
     def setup(self, **kwargs: Any) -> None:
         super().setup(**kwargs)
-        self.launcher = TrialJobs(self.launcher, self)
         self.folds = trial_folds(self.config)  # (each trial K jobs, or None)
+        self.pruner = sweep_pruner(self.config)
+        if self.pruner is not None and len(self._get_directions()) > 1:
+            raise ConfigError(
+                "sweep.pruner prunes a study of one objective (a trial reports one value a "
+                "step), and hydra.sweeper.direction gives several: set sweep.pruner=null"
+            )
 
     def sweep(self, arguments: list[str]) -> None:
         own = self.storage is None  # the sweep's own file: this launch holds the sweep directory
-        url = f"sqlite:///{Path(self.sweep_dir).absolute() / STUDY_FILE}" if own else self.storage
+        url, self.study_name = study_location(self.config.hydra.sweeper, self.sweep_dir)
         with warnings.catch_warnings():  # (experimental since Optuna 2.8, and still in 4.x)
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             self.storage = RDBStorage(
-                str(url),
+                url,
                 heartbeat_interval=HEARTBEAT_S,
                 failed_trial_callback=RetryFailedTrialCallback(max_retry=None),
             )
-        self.study_name = self.study_name or "study"
         trials = self._continue_study(dead_at_once=own)
         ended = ended_jobs(trials)
         self.n_trials = max(0, self.total - ended)
@@ -96,7 +166,7 @@ class StoredStudySweep(OptunaSweeperImpl):
         heartbeat = Heartbeat(self.storage, self.study_name)
         heartbeat.start()
         try:
-            super().sweep(arguments)
+            self._optimize(arguments, url)
         finally:
             heartbeat.stop()
 
@@ -122,37 +192,126 @@ class StoredStudySweep(OptunaSweeperImpl):
             self.sampler.reseed_rng()
         return study.get_trials(deepcopy=False)
 
+    def _optimize(self, arguments: list[str], url: str) -> None:
+        """The plugin's loop of asked trials, launched ``n_jobs`` at a time and told how they
+        ended, with each trial's job numbered (``job_numbers``), a trial of K folds run fold by
+        fold, and a pruned trial told so: the plugin tells every trial complete (hydra #1954)."""
+        self._process_searchspace_config()
+        space, fixed = create_params_from_overrides(
+            [*self._parse_sweeper_params_config(), *arguments]
+        )
+        space = {**(self.search_space_distributions or {}), **space}
+        for name in fixed:
+            space.pop(name, None)
+        grid = isinstance(self.sampler, functools.partial)  # (GridSampler: built on the space)
+        if grid:
+            choices = {name: self._to_grid_sampler_choices(d) for name, d in space.items()}
+            self.sampler = self.sampler(choices)
+            self.n_trials = min(self.n_trials, math.prod(map(len, choices.values())))
+        directions = self._get_directions()
+        study = optuna.create_study(
+            study_name=self.study_name,
+            storage=self.storage,
+            sampler=self.sampler,
+            pruner=self.pruner or optuna.pruners.NopPruner(),
+            directions=directions,
+            load_if_exists=True,
+        )
+        log.info(
+            "optuna: study %s in %s, %s, %s%s",
+            *(study.study_name, url, type(self.sampler).__name__, "/".join(directions)),
+            f", pruned by {type(self.pruner).__name__}" if self.pruner else "",
+        )
+        to_go = self.n_trials
+        while to_go > 0:
+            trials = [study.ask() for _ in range(min(to_go, self.n_jobs))]
+            overrides = self._configure_trials(trials, space, fixed)
+            jobs = job_numbers(study.get_trials(deepcopy=False))
+            ends = self._run_trials(trials, overrides, [jobs[t.number] for t in trials])
+            for trial, (state, values, _) in zip(trials, ends, strict=True):
+                try:
+                    study.tell(trial, values, state)
+                except RuntimeError as stopped:  # GridSampler's stop of a finished grid
+                    if not (grid and "Study.stop" in str(stopped)):
+                        raise
+            failed = [ret for _, _, ret in ends if ret is not None]
+            if len(failed) / len(ends) > self.max_failure_rate:
+                log.error(
+                    "optuna: %d of %d trials failed, over max_failure_rate=%s",
+                    *(len(failed), len(ends), self.max_failure_rate),
+                )
+                for ret in failed:
+                    _ = ret.return_value  # (a failed job's error, raised with its traceback)
+                raise ValueError(f"a trial's job returned {failed[0].return_value!r}, not a number")
+            to_go -= len(trials)
+        self._save_results(study)
 
-class TrialJobs(Launcher):
-    """The sweep's launcher, given each trial's job number (``job_numbers``) instead of the next
-    in line: a retry runs in the directory of the job it retries."""
-
-    def __init__(self, launcher: Launcher, sweep: StoredStudySweep) -> None:
-        self.launcher, self.sweep = launcher, sweep
-
-    def setup(self, **kwargs: Any) -> None:
-        self.launcher.setup(**kwargs)
-
-    def launch(self, job_overrides: Any, initial_job_idx: int) -> Any:
-        study = optuna.load_study(study_name=self.sweep.study_name, storage=self.sweep.storage)
-        trials = study.get_trials(deepcopy=False)
-        running = [t for t in trials if t.state == TrialState.RUNNING]
-        if len(running) != len(job_overrides):  # (not the batch just asked: numbered as given)
-            return self.launcher.launch(job_overrides, initial_job_idx=initial_job_idx)
-        study_id = self.sweep.storage.get_study_id_from_name(self.sweep.study_name)
-        beat(self.sweep.storage, study_id, running)  # (from their start: never stale without)
-        jobs = job_numbers(trials)
-        numbers = [jobs[t.number] for t in sorted(running, key=lambda t: t.number)]
-        folds = self.sweep.folds
+    def _run_trials(
+        self, trials: list[optuna.Trial], overrides: Any, jobs: list[int]
+    ) -> list[tuple[TrialState, list[float] | None, JobReturn | None]]:
+        """How each trial ended (``trial_end``). A trial of K folds runs as jobs K * job + fold,
+        its values the folds' means; with a pruner fold by fold, the running mean of its folds
+        reported after each (optuna #4373: a fold's own value would be compared with other
+        trials' other folds), without one all its folds at once."""
+        folds = self.folds
         if not folds:
-            return self._launch(list(job_overrides), numbers)
-        # a trial of K folds: its jobs K * job + fold, each the trial's overrides and its fold
-        each = [(*o, f"data.fold={fold}") for o in job_overrides for fold in range(folds)]
-        returns = self._launch(each, [folds * n + fold for n in numbers for fold in range(folds)])
+            ends = [trial_end(ret) for ret in self._launch(list(overrides), jobs)]
+            for trial in trials if self.pruner else []:
+                self._take_reports(trial)
+            return ends
+        runs: list[list[list[float]]] = [[] for _ in trials]  # each trial's folds' values
+        ends: list[Any] = [None] * len(trials)
+        for step in range(folds) if self.pruner else [None]:
+            each = [
+                (i, fold)
+                for i, end in enumerate(ends)
+                if end is None
+                for fold in (range(folds) if step is None else [step])
+            ]
+            if not each:  # (every trial of the batch pruned or failed)
+                break
+            returns = self._launch(
+                [(*overrides[i], f"data.fold={fold}") for i, fold in each],
+                [folds * jobs[i] + fold for i, fold in each],
+            )
+            for (i, _), ret in zip(each, returns, strict=True):
+                state, values, failed = trial_end(ret)
+                if ends[i] is None and state != TrialState.COMPLETE:  # (its first fold that failed)
+                    ends[i] = (state, None, failed)
+                elif ends[i] is None:
+                    runs[i].append(values)
+            if step is None:
+                continue
+            for i, trial in enumerate(trials):
+                if ends[i] is None:
+                    mean = statistics.fmean(values[0] for values in runs[i])
+                    trial.report(mean, step=step)
+                    if trial.should_prune():
+                        log.info(
+                            "optuna: trial %d pruned after fold %d: mean %.4g",
+                            trial.number,
+                            step,
+                            mean,
+                        )
+                        ends[i] = (TrialState.PRUNED, None, None)
         return [
-            folds_mean(returns[i * folds : (i + 1) * folds], overrides)
-            for i, overrides in enumerate(job_overrides)
+            end
+            or (
+                TrialState.COMPLETE,
+                [statistics.fmean(v) for v in zip(*runs[i], strict=True)],
+                None,
+            )
+            for i, end in enumerate(ends)
         ]
+
+    def _take_reports(self, trial: optuna.Trial) -> None:
+        """The values a trial's job reported from its own process (callbacks.TrialPruning), put
+        into this process's view of the trial, which Optuna caches, before it is told: a pruned
+        trial's value is then its last, as Optuna's own loop gives it, and the sampler sees them."""
+        study_id = self.storage.get_study_id_from_name(self.study_name)
+        trial_id = self.storage.get_trial_id_from_study_id_trial_number(study_id, trial.number)
+        for step, value in sorted(self.storage.get_trial(trial_id).intermediate_values.items()):
+            trial.report(value, step)
 
     def _launch(self, job_overrides: list[Any], numbers: list[int]) -> list[JobReturn]:
         """The jobs in their numbers: at once where the numbers follow on, else one by one (a
@@ -164,15 +323,23 @@ class TrialJobs(Launcher):
             returns += self.launcher.launch([overrides], initial_job_idx=number)
         return returns
 
-
-def folds_mean(returns: list[JobReturn], overrides: Any) -> JobReturn:
-    """A trial's fold jobs as one job to the sweep: the folds' mean, or the first failed fold."""
-    for ret in returns:
-        if ret.status != JobStatus.COMPLETED:
-            return ret
-    values = [float(ret.return_value) for ret in returns]
-    mean = sum(values) / len(values)
-    return JobReturn(overrides=list(overrides), status=JobStatus.COMPLETED, _return_value=mean)
+    def _save_results(self, study: optuna.Study) -> None:
+        """The best trial in the log and ``optimization_results.yaml``, as the plugin writes it;
+        none where no trial completed (every one pruned or failed)."""
+        if len(study.directions) > 1:
+            front = [{"params": t.params, "values": t.values} for t in study.best_trials]
+            results: dict[str, Any] = {"name": "optuna", "solutions": front}
+            log.info("optuna: %d Pareto solutions: %s", len(front), front)
+        elif not study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+            log.warning("optuna: no trial of study %s completed: no best", study.study_name)
+            return
+        else:
+            best = study.best_trial
+            results = {"name": "optuna", "best_params": best.params, "best_value": best.value}
+            log.info("optuna: best value %.6g, parameters %s", best.value, best.params)
+        OmegaConf.save(
+            OmegaConf.create(results), Path(self.sweep_dir) / "optimization_results.yaml"
+        )
 
 
 class Heartbeat:

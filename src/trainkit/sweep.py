@@ -68,6 +68,19 @@ def _record_entry_point() -> None:
     os.environ.setdefault(ENTRY_POINT_ENV, os.path.abspath(sys.argv[0]))
 
 
+class Pruned(float):
+    """A sweep job's value (the best of its monitored metric) where its Optuna trial was pruned
+    after epoch ``epoch`` (callbacks.TrialPruning): the sweep tells the trial pruned."""
+
+    def __new__(cls, value: float, epoch: int) -> Pruned:
+        pruned = super().__new__(cls, value)
+        pruned.epoch = epoch
+        return pruned
+
+    def __getnewargs__(self) -> tuple[float, int]:  # (a launcher returns it pickled)
+        return float(self), self.epoch
+
+
 class JobStaysFailed(ConfigError):
     """A job that failed in an earlier launch of its sweep, with no retry left: not run again."""
 
@@ -83,8 +96,9 @@ class JobReporter(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         _record_entry_point()
         try:
+            check_pruner(config)
             own_sweep_dir(config)
-        except SweepTaken as refused:  # Hydra turns a callback's Exception into a warning and
+        except ConfigError as refused:  # Hydra turns a callback's Exception into a warning and
             raise SystemExit(str(refused)) from None  # goes on: the refusal exits, as its line
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
@@ -119,6 +133,8 @@ class JobReporter(Callback):
             monitor, mode = config.get("monitor"), config.get("monitor_mode")
             record["return_value_of"] = f"best {monitor} ({mode})"
             record["monitor"], record["mode"] = monitor, mode
+            if isinstance(value, Pruned):
+                record["pruned_after_epoch"] = value.epoch
         else:
             if isinstance(error, RunDirTaken):  # another run's directory: left as it is
                 log.error("sweep job %s refused: %s", hc.job.num, error)
@@ -137,8 +153,9 @@ class JobReporter(Callback):
         summary = update_report(sweep_dir)
         best = summary["best"]
         log.info(
-            "sweep: %d job(s) completed, %d failed%s; summary in %s",
+            "sweep: %d job(s) completed, %d failed%s%s; summary in %s",
             *(summary["completed"], summary["failed"]),
+            f", {summary['pruned']} trial(s) pruned" if summary.get("pruned") else "",
             f", the best job {best['num']} ({best['return_value']:.4g})" if best else "",
             shown(sweep_dir / SWEEP_FILE),
         )
@@ -210,6 +227,18 @@ def sweep_definition(config: DictConfig) -> dict[str, Any]:
         definition["trial_folds"] = trial_folds(config)
     definition["varying"], _ = sweep_shape(definition)  # (what names its jobs' directories)
     return definition
+
+
+def check_pruner(config: DictConfig) -> None:
+    """``sweep.pruner`` prunes the trials of the Optuna sweep that keeps its study (trainkit.study)
+    and no other sweep's jobs: refused, before any job, where the sweeper is another."""
+    target = str(config.hydra.sweeper.get("_target_", ""))
+    if (config.get("sweep") or {}).get("pruner") and not target.endswith(STORED_OPTUNA):
+        raise ConfigError(
+            f"sweep.pruner prunes the trials of an Optuna search (hparams_search=mnist_optuna, "
+            f"hydra.sweeper._target_=hydra_plugins.trainkit_sweeper.{STORED_OPTUNA}); this "
+            f"sweep's sweeper is {target or 'none'}: drop sweep.pruner or search with Optuna"
+        )
 
 
 def trial_folds(config: DictConfig) -> int | None:
@@ -309,6 +338,13 @@ class AsLeft:
     record: dict[str, Any] | None = None
     checkpoint: Path | None = None
     step: int | None = None
+
+    @property
+    def value(self) -> float | None:
+        """A completed job's recorded value, as it returned it (``Pruned`` where it was)."""
+        value = (self.record or {}).get("return_value")
+        epoch = (self.record or {}).get("pruned_after_epoch")
+        return value if value is None or epoch is None else Pruned(value, epoch)
 
     @property
     def attempts(self) -> int:

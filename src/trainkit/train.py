@@ -19,8 +19,10 @@ from trainkit.callbacks import (
     ReplicasAgree,
     ResumeChanges,
     RunConfig,
+    TrialPruning,
 )
 from trainkit.callbacks.preemption import Preempted
+from trainkit.callbacks.trial_pruning import prunes_epochs
 from trainkit.checkpoint_io import remove_stale_temp_files
 from trainkit.config import with_library_defaults
 from trainkit.console import quiet, results_line, shown
@@ -33,7 +35,7 @@ from trainkit.run_dir import left_unused, owning_run_dir
 from trainkit.run_files import as_floats, stage_metrics, write_config, write_json
 from trainkit.run_plan import RunPlan, training_plan
 from trainkit.runtime import tune_malloc
-from trainkit.sweep import continue_job, job_as_left
+from trainkit.sweep import Pruned, continue_job, job_as_left
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,7 @@ def build(
             ReplicasAgree(),  # replicas that trained apart: stopped before their checkpoint
             MonitoredMetric(cfg.monitor),  # a monitor the validation does not log: refused
             LoggingInterval(),  # an epoch shorter than log_every_n_steps: once per epoch
+            *([TrialPruning(cfg)] if prunes_epochs(cfg) else []),  # sweep.pruner: its trial's
             *extra_callbacks,
         ],
     )
@@ -79,7 +82,7 @@ def run(cfg: DictConfig) -> float | None:
     if in_multirun():  # a sweep job, as an earlier launch of its sweep may have left it
         left = job_as_left(Path(cfg.paths.output_dir))
         if left.status == "completed":
-            return left.record.get("return_value")  # counted as before; nothing is rewritten
+            return left.value  # counted as before; nothing is rewritten
         cfg = continue_job(cfg, left)
     with isolated_job(), owning_run_dir(cfg):
         return _train_and_test(cfg)
@@ -168,4 +171,7 @@ def _fit_and_test(
     for logger in trainer.loggers:
         if isinstance(logger, TensorBoardLogger):
             log_final(logger, hparams, final, trainer.global_step)
+    pruned = [c.pruned_after for c in trainer.callbacks if isinstance(c, TrialPruning)]
+    if score is not None and pruned and pruned[0] is not None:
+        return Pruned(score, pruned[0])  # (its sweep tells the trial pruned)
     return score

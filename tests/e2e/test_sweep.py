@@ -302,12 +302,19 @@ def test_failed_job_is_reported_and_the_next_job_runs(sweep_runner) -> None:
 # --- sweepers and launchers ---------------------------------------------------------------------
 
 
-def test_optuna_trials_with_ddp(sweep_runner) -> None:
-    """hparams_search=mnist_optuna, 2 trials of 2 ranks: both ranks of a trial ran its parameters,
-    and Optuna got each trial's best val/acc."""
-    sweep, _ = sweep_runner(
-        "hparams_search=mnist_optuna", "hydra.sweeper.n_trials=2", "strategy=ddp", "devices=2"
-    )
+def test_optuna_trials_with_ddp_are_pruned_by_their_epochs(sweep_runner) -> None:
+    """hparams_search=mnist_optuna_pruned, 2 trials of 2 ranks, Optuna's MedianPruner with one
+    startup trial: both ranks of a trial ran its parameters; each trial's job reported its
+    val/acc after every epoch (its study's intermediate values are its TensorBoard curve); the
+    trial whose epoch-0 value was below the first trial's was pruned after epoch 0, on both ranks
+    (its last checkpoint one epoch in, both processes gone), and the sweep told it so. (Seed 3
+    draws lr 0.01 and then 0.0, which does not learn: one trial of each kind.)"""
+    sweep, proc = sweep_runner(
+        "-m", "hparams_search=mnist_optuna_pruned", "hydra.sweeper.n_trials=2",
+        "hydra.sweeper.sampler.seed=3", "model.optimizer.lr=choice(0.0,0.01)",
+        "sweep.pruner.n_startup_trials=1", "sweep.pruner.n_warmup_steps=0",
+        "strategy=ddp", "devices=2",
+    )  # fmt: skip
     records = jobs(sweep)
     assert len(records) == 2
     for job in records:
@@ -318,19 +325,32 @@ def test_optuna_trials_with_ddp(sweep_runner) -> None:
                 job["overrides"], "model.optimizer.lr"
             )
             assert value(p["overrides"], "data.batch_size") in ("64", "128", "256")
+            with pytest.raises(ProcessLookupError):
+                os.kill(p["pid"], 0)
         assert 0.0 <= job["return_value"] <= 1.0
-    assert len({value(j["overrides"], "model.optimizer.lr") for j in records}) == 2
+    study = optuna.load_study(study_name="train", storage=f"sqlite:///{sweep / 'optuna.db'}")
+    first, second = study.trials
+    curves = plotted(sweep)  # report.png's val/acc of each job, read from TensorBoard
+    for trial, job in zip(study.trials, records, strict=True):
+        reported = [trial.intermediate_values[e] for e in sorted(trial.intermediate_values)]
+        assert reported == pytest.approx(curves[job["num"]]["values"], abs=1e-7)
+    assert first.state.name == "COMPLETE" and sorted(first.intermediate_values) == [0, 1]
+    assert first.value == records[0]["return_value"] == max(first.intermediate_values.values())
+    # MedianPruner's rule, one trial before it: pruned where its value is below that trial's
+    assert second.intermediate_values[0] < first.intermediate_values[0]
+    assert second.state.name == "PRUNED" and sorted(second.intermediate_values) == [0]
+    assert second.value == second.intermediate_values[0]  # (Optuna's: its last reported value)
+    assert records[1]["pruned_after_epoch"] == 0 and "pruned_after_epoch" not in records[0]
+    steps = {r["num"]: saved_step(Path(r["dir"]) / "checkpoints" / "last.ckpt") for r in records}
+    assert steps[1] * 2 == steps[0]  # one epoch of two
+    assert "optuna: trial 1 pruned after epoch 0" in proc.stdout
     results = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
-    assert results["best_value"] == max(job["return_value"] for job in records)
-    # the report: a curve per trial, named by the searched parameters
-    curves = plotted(sweep)
-    assert sorted(curves) == [0, 1]
-    for job in records:
-        assert max(curves[job["num"]]["values"]) == job["return_value"]
+    assert results["best_value"] == first.value
+    summary = json.loads((sweep / "sweep.json").read_text())
+    assert (summary["pruned"], summary["best"]["num"]) == (1, 0)
     rows = report_table(sweep)
-    assert [row["job"] for row in rows] == [
-        str(j["num"]) for j in sorted(records, key=lambda j: -j["return_value"])
-    ]
+    assert [row["job"] for row in rows] == ["0", "1"]  # the pruned trial after the result
+    assert rows[1]["status"] == "completed, pruned after epoch 0"
     assert {"model.optimizer.lr", "data.batch_size"} <= set(rows[0])
 
 
@@ -631,35 +651,52 @@ def test_a_three_fold_sweep_reports_each_fold_and_their_mean(
     assert split["val_sha256"] == splits[1]["val_sha256"] and split["val_size"] == len(vals[1])
 
 
-def test_an_optuna_trial_of_three_folds_is_worth_their_mean(overrides, tmp_path: Path) -> None:
-    """hparams_search=mnist_optuna_folds, 2 trials: each trial is 3 jobs, one per fold, all with
-    the trial's parameters; the study's value of a trial is its folds' mean, as sweep.json's
-    fold groups and report.md's Folds table say."""
+def test_an_optuna_trial_of_three_folds_is_worth_their_mean_and_pruned_by_it(
+    overrides, tmp_path: Path
+) -> None:
+    """hparams_search=mnist_optuna_folds, 2 trials, its MedianPruner with one startup trial and
+    one fold of warm-up: each trial runs as one job per fold, all with the trial's parameters,
+    and reports its folds' running mean after each; the first trial's value is its 3 folds' mean;
+    the second (lr 0.0, which does not learn; seed 3), below the first after 2 folds, is pruned
+    there: its third fold never runs, and its value is its 2 folds' mean. sweep.json and
+    report.md's Folds table say so, with nothing left to start."""
     sweep = tmp_path / "sweep"
     proc = run_python(
-        "train.py", "hparams_search=mnist_optuna_folds", "hydra.sweeper.n_trials=2", *overrides,
+        "train.py", "-m", "hparams_search=mnist_optuna_folds", "hydra.sweeper.n_trials=2",
+        "hydra.sweeper.sampler.seed=3", "model.optimizer.lr=choice(0.0,0.01)",
+        "sweep.pruner.n_startup_trials=1", "sweep.pruner.n_warmup_steps=1", *overrides,
         "trainer.max_epochs=1", "trainer.limit_train_batches=3", f"hydra.sweep.dir={sweep}",
         log_dir=tmp_path / "logs",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = jobs(sweep)
-    assert [value(r["overrides"], "data.fold") for r in records] == ["0", "1", "2"] * 2
+    assert [value(r["overrides"], "data.fold") for r in records] == ["0", "1", "2", "0", "1"]
     params = ("model.optimizer.lr", "data.batch_size")
     trials = (records[:3], records[3:])
     for trial in trials:
         assert len({tuple(value(r["overrides"], k) for k in params) for r in trial}) == 1
     study = optuna.load_study(study_name="train", storage=f"sqlite:///{sweep / 'optuna.db'}")
-    assert [t.state.name for t in study.trials] == ["COMPLETE", "COMPLETE"]
-    means = [
-        statistics.fmean(r["return_value"] for r in trial) for trial in (records[:3], records[3:])
-    ]
-    assert [t.value for t in study.trials] == pytest.approx(means, abs=1e-12)
-    groups = json.loads((sweep / "sweep.json").read_text())["folds"]
-    assert [g["jobs"] for g in groups] == [[0, 1, 2], [3, 4, 5]]
-    assert [g["mean"] for g in groups] == pytest.approx(means, abs=1e-12)
+    first, second = study.trials
+    for trial, folds in zip(study.trials, trials, strict=True):
+        values = [r["return_value"] for r in folds]
+        running = [statistics.fmean(values[: i + 1]) for i in range(len(values))]
+        assert [trial.intermediate_values[i] for i in range(len(values))] == pytest.approx(
+            running, abs=1e-12
+        )
+        assert trial.value == pytest.approx(running[-1], abs=1e-12)
+    assert (first.state.name, second.state.name) == ("COMPLETE", "PRUNED")
+    assert second.intermediate_values[1] < first.intermediate_values[1]  # below the median of one
+    assert "optuna: trial 1 pruned after fold 1" in proc.stdout
+    summary = json.loads((sweep / "sweep.json").read_text())
+    assert (summary["pruned"], summary["not_started"]) == (1, 0)
+    groups = summary["folds"]
+    assert [g["jobs"] for g in groups] == [[0, 1, 2], [3, 4]]
+    assert [g["mean"] for g in groups] == pytest.approx([first.value, second.value], abs=1e-12)
+    assert "pruned_after_fold" not in groups[0] and groups[1]["pruned_after_fold"] == 1
     rows = report_table(sweep, "Folds")
     assert [row["mean"] for row in rows] == [shown(g["mean"]) for g in groups]
-    assert sorted(plotted(sweep)) == list(range(6))
+    assert [row["folds"] for row in rows] == ["3 of 3", "2 of 2, pruned after fold 1"]
+    assert sorted(plotted(sweep)) == list(range(5))
 
 
 def test_a_three_fold_sweep_of_an_image_folder_tree(tmp_path: Path) -> None:

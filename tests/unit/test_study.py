@@ -1,18 +1,29 @@
 """How a stored Optuna study's trials map to a sweep's jobs (trainkit.study), on trials as Optuna
 itself makes them: a study in an SQLite file, a trial left running failed and queued again by
-Optuna's RetryFailedTrialCallback.
+Optuna's RetryFailedTrialCallback; the sweep's pruner, built from the config and refused where it
+cannot prune, and how a trial's job ending is told to its study.
 
 The stopped and continued Optuna sweep itself is in e2e/test_sweep.py."""
 
+import json
+import pickle
 import warnings
 from pathlib import Path
 
 import optuna
 import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.utils import JobReturn, JobStatus
+from omegaconf import DictConfig
 from optuna.storages import RDBStorage, RetryFailedTrialCallback
 from optuna.trial import TrialState
 
-from trainkit.study import ended_jobs, job_numbers
+from trainkit.callbacks.trial_pruning import prunes_epochs
+from trainkit.config import CONF_DIR
+from trainkit.errors import ConfigError
+from trainkit.report import job_numbers, pruned_jobs
+from trainkit.study import ended_jobs, sweep_pruner, trial_end
+from trainkit.sweep import Pruned, check_pruner
 
 
 @pytest.fixture
@@ -53,3 +64,77 @@ def test_a_retry_runs_as_the_job_it_retries_and_new_trials_take_the_next_jobs(st
     assert job_numbers(study.trials) == {0: 0, 1: 1, 2: 1, 3: 1, 4: 2}
     study.tell(new, state=TrialState.FAIL)  # a trial that failed by itself is not retried
     assert ended_jobs(study.trials) == 3  # jobs 0 and 1 completed, job 2 failed
+
+
+# --- pruning ------------------------------------------------------------------------------------
+
+
+def compose_search(*overrides: str) -> DictConfig:
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose("train", overrides=list(overrides), return_hydra_config=True)
+
+
+@pytest.mark.parametrize(
+    ("search", "steps"), [("mnist_optuna_pruned", 2), ("mnist_optuna_folds", 0)]
+)
+def test_the_pruned_searches_build_optunas_median_pruner(search: str, steps: int) -> None:
+    """The examples' pruners, as the sweep and each trial's job build them; a trial of folds
+    reports its folds (trainkit.study), any other trial its epochs (callbacks.TrialPruning)."""
+    cfg = compose_search(f"hparams_search={search}")
+    pruner = sweep_pruner(cfg)
+    assert isinstance(pruner, optuna.pruners.MedianPruner)
+    assert pruner._n_warmup_steps == steps
+    assert prunes_epochs(cfg) == (search != "mnist_optuna_folds")
+    check_pruner(cfg)  # (the sweep's own sweeper: accepted)
+
+
+def test_a_pruner_that_cannot_be_built_is_refused_naming_it() -> None:
+    cfg = compose_search("hparams_search=mnist_optuna_pruned", "sweep.pruner._target_=MedianPrunr")
+    with pytest.raises(ConfigError, match=r"sweep\.pruner: cannot build MedianPrunr"):
+        sweep_pruner(cfg)
+    cfg = compose_search(
+        "hparams_search=mnist_optuna", "+sweep.pruner={_target_:optuna.samplers.RandomSampler}"
+    )
+    with pytest.raises(ConfigError, match="not an Optuna pruner"):
+        sweep_pruner(cfg)
+
+
+def test_a_pruner_without_an_optuna_search_is_refused() -> None:
+    """A grid's jobs have no trial to report to: refused before any job, naming the fix."""
+    cfg = compose_search("+sweep.pruner={_target_:optuna.pruners.MedianPruner}")
+    with pytest.raises(ConfigError, match=r"sweep\.pruner prunes the trials of an Optuna search"):
+        check_pruner(cfg)
+
+
+def test_how_a_trials_job_ended() -> None:
+    """The job's return as the study is told it: a number completes the trial, a Pruned value
+    (train.run's, where TrialPruning stopped it) prunes it, a raised error or no number fails it
+    (the failed return is kept: the sweep raises its error past max_failure_rate)."""
+
+    def ended(status: JobStatus, value: object) -> JobReturn:
+        return JobReturn(overrides=["lr=1"], status=status, _return_value=value)
+
+    assert trial_end(ended(JobStatus.COMPLETED, 0.5)) == (TrialState.COMPLETE, [0.5], None)
+    assert trial_end(ended(JobStatus.COMPLETED, Pruned(0.25, 1)))[:2] == (TrialState.PRUNED, None)
+    for failed in (ended(JobStatus.FAILED, ValueError("nan")), ended(JobStatus.COMPLETED, None)):
+        assert trial_end(failed) == (TrialState.FAIL, None, failed)
+
+
+def test_a_pruned_value_crosses_processes_and_files_as_a_number() -> None:
+    """A launcher (joblib, submitit) returns it pickled; job.json records it as a number."""
+    value = pickle.loads(pickle.dumps(Pruned(0.75, 3)))
+    assert isinstance(value, Pruned) and (float(value), value.epoch) == (0.75, 3)
+    assert json.loads(json.dumps({"v": value})) == {"v": 0.75}
+
+
+def test_pruned_jobs_are_read_from_the_study(study) -> None:
+    """The report's view: each job whose last trial was pruned, with the steps it reported."""
+    done = study.ask()
+    done.report(0.9, 0)
+    study.tell(done, 0.9)
+    pruned = study.ask()
+    for step, value in enumerate((0.2, 0.1)):
+        pruned.report(value, step)
+    study.tell(pruned, state=TrialState.PRUNED)
+    assert study.trials[1].value == 0.1  # (Optuna's: the last reported value)
+    assert pruned_jobs(study) == {1: 2}

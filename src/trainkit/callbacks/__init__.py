@@ -16,6 +16,7 @@ from trainkit.callbacks.run_accepted import RunAccepted
 from trainkit.callbacks.run_config import RunConfig
 from trainkit.callbacks.startup_time import StartupTime
 from trainkit.callbacks.training_monitor import TrainingMonitor
+from trainkit.callbacks.trial_pruning import TrialPruning
 from trainkit.callbacks.validation_images import ValidationImages
 
 __all__ = [
@@ -35,5 +36,6 @@ __all__ = [
     "RunConfig",
     "StartupTime",
     "TrainingMonitor",
+    "TrialPruning",
     "ValidationImages",
 ]
