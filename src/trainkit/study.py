@@ -255,9 +255,11 @@ class StoredStudySweep(OptunaSweeperImpl):
         trials' other folds), without one all its folds at once."""
         folds = self.folds
         if not folds:
+            carried = [self._carry_reports(trial) if self.pruner else set() for trial in trials]
             ends = [trial_end(ret) for ret in self._launch(list(overrides), jobs)]
-            for trial in trials if self.pruner else []:
-                self._take_reports(trial)
+            for trial, steps in zip(trials, carried, strict=True):
+                if self.pruner:
+                    self._take_reports(trial, steps)
             return ends
         runs: list[list[list[float]]] = [[] for _ in trials]  # each trial's folds' values
         ends: list[Any] = [None] * len(trials)
@@ -304,14 +306,29 @@ class StoredStudySweep(OptunaSweeperImpl):
             for i, end in enumerate(ends)
         ]
 
-    def _take_reports(self, trial: optuna.Trial) -> None:
+    def _carry_reports(self, trial: optuna.Trial) -> set[int]:
+        """A retry's earlier attempts' reported values, reported as its own before its job runs:
+        the job resumes where they stopped (or has ended, pruned), and the trial keeps its whole
+        curve. Returns the steps carried."""
+        trials = trial.study.get_trials(deepcopy=False)
+        jobs = job_numbers(trials)
+        earlier: dict[int, float] = {}
+        for attempt in sorted(trials, key=lambda t: t.number):
+            if attempt.number < trial.number and jobs[attempt.number] == jobs[trial.number]:
+                earlier.update(attempt.intermediate_values)
+        for step, value in sorted(earlier.items()):
+            trial.report(value, step)
+        return set(earlier)
+
+    def _take_reports(self, trial: optuna.Trial, carried: set[int]) -> None:
         """The values a trial's job reported from its own process (callbacks.TrialPruning), put
         into this process's view of the trial, which Optuna caches, before it is told: a pruned
         trial's value is then its last, as Optuna's own loop gives it, and the sampler sees them."""
         study_id = self.storage.get_study_id_from_name(self.study_name)
         trial_id = self.storage.get_trial_id_from_study_id_trial_number(study_id, trial.number)
         for step, value in sorted(self.storage.get_trial(trial_id).intermediate_values.items()):
-            trial.report(value, step)
+            if step not in carried:
+                trial.report(value, step)
 
     def _launch(self, job_overrides: list[Any], numbers: list[int]) -> list[JobReturn]:
         """The jobs in their numbers: at once where the numbers follow on, else one by one (a

@@ -545,15 +545,19 @@ def test_a_killed_joblib_sweep_continues_its_jobs_in_flight(overrides, tmp_path:
 
 
 def test_a_killed_optuna_sweep_continues_its_study(overrides, tmp_path: Path) -> None:
-    """hparams_search=mnist_optuna, n_trials=4, SIGKILLed while trial 2 trains; the same command
-    then runs what remains of the study (optuna.db in the sweep directory): it holds exactly 4
-    complete trials, none with another's parameters; trial 2, failed by the continuation and
-    queued again by Optuna's retry callback, ran in job 2's directory from its last checkpoint;
-    the best value is the best job's. The sweep is started in the default directory and
-    continued by the short form, ``hydra.sweep.dir=last``, beside a newer sweep of other
-    overrides."""
+    """hparams_search=mnist_optuna_pruned, n_trials=4, SIGKILLed while trial 2 trains; the same
+    command then runs what remains of the study (optuna.db in the sweep directory): it holds
+    exactly 4 complete trials, none with another's parameters; trial 2, failed by the
+    continuation and queued again by Optuna's retry callback, ran in job 2's directory from its
+    last checkpoint; the best value is the best job's. The sweep is started in the default
+    directory and continued by the short form, ``hydra.sweep.dir=last``, beside a newer sweep of
+    other overrides. Its trials report each epoch to a pruner that never prunes 4 trials: the
+    retry's curve is whole, its first epoch carried from the trial it retries."""
     pause, logs = tmp_path / "pause", tmp_path / "logs"
-    search = ("hparams_search=mnist_optuna", "hydra.sweeper.n_trials=4")
+    search = (
+        "hparams_search=mnist_optuna_pruned", "hydra.sweeper.n_trials=4",
+        "sweep.pruner.n_startup_trials=4",
+    )  # fmt: skip
     command = ("train.py", *search, *STOPPED[2:], *overrides, *held_in_job(2, pause))
     with held_sweep(command, logs, Path(f"{pause}2")):
         pass
@@ -592,6 +596,10 @@ def test_a_killed_optuna_sweep_continues_its_study(overrides, tmp_path: Path) ->
     assert json.loads((sweep / "sweep.json").read_text())["not_started"] == 0
     curves = plotted(sweep)  # report.png: a curve per job, job 2's whole though resumed
     assert sorted(curves) == [0, 1, 2, 3] and len(curves[2]["steps"]) == 3
+    assert list(left[2].intermediate_values) == [0]  # (stopped in its second epoch)
+    for trial, job in zip(complete, (0, 1, 2, 3), strict=True):  # each epoch's val/acc reported
+        reported = [trial.intermediate_values[e] for e in sorted(trial.intermediate_values)]
+        assert reported == pytest.approx(curves[job]["values"], abs=1e-7)
     for name in ("optuna_history.png", "optuna_slice.png"):  # Optuna's own, linked in the report
         with Image.open(sweep / name) as image:
             assert image.format == "PNG"
