@@ -273,24 +273,38 @@ def job_name(job: dict[str, Any], varying: list[str]) -> str:
 
 
 def curves(summary: dict[str, Any]) -> dict[int, tuple[list[int], list[float]]]:
-    """Each job's monitored metric as its TensorBoard run holds it: job number -> (the training
-    steps it was logged at, its values). Jobs without one yet are left out."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
+    """Each job's monitored metric: job number -> (the training steps it was logged at, its
+    values), as an ended job's ``job.json`` recorded it, else as its TensorBoard run holds it so
+    far (each event file is read once, not after every later job). Jobs without one are left out."""
     monitor = summary["monitor"]["key"]
     found = {}
     for job in summary["jobs"]:
-        run = Path(job["dir"]) / "tensorboard"
-        if not run.is_dir():
-            continue
-        events = EventAccumulator(str(run), size_guidance={"scalars": 0})
-        with _quiet("tensorboard"):  # (its INFO lines, one per event file, into the job's log)
-            events.Reload()
-        if monitor in events.Tags()["scalars"]:
-            points = {e.step: e.value for e in events.Scalars(monitor)}  # a resumed step: its last
-            steps = sorted(points)
-            found[job["num"]] = (steps, [points[s] for s in steps])
+        recorded = job.get("curve") or {}
+        if recorded.get("of") == monitor:
+            curve = recorded["steps"], recorded["values"]
+        else:
+            curve = job_curve(Path(job["dir"]), monitor)
+        if curve is not None:
+            found[job["num"]] = curve
     return found
+
+
+def job_curve(job_dir: Path, monitor: str) -> tuple[list[int], list[float]] | None:
+    """A job's values of ``monitor`` in its TensorBoard run, by training step (a step logged
+    twice, by a resume: its last value); None where it has none."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = job_dir / "tensorboard"
+    if not run.is_dir():
+        return None
+    events = EventAccumulator(str(run), size_guidance={"scalars": 0})
+    with _quiet("tensorboard"):  # (its INFO lines, one per event file, into the job's log)
+        events.Reload()
+    if monitor not in events.Tags()["scalars"]:
+        return None
+    points = {e.step: e.value for e in events.Scalars(monitor)}
+    steps = sorted(points)
+    return steps, [points[s] for s in steps]
 
 
 @contextlib.contextmanager

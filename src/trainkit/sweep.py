@@ -51,6 +51,7 @@ from trainkit.report import (
     JOB_FILE,
     STORED_OPTUNA,
     SWEEP_FILE,
+    job_curve,
     job_name,
     sweep_shape,
     update_report,
@@ -144,6 +145,9 @@ class JobReporter(Callback):
                 "sweep job %s FAILED, directory %s, overrides %s: %s",
                 *(hc.job.num, job_dir, " ".join(record["overrides"]), record["error"]),
             )
+        curve = job_curve(job_dir, config.monitor) if config.get("monitor") else None
+        if curve is not None:  # (what report.png draws: read once, not after every later job)
+            record["curve"] = {"of": config.monitor, "steps": curve[0], "values": curve[1]}
         job_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(job_dir / JOB_FILE, json.dumps(record, indent=2) + "\n")
         update_report(job_dir.parent)  # (the sweep dir: a job dir is one of its subdirs)
