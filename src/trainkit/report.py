@@ -88,6 +88,19 @@ def stored_study(sweep_dir: Path) -> Any:
     return optuna.load_study(study_name=summaries[0].study_name, storage=storage)
 
 
+def unrun_folds(study: Any, folds: int, seen: set[int]) -> list[int]:
+    """The fold jobs (``folds * job + fold``) that never run: of trials that ended (pruned, or
+    failed at an earlier fold) without them."""
+    trials = last_trials(study.get_trials(deepcopy=False))
+    return [
+        folds * job + fold
+        for job, trial in trials.items()
+        if trial.state.is_finished()  # (complete, pruned, or failed with no retry queued)
+        for fold in range(folds)
+        if folds * job + fold not in seen
+    ]
+
+
 def pruned_jobs(study: Any) -> dict[int, int]:
     """The jobs whose last trial was pruned: each with the steps its trial reported (its epochs,
     or a trial of K folds its folds)."""
@@ -121,13 +134,14 @@ def write_summary(sweep_dir: Path) -> dict[str, Any]:
         study = stored_study(sweep_dir)
         pruned = pruned_jobs(study) if study is not None else {}
         folds = (definition or {}).get("trial_folds")  # (an Optuna trial of K folds)
-        skipped = sum(folds - ran for ran in pruned.values()) if folds else 0  # (never to run)
+        seen = {job["num"] for job in jobs}
+        skipped = len(unrun_folds(study, folds, seen)) if study is not None and folds else 0
         summary = {
             "jobs": jobs,
             "completed": sum(job["status"] == "completed" for job in jobs),
             "failed": sum(job["status"] == "failed" for job in jobs),
             "unfinished": sum(job["status"] == "unfinished" for job in jobs),
-            "pruned": len(pruned),
+            "pruned": len(pruned) if study is not None else None,  # (None: no study read)
             "not_started": None if planned is None else max(0, planned - len(jobs) - skipped),
             "varying": varying,
             "monitor": _monitor(jobs),

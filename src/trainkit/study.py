@@ -37,7 +37,14 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from trainkit.report import STORED_OPTUNA, STUDY_FILE, job_numbers, last_trials, optuna_importing
+from trainkit.report import (
+    STORED_OPTUNA,
+    STUDY_FILE,
+    job_numbers,
+    last_trials,
+    optuna_importing,
+    update_report,
+)
 
 with optuna_importing():
     import optuna
@@ -56,12 +63,11 @@ from trainkit.sweep import Pruned, trial_folds
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 30  # a running trial's heartbeat; one silent for twice as long has lost its sweep
-ENDED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 
 
 def ended_jobs(trials: list[FrozenTrial]) -> int:
     """The jobs whose last trial ended (completed, pruned, or failed with no retry queued)."""
-    return sum(trial.state in ENDED for trial in last_trials(trials).values())
+    return sum(trial.state.is_finished() for trial in last_trials(trials).values())
 
 
 def study_location(sweeper: Any, sweep_dir: str | Path) -> tuple[str, str]:
@@ -115,19 +121,40 @@ def running_trial(cfg: DictConfig) -> tuple[optuna.Trial, set[int]] | None:
     return None
 
 
-def trial_end(ret: JobReturn) -> tuple[TrialState, list[float] | None, JobReturn | None]:
-    """How a trial's job ended: its state, its values, and its return where it failed (a job
-    that raised, or returned no number)."""
+def trial_end(ret: JobReturn) -> tuple[TrialState, list[float] | None, JobReturn]:
+    """How a trial's job ended: its state (failed: a job that raised, or returned no number),
+    its values, and the job's return."""
     if ret.status != JobStatus.COMPLETED:
         return TrialState.FAIL, None, ret
     value = ret.return_value
     if isinstance(value, Pruned):  # (stopped by its pruner: train.run)
-        return TrialState.PRUNED, None, None
+        return TrialState.PRUNED, None, ret
     try:
         values = [float(v) for v in value] if isinstance(value, (list, tuple)) else [float(value)]
     except (TypeError, ValueError):
         return TrialState.FAIL, None, ret
-    return TrialState.COMPLETE, values, None
+    return TrialState.COMPLETE, values, ret
+
+
+def tell(
+    study: optuna.Study,
+    trial: optuna.Trial,
+    state: TrialState,
+    values: list[float] | None,
+    grid: bool = False,
+) -> bool:
+    """Tells the study how a trial ended; where it refuses the values (NaN, or not one per
+    direction), the trial failed, rather than left running. False where the trial failed."""
+    try:
+        study.tell(trial, values, state)
+    except ValueError as refused:  # (raised before the trial is touched)
+        log.warning("optuna: trial %d failed: %s", trial.number, refused)
+        study.tell(trial, None, TrialState.FAIL)
+        return False
+    except RuntimeError as stopped:  # GridSampler's stop of a finished grid
+        if not (grid and "Study.stop" in str(stopped)):
+            raise
+    return state != TrialState.FAIL
 
 
 class StoredStudySweep(OptunaSweeperImpl):
@@ -156,12 +183,12 @@ class StoredStudySweep(OptunaSweeperImpl):
                 failed_trial_callback=RetryFailedTrialCallback(max_retry=None),
             )
         trials = self._continue_study(dead_at_once=own)
-        ended = ended_jobs(trials)
-        self.n_trials = max(0, self.total - ended)
+        self.ended = ended_jobs(trials)
+        self.n_trials = max(0, self.total - self.ended)
         if trials:
             log.info(
                 "optuna: study %s continued: %d of %d trials ended, %d to run",
-                *(self.study_name, ended, self.total, self.n_trials),
+                *(self.study_name, self.ended, self.total, self.n_trials),
             )
         heartbeat = Heartbeat(self.storage, self.study_name)
         heartbeat.start()
@@ -203,11 +230,15 @@ class StoredStudySweep(OptunaSweeperImpl):
         space = {**(self.search_space_distributions or {}), **space}
         for name in fixed:
             space.pop(name, None)
-        grid = isinstance(self.sampler, functools.partial)  # (GridSampler: built on the space)
+        grid = (  # (GridSampler: given as a partial, built on the space)
+            isinstance(self.sampler, functools.partial)
+            and self.sampler.func is optuna.samplers.GridSampler
+        )
         if grid:
             choices = {name: self._to_grid_sampler_choices(d) for name, d in space.items()}
             self.sampler = self.sampler(choices)
-            self.n_trials = min(self.n_trials, math.prod(map(len, choices.values())))
+            size = math.prod(map(len, choices.values()))
+            self.n_trials = max(0, min(self.total, size) - self.ended)  # (each point once)
         directions = self._get_directions()
         study = optuna.create_study(
             study_name=self.study_name,
@@ -228,41 +259,45 @@ class StoredStudySweep(OptunaSweeperImpl):
             overrides = self._configure_trials(trials, space, fixed)
             jobs = job_numbers(study.get_trials(deepcopy=False))
             ends = self._run_trials(trials, overrides, [jobs[t.number] for t in trials])
-            for trial, (state, values, _) in zip(trials, ends, strict=True):
-                try:
-                    study.tell(trial, values, state)
-                except RuntimeError as stopped:  # GridSampler's stop of a finished grid
-                    if not (grid and "Study.stop" in str(stopped)):
-                        raise
-            failed = [ret for _, _, ret in ends if ret is not None]
+            failed = [
+                ret
+                for trial, (state, values, ret) in zip(trials, ends, strict=True)
+                if not tell(study, trial, state, values, grid)
+            ]
+            update_report(Path(self.sweep_dir))  # (the batch's trials as told: pruned, failed)
             if len(failed) / len(ends) > self.max_failure_rate:
                 log.error(
                     "optuna: %d of %d trials failed, over max_failure_rate=%s",
                     *(len(failed), len(ends), self.max_failure_rate),
                 )
                 for ret in failed:
-                    _ = ret.return_value  # (a failed job's error, raised with its traceback)
-                raise ValueError(f"a trial's job returned {failed[0].return_value!r}, not a number")
+                    if ret.status != JobStatus.COMPLETED:
+                        _ = ret.return_value  # (a failed job's error, raised with its traceback)
+                raise ValueError(
+                    f"a trial's job returned {failed[0].return_value!r}, which its study cannot "
+                    f"take: a number for each of hydra.sweeper.direction {self.direction}"
+                )
             to_go -= len(trials)
         self._save_results(study)
 
     def _run_trials(
         self, trials: list[optuna.Trial], overrides: Any, jobs: list[int]
-    ) -> list[tuple[TrialState, list[float] | None, JobReturn | None]]:
-        """How each trial ended (``trial_end``). A trial of K folds runs as jobs K * job + fold,
-        its values the folds' means; with a pruner fold by fold, the running mean of its folds
-        reported after each (optuna #4373: a fold's own value would be compared with other
-        trials' other folds), without one all its folds at once."""
+    ) -> list[tuple[TrialState, list[float] | None, JobReturn]]:
+        """How each trial ended (``trial_end``), with its (last) job's return. A trial of K folds
+        runs as jobs K * job + fold, its values the folds' means; with a pruner fold by fold, the
+        running mean of its folds reported after each (optuna #4373: a fold's own value would be
+        compared with other trials' other folds) and its jobs' own epochs not (``sweep.pruner=null``
+        for them); without one all its folds at once. A batch's folds of one step run one job at
+        a time where their numbers do not follow on (``n_jobs`` > 1)."""
         folds = self.folds
         if not folds:
-            carried = [self._carry_reports(trial) if self.pruner else set() for trial in trials]
             ends = [trial_end(ret) for ret in self._launch(list(overrides), jobs)]
-            for trial, steps in zip(trials, carried, strict=True):
-                if self.pruner:
-                    self._take_reports(trial, steps)
+            for trial in trials if self.pruner else []:
+                self._take_reports(trial)
             return ends
         runs: list[list[list[float]]] = [[] for _ in trials]  # each trial's folds' values
         ends: list[Any] = [None] * len(trials)
+        last: list[Any] = [None] * len(trials)  # each trial's last fold job's return
         for step in range(folds) if self.pruner else [None]:
             each = [
                 (i, fold)
@@ -272,14 +307,16 @@ class StoredStudySweep(OptunaSweeperImpl):
             ]
             if not each:  # (every trial of the batch pruned or failed)
                 break
+            own = ("sweep.pruner=null",) if self.pruner else ()  # (its folds report, not epochs)
             returns = self._launch(
-                [(*overrides[i], f"data.fold={fold}") for i, fold in each],
+                [(*overrides[i], f"data.fold={fold}", *own) for i, fold in each],
                 [folds * jobs[i] + fold for i, fold in each],
             )
             for (i, _), ret in zip(each, returns, strict=True):
-                state, values, failed = trial_end(ret)
+                last[i] = ret
+                state, values, _ = trial_end(ret)
                 if ends[i] is None and state != TrialState.COMPLETE:  # (its first fold that failed)
-                    ends[i] = (state, None, failed)
+                    ends[i] = (state, None, ret)
                 elif ends[i] is None:
                     runs[i].append(values)
             if step is None:
@@ -288,47 +325,44 @@ class StoredStudySweep(OptunaSweeperImpl):
                 if ends[i] is None:
                     mean = statistics.fmean(values[0] for values in runs[i])
                     trial.report(mean, step=step)
-                    if trial.should_prune():
+                    if step < folds - 1 and trial.should_prune():  # (all folds run: complete)
                         log.info(
                             "optuna: trial %d pruned after fold %d: mean %.4g",
                             trial.number,
                             step,
                             mean,
                         )
-                        ends[i] = (TrialState.PRUNED, None, None)
+                        ends[i] = (TrialState.PRUNED, None, last[i])
         return [
             end
             or (
                 TrialState.COMPLETE,
                 [statistics.fmean(v) for v in zip(*runs[i], strict=True)],
-                None,
+                last[i],
             )
             for i, end in enumerate(ends)
         ]
 
-    def _carry_reports(self, trial: optuna.Trial) -> set[int]:
-        """A retry's earlier attempts' reported values, reported as its own before its job runs:
-        the job resumes where they stopped (or has ended, pruned), and the trial keeps its whole
-        curve. Returns the steps carried."""
+    def _take_reports(self, trial: optuna.Trial) -> None:
+        """A trial's curve, put into this process's view of it, which Optuna caches, before it is
+        told: the values its job reported from its own process (callbacks.TrialPruning), after
+        those of its earlier attempts (a retry's) below the job's first step. A job resumed from
+        its last checkpoint reports from there; one that had ended (pruned, before its sweep
+        stopped) reports nothing. A pruned trial's value is then its last, as in Optuna's own
+        loop, and the sampler sees the whole curve."""
         trials = trial.study.get_trials(deepcopy=False)
         jobs = job_numbers(trials)
         earlier: dict[int, float] = {}
         for attempt in sorted(trials, key=lambda t: t.number):
             if attempt.number < trial.number and jobs[attempt.number] == jobs[trial.number]:
                 earlier.update(attempt.intermediate_values)
-        for step, value in sorted(earlier.items()):
-            trial.report(value, step)
-        return set(earlier)
-
-    def _take_reports(self, trial: optuna.Trial, carried: set[int]) -> None:
-        """The values a trial's job reported from its own process (callbacks.TrialPruning), put
-        into this process's view of the trial, which Optuna caches, before it is told: a pruned
-        trial's value is then its last, as Optuna's own loop gives it, and the sampler sees them."""
         study_id = self.storage.get_study_id_from_name(self.study_name)
         trial_id = self.storage.get_trial_id_from_study_id_trial_number(study_id, trial.number)
-        for step, value in sorted(self.storage.get_trial(trial_id).intermediate_values.items()):
-            if step not in carried:
-                trial.report(value, step)
+        own = self.storage.get_trial(trial_id).intermediate_values  # (the job's, in the file)
+        first = min(own, default=math.inf)
+        curve = {**{step: v for step, v in earlier.items() if step < first}, **own}
+        for step, value in sorted(curve.items()):
+            trial.report(value, step)
 
     def _launch(self, job_overrides: list[Any], numbers: list[int]) -> list[JobReturn]:
         """The jobs in their numbers: at once where the numbers follow on, else one by one (a

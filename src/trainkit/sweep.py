@@ -23,6 +23,7 @@ import errno
 import fcntl
 import json
 import logging
+import math
 import os
 import shlex
 import shutil
@@ -129,7 +130,8 @@ class JobReporter(Callback):
             record["resumed_from_step"] = left.step
         if job_return.status == JobStatus.COMPLETED:
             value = job_return.return_value
-            record["return_value"] = value if isinstance(value, (int, float)) else None
+            number = isinstance(value, (int, float)) and not math.isnan(value)
+            record["return_value"] = value if number else None
             # what the value is: the best of the monitored metric (train.run's return)
             monitor, mode = config.get("monitor"), config.get("monitor_mode")
             record["return_value_of"] = f"best {monitor} ({mode})"
@@ -348,7 +350,9 @@ class AsLeft:
         """A completed job's recorded value, as it returned it (``Pruned`` where it was)."""
         value = (self.record or {}).get("return_value")
         epoch = (self.record or {}).get("pruned_after_epoch")
-        return value if value is None or epoch is None else Pruned(value, epoch)
+        if epoch is None:
+            return value
+        return Pruned(math.nan if value is None else value, epoch)
 
     @property
     def attempts(self) -> int:

@@ -21,8 +21,8 @@ from optuna.trial import TrialState
 from trainkit.callbacks.trial_pruning import prunes_epochs
 from trainkit.config import CONF_DIR
 from trainkit.errors import ConfigError
-from trainkit.report import job_numbers, pruned_jobs
-from trainkit.study import ended_jobs, sweep_pruner, trial_end
+from trainkit.report import job_numbers, pruned_jobs, unrun_folds
+from trainkit.study import ended_jobs, sweep_pruner, tell, trial_end
 from trainkit.sweep import Pruned, check_pruner
 
 
@@ -78,13 +78,14 @@ def compose_search(*overrides: str) -> DictConfig:
     ("search", "steps"), [("mnist_optuna_pruned", 2), ("mnist_optuna_folds", 0)]
 )
 def test_the_pruned_searches_build_optunas_median_pruner(search: str, steps: int) -> None:
-    """The examples' pruners, as the sweep and each trial's job build them; a trial of folds
-    reports its folds (trainkit.study), any other trial its epochs (callbacks.TrialPruning)."""
+    """The examples' pruners, as the sweep and each trial's job build them (a trial's steps are
+    its epochs, a trial of folds' its folds)."""
     cfg = compose_search(f"hparams_search={search}")
     pruner = sweep_pruner(cfg)
     assert isinstance(pruner, optuna.pruners.MedianPruner)
     assert pruner._n_warmup_steps == steps
-    assert prunes_epochs(cfg) == (search != "mnist_optuna_folds")
+    assert prunes_epochs(cfg)  # (the sweep sets sweep.pruner=null for a trial's fold jobs)
+    assert not prunes_epochs(compose_search(f"hparams_search={search}", "sweep.pruner=null"))
     check_pruner(cfg)  # (the sweep's own sweeper: accepted)
 
 
@@ -114,10 +115,24 @@ def test_how_a_trials_job_ended() -> None:
     def ended(status: JobStatus, value: object) -> JobReturn:
         return JobReturn(overrides=["lr=1"], status=status, _return_value=value)
 
-    assert trial_end(ended(JobStatus.COMPLETED, 0.5)) == (TrialState.COMPLETE, [0.5], None)
-    assert trial_end(ended(JobStatus.COMPLETED, Pruned(0.25, 1)))[:2] == (TrialState.PRUNED, None)
+    done = ended(JobStatus.COMPLETED, 0.5)
+    assert trial_end(done) == (TrialState.COMPLETE, [0.5], done)
+    pruned = ended(JobStatus.COMPLETED, Pruned(0.25, 1))
+    assert trial_end(pruned) == (TrialState.PRUNED, None, pruned)
     for failed in (ended(JobStatus.FAILED, ValueError("nan")), ended(JobStatus.COMPLETED, None)):
         assert trial_end(failed) == (TrialState.FAIL, None, failed)
+
+
+def test_a_value_the_study_refuses_fails_its_trial(study) -> None:
+    """NaN (a diverged run's best), or one value for two directions: told failed, never left
+    running (a continued sweep would retry it, and be refused again, for ever)."""
+    nan = study.ask()
+    assert tell(study, nan, TrialState.COMPLETE, [float("nan")]) is False
+    two = study.ask()
+    assert tell(study, two, TrialState.COMPLETE, [0.5, 0.6]) is False
+    fine = study.ask()
+    assert tell(study, fine, TrialState.COMPLETE, [0.5]) is True
+    assert [t.state.name for t in study.trials] == ["FAIL", "FAIL", "COMPLETE"]
 
 
 def test_a_pruned_value_crosses_processes_and_files_as_a_number() -> None:
@@ -138,3 +153,17 @@ def test_pruned_jobs_are_read_from_the_study(study) -> None:
     study.tell(pruned, state=TrialState.PRUNED)
     assert study.trials[1].value == 0.1  # (Optuna's: the last reported value)
     assert pruned_jobs(study) == {1: 2}
+
+
+def test_the_folds_that_never_run(study) -> None:
+    """A trial of 3 folds that completed ran all; one pruned after fold 1, or failed at fold 0,
+    never runs the rest; one running, or failed with a retry queued, still may."""
+    states = ("COMPLETE", "PRUNED", "FAIL", "RUNNING")
+    for state in states:
+        trial = study.ask()
+        if state != "RUNNING":
+            study.tell(trial, 0.5 if state == "COMPLETE" else None, TrialState[state])
+    seen = {0, 1, 2, 3, 4, 6, 9}  # the fold jobs (3 * job + fold) with a directory
+    assert unrun_folds(study, 3, seen) == [5, 7, 8]
+    fail_and_retry(study, study.trials[3])  # job 3 left running by a stopped sweep: retried
+    assert unrun_folds(study, 3, seen) == [5, 7, 8]

@@ -15,10 +15,10 @@ log = logging.getLogger(__name__)
 
 
 def prunes_epochs(cfg: DictConfig) -> bool:
-    """Whether the run's epochs are reported to a pruner: ``sweep.pruner`` is set and the run is
-    not a fold (a trial of K folds reports its folds' running mean instead, trainkit.study).
-    Read from the run's config, the same on every rank, as the collective below needs."""
-    return bool((cfg.get("sweep") or {}).get("pruner")) and not (cfg.get("data") or {}).get("folds")
+    """Whether the run's epochs are reported to a pruner: ``sweep.pruner`` is set (the sweep sets
+    it null for the jobs of a trial of K folds, which reports its folds instead). Read from the
+    run's config, the same on every rank, as the collective below needs."""
+    return bool((cfg.get("sweep") or {}).get("pruner"))
 
 
 class TrialPruning(L.Callback):
@@ -40,7 +40,13 @@ class TrialPruning(L.Callback):
             return
         from trainkit.study import running_trial  # (Optuna: only where a pruner is set)
 
-        found = running_trial(self.cfg)
+        try:
+            found = running_trial(self.cfg)
+        except Exception as err:  # (the study's file: bookkeeping, never the training's end)
+            log.warning(
+                "optuna: this job's trial not found (%s: %s): not pruned", type(err).__name__, err
+            )
+            found = None
         if found is None:
             log.info("sweep.pruner: this run is no trial of an Optuna sweep: nothing to prune")
             return
@@ -54,14 +60,20 @@ class TrialPruning(L.Callback):
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         epoch, value, prune = trainer.current_epoch, self.value, False
         self.value = None
+        last = trainer.max_epochs is not None and epoch >= trainer.max_epochs - 1 >= 0
         if self.trial is not None and value is not None:
-            if epoch not in self.reported:  # (a job started again reports its epochs once)
-                self.trial.report(value, step=epoch)
-                self.reported.add(epoch)
-            prune = self.trial.should_prune()
+            try:
+                if epoch not in self.reported:  # (a job started again reports its epochs once)
+                    self.trial.report(value, step=epoch)
+                    self.reported.add(epoch)
+                prune = not last and self.trial.should_prune()  # (trained to the end: complete)
+            except Exception as err:  # (as in setup; every rank still takes rank 0's answer)
+                log.warning(
+                    "optuna: epoch %d not reported (%s: %s)", epoch, type(err).__name__, err
+                )
         if trainer.strategy.broadcast(prune, src=0):  # (every rank: rank 0's answer)
-            self.pruned_after = epoch
-            trainer.should_stop = True
+            self.pruned_after = epoch if self.pruned_after is None else self.pruned_after
+            trainer.should_stop = True  # (after min_epochs, where they are set)
             if trainer.is_global_zero:
                 log.info(
                     "optuna: trial %d pruned after epoch %d (%s %.4g)",
