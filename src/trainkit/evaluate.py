@@ -15,6 +15,7 @@ from trainkit.build import (
     prepare_data_once,
 )
 from trainkit.callbacks import PredictionWriter
+from trainkit.callbacks.ema import exponential_average
 from trainkit.checkpoint_io import damage, is_checkpoint, read_checkpoint_config
 from trainkit.config import settle, with_library_defaults
 from trainkit.console import quiet, results_line, shown
@@ -160,6 +161,7 @@ def _evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
     write_config(output_dir / "config.yaml", cfg)  # the model and data it evaluated, resolved
     writer = PredictionWriter(str(output_dir / PREDICTIONS_FILE))
     callbacks = [writer] if "predict" in stages else []
+    callbacks += exponential_average(cfg)  # (ema.evaluate: the average or the raw weights)
     trainer = build_trainer(cfg, dims, callbacks=callbacks)
     prepare_data_once(datamodule, dims)
     check_built_run(cfg, dims, datamodule, model, trainer.strategy, training=False)

@@ -83,6 +83,8 @@ class Capabilities:
     precisions: tuple[str, ...] | None  # the precisions it runs; None: every one Lightning has
     lean_host_memory: bool  # chosen to hold less per device (fsdp): tune_malloc=null gives freed
     # buffers back to the OS rather than keeping them for speed
+    whole_parameters: bool  # each process holds every parameter of the module whole, not an FSDP
+    # shard or another stage's block on meta: what a copy of the module averages (ema)
 
 
 # Lightning's own strategies, by name (strategy=auto) or class: one process per device, the task's
@@ -96,6 +98,7 @@ LIGHTNING = Capabilities(
     syncs_layers=True,
     precisions=None,
     lean_host_memory=False,
+    whole_parameters=True,
 )
 
 

@@ -22,6 +22,7 @@ from trainkit.callbacks import (
     RunConfig,
     TrialPruning,
 )
+from trainkit.callbacks.ema import exponential_average
 from trainkit.callbacks.preemption import Preempted
 from trainkit.callbacks.trial_pruning import prunes_epochs
 from trainkit.checkpoint_io import remove_stale_temp_files
@@ -58,6 +59,8 @@ def build(
             RunConfig(resolved, composing_overrides()),  # the config in checkpoints
             ResumeChanges(resolved),  # what a resume changes in the checkpoint's state
             ProcessInfo(job_overrides(), cfg.paths.output_dir, cfg.task_name),
+            # ema.decay: the average, updated after a step before anything saves at that step
+            *exponential_average(cfg, dims),
             Preemption(str(output_dir / "checkpoints")),  # SIGTERM/SIGINT: save, then exit
             NonFiniteLossStop(check_every=cfg.trainer.log_every_n_steps),
             ReplicasAgree(),  # replicas that trained apart: stopped before their checkpoint

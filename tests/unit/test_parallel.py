@@ -68,9 +68,14 @@ def test_every_strategy_option_declares_its_capabilities(compose) -> None:
             syncs_layers=False,
             precisions=("32-true", "bf16-mixed", "bf16-true", "16-true"),
             lean_host_memory=True,
+            whole_parameters=False,
         ),
         "pipeline": replace(
-            LIGHTNING, runs_stages=True, full_batches=True, materialises_blocks=True
+            LIGHTNING,
+            runs_stages=True,
+            full_batches=True,
+            materialises_blocks=True,
+            whole_parameters=False,
         ),
     }
     options = {p.stem for p in (LIBRARY_CONF_DIR / "strategy").glob("*.yaml")}

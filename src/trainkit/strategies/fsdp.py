@@ -95,6 +95,7 @@ class FSDPStrategy(ShardedSave, ExactMeanReduce, ModelParallelStrategy):
         syncs_layers=False,
         precisions=("32-true", "bf16-mixed", "bf16-true", "16-true"),
         lean_host_memory=True,
+        whole_parameters=False,
     )
 
     def __init__(

@@ -246,7 +246,13 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
     strategy_name = "pipeline"
     # the task's net through its stages (PipelineTask); shapes are fixed at the first step (full
     # batches: data.drop_last=true); the net starts on meta, each process materialises its own
-    capabilities = replace(LIGHTNING, runs_stages=True, full_batches=True, materialises_blocks=True)
+    capabilities = replace(
+        LIGHTNING,
+        runs_stages=True,
+        full_batches=True,
+        materialises_blocks=True,
+        whole_parameters=False,
+    )
 
     def __init__(
         self,
