@@ -74,6 +74,9 @@ def with_checkpoint_config(cfg: DictConfig) -> DictConfig:
         settle(cfg, "data", data, "the checkpoint's, with the data keys given")
     if cfg.precision is None:
         settle(cfg, "precision", trained.precision, "the checkpoint's")
+    if (cfg.get("ema") or {}).get("evaluate") is None:  # (a run that kept an average)
+        chosen = (trained.get("ema") or {}).get("evaluate") or "average"
+        settle(cfg, "ema.evaluate", chosen, "the checkpoint's run's")
     return cfg
 
 
@@ -161,7 +164,7 @@ def _evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:
     write_config(output_dir / "config.yaml", cfg)  # the model and data it evaluated, resolved
     writer = PredictionWriter(str(output_dir / PREDICTIONS_FILE))
     callbacks = [writer] if "predict" in stages else []
-    callbacks += exponential_average(cfg)  # (ema.evaluate: the average or the raw weights)
+    callbacks += exponential_average(cfg, training=False)  # ema.evaluate: which weights
     trainer = build_trainer(cfg, dims, callbacks=callbacks)
     prepare_data_once(datamodule, dims)
     check_built_run(cfg, dims, datamodule, model, trainer.strategy, training=False)

@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from trainkit.build import arguments, launches_others
+from trainkit.callbacks.ema import check_ema
 from trainkit.config import settle
 from trainkit.data.sharding import check_train_data
 from trainkit.errors import ConfigError
@@ -292,6 +293,7 @@ def preflight(cfg: DictConfig, training: bool = True) -> ParallelDims:
     check_compile(cfg, dims)
     check_profiler(cfg, dims)
     if training:
+        check_ema(cfg, dims)
         resolve_drop_last(cfg, dims.caps)
         resolve_data_seed(cfg)
     resolve_monitor_mode(cfg)

@@ -294,6 +294,8 @@ def _select(tree: dict, key: str) -> Any:
 REFUSED_ON_RESUME = {
     "model.optimizer._target_": "the optimizer's saved state is its own",
     "model.scheduler._target_": "the scheduler's saved state is its own",
+    # (without its average the checkpoint's state_dict, the average, would be trained on)
+    "ema.decay": "the checkpoint holds an average of that decay and the weights apart",
 }
 # ...and, mid-epoch only, what decides which samples the epoch's order holds
 REFUSED_MID_EPOCH = {

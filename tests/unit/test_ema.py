@@ -11,9 +11,10 @@ from omegaconf import OmegaConf
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from trainkit.callbacks.ema import ExponentialAverage, exponential_average
+from trainkit.callbacks.ema import ExponentialAverage, check_ema, exponential_average
 from trainkit.errors import ConfigError
-from trainkit.parallel import LIGHTNING
+from trainkit.parallel import ParallelDims
+from trainkit.preflight import preflight
 
 DECAY, EVERY, START, STEPS = 0.9, 2, 3, 9
 
@@ -131,25 +132,40 @@ def test_a_checkpoint_holds_the_average_as_its_state_dict(tmp_path) -> None:
 
 def config(**ema) -> OmegaConf:
     keys = {"decay": 0.9, "every_n_steps": 1, "start_step": 0, "evaluate": "average", **ema}
-    return OmegaConf.create({"ema": keys, "strategy": {}})
+    return OmegaConf.create({"ema": keys})
+
+
+WHOLE = ParallelDims(accelerator="cpu", devices=1, num_nodes=1, single_process=False)
 
 
 @pytest.mark.parametrize(
     ("ema", "says"),
     [
         ({"decay": 1.5}, "ema.decay=1.5: give a number between 0 and 1"),
+        ({"decay": 1}, "ema.decay=1: give a number between 0 and 1"),
         ({"decay": "high"}, "ema.decay=high"),
         ({"every_n_steps": 0}, "ema.every_n_steps=0: give a whole number from 1"),
         ({"start_step": -1}, "ema.start_step=-1: give a whole number from 0"),
+        ({"on_cpu": "no"}, "ema.on_cpu=no: give true or false"),
         ({"evaluate": "best"}, "ema.evaluate=best: give average or raw"),
     ],
 )
 def test_a_bad_setting_is_refused_naming_it(ema: dict, says: str) -> None:
-    dims = type("Dims", (), {"caps": LIGHTNING})()
     with pytest.raises(ConfigError, match=says):
-        exponential_average(config(**ema), dims)
+        check_ema(config(**ema), WHOLE)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "pipeline"])
+def test_a_split_model_is_refused_before_the_run_starts(compose, strategy: str) -> None:
+    """Under fsdp and the pipeline the average would be a whole copy on every rank: refused by
+    preflight, before any process starts (what the next part of #62 lifts)."""
+    cfg = compose(f"strategy={strategy}", "devices=2", "ema.decay=0.9")
+    with pytest.raises(ConfigError, match="splits the model's parameters"):
+        preflight(cfg)
+    preflight(compose(f"strategy={strategy}", "devices=2"))  # (accepted without an average)
 
 
 def test_no_decay_no_average() -> None:
-    dims = type("Dims", (), {"caps": LIGHTNING})()
-    assert exponential_average(config(decay=None), dims) == []
+    check_ema(config(decay=None), WHOLE)
+    assert exponential_average(config(decay=None)) == []
+    assert [type(c) for c in exponential_average(config())] == [ExponentialAverage]

@@ -48,8 +48,11 @@ class NonFiniteLossStop(L.Callback):
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
         parameters = {name for name, _ in pl_module.named_parameters()}
-        weights = {k: v for k, v in checkpoint.get("state_dict", {}).items() if k in parameters}
-        self.check(trainer, [weights, checkpoint.get("optimizer_states", [])])
+        weights = [  # (with ema: the average, and the raw weights training resumes from)
+            {k: v for k, v in checkpoint.get(key, {}).items() if k in parameters}
+            for key in ("state_dict", "current_model_state")
+        ]
+        self.check(trainer, [*weights, checkpoint.get("optimizer_states", [])])
 
     def check(self, trainer, saving: Any = None) -> None:
         """Raises FloatingPointError on every rank if any rank has seen a non-finite loss, or if
