@@ -256,6 +256,9 @@ class StoredStudySweep(OptunaSweeperImpl):
         to_go = self.n_trials
         while to_go > 0:
             trials = [study.ask() for _ in range(min(to_go, self.n_jobs))]
+            running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+            beat(self.storage, self.storage.get_study_id_from_name(self.study_name), running)
+            # (from their start: a trial with no heartbeat is never found stale)
             overrides = self._configure_trials(trials, space, fixed)
             jobs = job_numbers(study.get_trials(deepcopy=False))
             ends = self._run_trials(trials, overrides, [jobs[t.number] for t in trials])
