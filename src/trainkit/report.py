@@ -114,12 +114,13 @@ def pruned_jobs(study: Any) -> dict[int, int]:
     }
 
 
-def write_summary(sweep_dir: Path) -> dict[str, Any]:
+def write_summary(sweep_dir: Path, study: Any = None) -> dict[str, Any]:
     """``sweep.json`` from every job directory of the sweep so far, replaced whole: each job as
     its ``job.json`` says (completed or failed, its attempts, the step it resumed from, the epoch
     its trial was pruned after), or ``unfinished`` (started, no end recorded: running, or stopped
     with the sweep); the trials pruned and the jobs not started yet where the sweeper says how
-    many it runs (a pruned trial's folds never run); what varies; the best so far; folds.
+    many it runs (a pruned trial's folds never run: read from its ``study``, ``stored_study``);
+    what varies; the best so far; folds.
     Jobs that a launcher runs at once each rewrite it, one at a time under a lock beside it, where
     the filesystem locks (across nodes, a shared filesystem may neither lock nor list another
     node's newest files at once: the last job's summary can miss a job that ends at the same
@@ -131,7 +132,6 @@ def write_summary(sweep_dir: Path) -> dict[str, Any]:
         jobs = [job for job_dir in _job_dirs(sweep_dir) if (job := _job_record(job_dir))]
         definition = recorded_sweep(sweep_dir)
         varying, planned = sweep_shape(definition)
-        study = stored_study(sweep_dir)
         pruned = pruned_jobs(study) if study is not None else {}
         folds = (definition or {}).get("trial_folds")  # (an Optuna trial of K folds)
         seen = {job["num"] for job in jobs}
@@ -160,9 +160,10 @@ def write_summary(sweep_dir: Path) -> dict[str, Any]:
 def update_report(sweep_dir: Path) -> dict[str, Any]:
     """``sweep.json``, then ``report.md`` and ``report.png`` from it: a sweep's files that say
     what it found, rewritten after each of its jobs."""
-    summary = write_summary(sweep_dir)
+    study = stored_study(sweep_dir)  # (read once, for both)
+    summary = write_summary(sweep_dir, study)
     try:
-        write_report(sweep_dir, summary)
+        write_report(sweep_dir, summary, study)
     except Exception as err:
         log.warning("sweep: no report in %s (%s: %s)", shown(sweep_dir), type(err).__name__, err)
     return summary
@@ -333,13 +334,12 @@ def _quiet(logger: str) -> Iterator[None]:
         target.setLevel(level)
 
 
-def write_report(sweep_dir: Path, summary: dict[str, Any]) -> None:
+def write_report(sweep_dir: Path, summary: dict[str, Any], study: Any = None) -> None:
     """``report.md`` and ``report.png`` of the sweep in ``sweep_dir``, from its summary
     (``write_summary``), each replaced whole; Optuna's plots where it keeps a study."""
     drawn = curves(summary) if summary.get("monitor") else {}
     if drawn:
         _save_png(draw(summary, drawn), drawn, sweep_dir / REPORT_PNG)
-    study = stored_study(sweep_dir)
     study_plots = draw_study(study, sweep_dir) if study is not None else []
     text = markdown(sweep_dir, summary, bool(drawn), study_plots)
     atomic_write_text(sweep_dir / REPORT_MD, text)
@@ -538,7 +538,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.sweep_dir} holds no sweep ({SWEEP_RECORD} is missing): give the directory "
             f"a sweep's first line names (logs/train/multiruns/<date>_<time>_<µs>)"
         )
-    write_report(args.sweep_dir, write_summary(args.sweep_dir))
+    study = stored_study(args.sweep_dir)
+    write_report(args.sweep_dir, write_summary(args.sweep_dir, study), study)
     for name in (REPORT_MD, REPORT_PNG):
         if (args.sweep_dir / name).is_file():
             print(shown(args.sweep_dir / name))

@@ -74,8 +74,8 @@ class Pruned(float):
     """A sweep job's value (the best of its monitored metric) where its Optuna trial was pruned
     after epoch ``epoch`` (callbacks.TrialPruning): the sweep tells the trial pruned."""
 
-    def __new__(cls, value: float, epoch: int) -> Pruned:
-        pruned = super().__new__(cls, value)
+    def __new__(cls, value: float | None, epoch: int) -> Pruned:
+        pruned = super().__new__(cls, math.nan if value is None else value)  # (None: no score)
         pruned.epoch = epoch
         return pruned
 
@@ -350,9 +350,7 @@ class AsLeft:
         """A completed job's recorded value, as it returned it (``Pruned`` where it was)."""
         value = (self.record or {}).get("return_value")
         epoch = (self.record or {}).get("pruned_after_epoch")
-        if epoch is None:
-            return value
-        return Pruned(math.nan if value is None else value, epoch)
+        return value if epoch is None else Pruned(value, epoch)
 
     @property
     def attempts(self) -> int:

@@ -1,7 +1,6 @@
 """The training recipe: build every object from the config, fit, test the best checkpoint."""
 
 import logging
-import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -177,5 +176,5 @@ def _fit_and_test(
             log_final(logger, hparams, final, trainer.global_step)
     pruned = [c.pruned_after for c in trainer.callbacks if isinstance(c, TrialPruning)]
     if pruned and pruned[0] is not None:  # (its sweep tells the trial pruned)
-        return Pruned(math.nan if score is None else score, pruned[0])
+        return Pruned(score, pruned[0])
     return score
