@@ -307,6 +307,9 @@ SHARDED_META = "meta.pt"  # what is not a tensor of the model or optimizers (Lig
 DCP_INDEX = ".metadata"  # torch.distributed.checkpoint's index of every rank's part
 CHECKPOINT_FORMS = ("full", "sharded")  # strategy.checkpoint of fsdp and the pipeline
 # what save_sharded and _point name beside a checkpoint: ``.<name>.<id>``, ``.<name>.link-<...>``
+# the raw weights where ``state_dict`` is an average (Lightning's WeightAveraging's key): model
+# tensors, which each rank writes its part of too
+AVERAGED_RAW = "current_model_state"
 _SAVE_NAME = re.compile(r"^\..+\.[0-9a-f]{12}$")
 _LINK_NAME = re.compile(r"^\..+\.link-\..+\.[0-9a-f]{12}$")
 
@@ -334,7 +337,8 @@ def is_sharded(path: str | os.PathLike) -> bool:
 
 
 def save_sharded(checkpoint: dict[str, Any], path: Path, strategy: Any) -> None:
-    """Each rank writes its part of the weights and optimizer state (``torch.distributed.
+    """Each rank writes its part of the weights (and of the raw weights beside an average) and
+    optimizer state (``torch.distributed.
     checkpoint``) into a new directory beside ``path``, rank 0 the rest (loop state, config) as
     ``meta.pt``; once every rank is done, rank 0 points ``path``, a symbolic link, at it in one
     rename and removes the directory it pointed at. A save killed half-way leaves ``path`` at the
@@ -359,6 +363,8 @@ def _sharded_parts(
     token = strategy.broadcast(uuid.uuid4().hex[:12])
     target = path.parent / f".{path.name}.{token}"
     state = {"state_dict": checkpoint.pop("state_dict")}
+    if AVERAGED_RAW in checkpoint:  # (the average is the state_dict)
+        state[AVERAGED_RAW] = checkpoint.pop(AVERAGED_RAW)
     for i, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
         state[f"optimizer_{i}"] = optimizer_state
     if strategy.global_rank == 0:
@@ -536,6 +542,8 @@ def read_sharded(path: Path, keys: set[str] | None = None) -> dict[str, Any]:
     _load_state_dict(part, storage_reader=FileSystemReader(path), planner=planner, no_dist=True)
     checkpoint = torch.load(path / SHARDED_META, map_location="cpu", weights_only=True)
     checkpoint["state_dict"] = part.get("state_dict", {})
+    if AVERAGED_RAW in part:
+        checkpoint[AVERAGED_RAW] = part[AVERAGED_RAW]
     optimizers = sorted((k for k in part if k.startswith("optimizer_")), key=lambda k: int(k[10:]))
     checkpoint["optimizer_states"] = [keyed_by_place(part[k]) for k in optimizers]
     return checkpoint

@@ -60,6 +60,7 @@ class Footprint:
     activations_per_sample: float = 0  # how the activations grow with the batch
     optimizer_step: int = 0  # what the optimizer's step allocates besides its state
     buckets: int = 0  # DDP's gradient buckets: a flat copy of the gradients, kept
+    average: int = 0  # ema.decay's average of the weights and buffers, kept (float32 or wider)
     blocks: tuple[int, ...] = ()  # parameter bytes of each block of a block sequence
     block_costs: tuple[int, ...] = ()  # what the pipeline balances blocks by (FLOPs or params)
     largest_unit: int = 0  # parameter bytes of the largest module fsdp gathers at once
@@ -75,7 +76,7 @@ class Footprint:
         """The peak: weights, buckets and optimizer state are always held; the activations peak
         in the forward and backward, before the gradients exist (Lightning zeroes them to None),
         the gradients at the optimizer's step."""
-        held = self.params + self.buckets + self.optimizer
+        held = self.params + self.buckets + self.optimizer + self.average
         return held + max(self.activations, self.grads + self.optimizer_step)
 
 
@@ -182,8 +183,10 @@ def footprint(cfg: DictConfig, built: tuple[nn.Module, object] | None = None) ->
     if optimizer is None:
         notes.append("optimizer state not estimated: configure_optimizers needs a Trainer")
     blocks = _block_sequence(model, cfg)
+    tensors = (*model.parameters(), *model.buffers())
     return Footprint(
-        params=_bytes((*model.parameters(), *model.buffers())),
+        params=_bytes(tensors),
+        average=_average_bytes(tensors, cfg),
         grads=grads,
         optimizer=state,
         optimizer_step=step,
@@ -356,6 +359,15 @@ def _bytes(tensors: object) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def _average_bytes(tensors: Sequence[Tensor], cfg: DictConfig) -> int:
+    """What ``ema.decay``'s average keeps on the device: the weights and buffers, float16 and
+    bfloat16 ones in float32 (callbacks/ema.py); none without it or with ``ema.on_cpu``."""
+    if OmegaConf.select(cfg, "ema.decay") is None or OmegaConf.select(cfg, "ema.on_cpu"):
+        return 0
+    low = (torch.float16, torch.bfloat16)
+    return sum(t.numel() * (4 if t.dtype in low else t.element_size()) for t in tensors)
+
+
 def _param_bytes(module: nn.Module) -> int:
     return _bytes(module.parameters())
 
@@ -406,6 +418,7 @@ def fully_sharded(fp: Footprint, ranks: int) -> Footprint:
         params=share(fp.params) + fp.largest_unit,
         grads=share(fp.grads),
         optimizer=share(fp.optimizer),
+        average=share(fp.average),
         optimizer_step=share(fp.optimizer_step),
     )
 
@@ -457,6 +470,7 @@ def pipelined(
                 params=round(fp.params * held),
                 grads=round(fp.grads * held),
                 optimizer=round(fp.optimizer * held),
+                average=round(fp.average * held),
                 optimizer_step=round(fp.optimizer_step * held),
                 activations=round(fp.activations * runs * in_flight_share),
             )
@@ -699,6 +713,7 @@ def table(planned: RunPlan) -> str:
     device_bytes = device_memory(settings, dims, gpus)
     ranked, baseline = plan(cfg, dims, settings, device_bytes)
     fp = next(c for c in ranked if c.configured).memory
+    averaged = fp.average > 0  # (ema.decay: a column of its own)
     model = OmegaConf.select(cfg, "model._target_", default="?")
     each = _mib(room(device_bytes, settings, dims, 1))
     if settings.device_memory is not None:
@@ -715,9 +730,10 @@ def table(planned: RunPlan) -> str:
         + (f"; each process also holds {_mib(baseline)} itself (torch, Lightning)" if baseline
            else ""),
         "",
-        "| | choice | parameters | gradients | optimizer | activations | peak per device "
-        "| fits | overrides |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| | choice | parameters | gradients | optimizer "
+        + ("| average (ema) " if averaged else "")
+        + "| activations | peak per device | fits | overrides |",
+        "| --- " * (10 if averaged else 9) + "|",
     ]  # fmt: skip
     best = next((c for c in ranked if c.fits), None)
     for c in ranked:
@@ -727,7 +743,8 @@ def table(planned: RunPlan) -> str:
         lines.append(
             f"| {', '.join(marks)} | {c.name} | {_mib(m.params)} | "
             f"{_mib(m.grads + m.buckets)} | {_mib(m.optimizer + m.optimizer_step)} | "
-            f"{_mib(m.activations)} | {_mib(m.total)} | "
+            + (f"{_mib(m.average)} | " if averaged else "")
+            + f"{_mib(m.activations)} | {_mib(m.total)} | "
             f"{'yes' if c.fits else 'no'} | {' '.join(c.overrides)} |"
         )
     lines += [
@@ -745,7 +762,7 @@ def check_fits(planned: RunPlan) -> None:
     """Refuses, before any process starts, a run whose estimated peak per device does not fit,
     naming a choice that does (``plan.check=false``: no check). Cheap for most runs: the fake
     step runs only where the state alone (weights, gradients and two moments: 4 bytes for each
-    byte of weights) takes over half the room."""
+    byte of weights, and an ``ema`` average) takes over half the room."""
     cfg, dims, settings = planned.cfg, planned.dims, Settings.from_config(planned.cfg)
     if not settings.check:
         return
@@ -753,7 +770,7 @@ def check_fits(planned: RunPlan) -> None:
         device_bytes = device_memory(settings, dims)
         own_room = room(device_bytes, settings, dims, dims.processes_per_node)
         built = meta_model(cfg)  # once: for the cheap test, then for the plan where it fails
-        if 4 * _param_bytes(built[0]) + process_baseline(dims) < own_room // 2:
+        if 5 * _param_bytes(built[0]) + process_baseline(dims) < own_room // 2:
             return
         ranked, baseline = plan(cfg, dims, settings, device_bytes, built)
     except ConfigError:
@@ -770,7 +787,7 @@ def check_fits(planned: RunPlan) -> None:
         c = fitting[0]
         fix = f"`{' '.join(c.overrides)}` ({c.name}: {_mib(c.memory.total + baseline)})"
     m = configured.memory
-    held, at_step = m.params + m.buckets + m.optimizer, m.grads + m.optimizer_step
+    held, at_step = m.params + m.buckets + m.optimizer + m.average, m.grads + m.optimizer_step
     if not fitting:  # a smaller batch helps only where the activations make the peak
         smaller = "a smaller data.batch_size or " if m.activations > at_step else ""
         fix = f"{smaller}more devices: no choice fits at this batch"
@@ -783,8 +800,9 @@ def check_fits(planned: RunPlan) -> None:
     )
     raise ConfigError(
         f"{configured.name} needs about {_mib(m.total + baseline)} per process "
-        f"({_mib(held)} of weights and optimizer state, {peak}, {_mib(baseline)} the process "
-        f"itself) but has {_mib(own_room)} ({settings.margin:.0%} of its memory): use {fix}; "
+        f"({_mib(held)} of weights, optimizer state and any average, {peak}, "
+        f"{_mib(baseline)} the process itself) but has {_mib(own_room)} "
+        f"({settings.margin:.0%} of its memory): use {fix}; "
         f"`python train.py plan=true ...` shows every choice, plan.check=false runs anyway"
     )
 

@@ -293,7 +293,7 @@ def preflight(cfg: DictConfig, training: bool = True) -> ParallelDims:
     check_compile(cfg, dims)
     check_profiler(cfg, dims)
     if training:
-        check_ema(cfg, dims)
+        check_ema(cfg)
         resolve_drop_last(cfg, dims.caps)
         resolve_data_seed(cfg)
     resolve_monitor_mode(cfg)

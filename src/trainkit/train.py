@@ -59,7 +59,7 @@ def build(
             ResumeChanges(resolved),  # what a resume changes in the checkpoint's state
             ProcessInfo(job_overrides(), cfg.paths.output_dir, cfg.task_name),
             # ema.decay: the average, updated after a step before anything saves at that step
-            *exponential_average(cfg),
+            *exponential_average(cfg, dims.caps),
             Preemption(str(output_dir / "checkpoints")),  # SIGTERM/SIGINT: save, then exit
             NonFiniteLossStop(check_every=cfg.trainer.log_every_n_steps),
             ReplicasAgree(),  # replicas that trained apart: stopped before their checkpoint

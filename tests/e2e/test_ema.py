@@ -1,7 +1,9 @@
-"""``ema.decay`` end to end: the MLP's average of its weights under ddp and ddp_spawn equals
-one device's; eval.py evaluates the average by default and the raw weights on request; a run stopped
-by SIGTERM and resumed ends with the uninterrupted run's average. The update rule itself, against
-a hand-computed average and Lightning's own callback: unit/test_ema.py."""
+"""``ema.decay`` end to end: the MLP's average of its weights under ddp, ddp_spawn, fsdp x2 and
+x3, the pipeline x2 and the pipeline x fsdp equals one device's; eval.py evaluates the average by
+default and the raw weights on request, from any of their checkpoints; a run stopped by SIGTERM
+and resumed ends with the uninterrupted run's average, on one device and in the pipeline; an fsdp
+x2 run resumed on 3 ranks carries its average. The update rule itself, against a hand-computed
+average and Lightning's own callback: unit/test_ema.py."""
 
 import json
 from collections.abc import Callable
@@ -11,13 +13,17 @@ import pytest
 import torch
 
 from helpers import PLAIN_SGD, run_python
+from trainkit.checkpoint_io import consolidated, is_sharded
 from trainkit.data.synthetic import write_mnist
 
 pytestmark = pytest.mark.slow
 
-N_TRAIN_FILE, VAL, N_TEST = 1001, 201, 251  # 800 training images: 13 steps of 64 an epoch
-WEIGHT_ATOL = 1e-5  # float sums in another order, over 26 steps of plain SGD
+N_TRAIN_FILE, VAL, N_TEST = 1001, 233, 251  # 768 training images: 16 steps of 48 an epoch
+WEIGHT_ATOL = 1e-5  # float sums in another order, over 32 steps of plain SGD
+METRIC_ATOL = 1e-5  # the test loss of weights that differ so
 shares_runs = pytest.mark.xdist_group(name="ema_runs")
+# 2 stages, each sharded over its 2 replicas (FSDP2): a replica's batch, 24, is half the global
+PIPELINE_FSDP = ("strategy=pipeline", "devices=4", "strategy.shard=true", "data.batch_size=24")
 
 
 @pytest.fixture(scope="module")
@@ -38,18 +44,45 @@ def base(tmp_path_factory) -> tuple[str, ...]:
 
 @pytest.fixture(scope="module")
 def runs(run_here: Callable[..., Path], run_script: Callable[..., Path], base) -> dict[str, Path]:
-    """Two epochs on one device (in this process), under ddp x2 and ddp_spawn x2, global batch
-    64. (dp on CPU trains in one process on one device: nothing of its own to compare.)"""
-    two = ("devices=2", "data.batch_size=32")
+    """Two epochs on one device (in this process), under ddp x2, ddp_spawn x2, fsdp x2 and x3
+    (each rank averaging its shards), the pipeline x2 (each stage its blocks) and the pipeline x2
+    with each stage sharded over 2 ranks (each rank its shards of its stage), global batch 48.
+    fsdp's and the pipeline's checkpoints are sharded. (dp on CPU trains in one process on one
+    device: nothing of its own to compare.)"""
+    two, three = ("devices=2", "data.batch_size=24"), ("devices=3", "data.batch_size=16")
     return {
-        "single": run_here("train.py", *base, "data.batch_size=64"),
+        "single": run_here("train.py", *base, "data.batch_size=48"),
         "ddp": run_script("train.py", *base, "strategy=ddp", *two),
         "ddp_spawn": run_script("train.py", *base, "strategy=ddp_spawn", *two),
+        "fsdp": run_script("train.py", *base, "strategy=fsdp", *two),
+        "fsdp_x3": run_script("train.py", *base, "strategy=fsdp", *three),
+        "pipeline": run_script(
+            "train.py", *base, "strategy=pipeline", "devices=2", "data.batch_size=48"
+        ),
+        "pipeline_fsdp": run_script("train.py", *base, *PIPELINE_FSDP),
     }
 
 
+LAST = Path("checkpoints") / "last.ckpt"
+
+
 def last(run_dir: Path) -> dict:
-    return torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
+    """The last checkpoint, whole (a sharded one read by this process, as a one-device resume
+    reads it)."""
+    path = run_dir / LAST
+    return consolidated(path) if is_sharded(path) else torch.load(path, weights_only=True)
+
+
+def assert_same_average(ours: dict, theirs: dict) -> None:
+    """Two checkpoints' averages (``state_dict``) and raw weights (``current_model_state``) equal
+    to float tolerance, each after all 32 updates."""
+    for checkpoint in (ours, theirs):
+        assert int(checkpoint["averaging_state"]["n_averaged"]) == 32
+    for key in ("state_dict", "current_model_state"):
+        assert ours[key].keys() == theirs[key].keys()
+        for name, tensor in theirs[key].items():
+            diff = (tensor - ours[key][name]).abs().max().item()
+            assert diff < WEIGHT_ATOL, f"{key} {name}: {diff}"
 
 
 def metrics(run_dir: Path) -> dict:
@@ -57,16 +90,17 @@ def metrics(run_dir: Path) -> dict:
 
 
 @shares_runs
-@pytest.mark.parametrize("name", ["ddp", "ddp_spawn"])
+@pytest.mark.parametrize(
+    "name", ["ddp", "ddp_spawn", "fsdp", "fsdp_x3", "pipeline", "pipeline_fsdp"]
+)
 def test_the_average_equals_one_devices(runs: dict[str, Path], name: str) -> None:
     """The last checkpoint's average (``state_dict``) and raw weights (``current_model_state``)
-    under the strategy equal one device's; the average is not the raw weights."""
+    under the strategy equal one device's, and it counts as many updates; the average is not the
+    raw weights."""
     single, other = last(runs["single"]), last(runs[name])
-    for key in ("state_dict", "current_model_state"):
-        assert single[key].keys() == other[key].keys()
-        for name_, tensor in single[key].items():
-            diff = (tensor - other[key][name_]).abs().max().item()
-            assert diff < WEIGHT_ATOL, f"{key} {name_}: {diff}"
+    saved = runs[name] / "checkpoints" / "last.ckpt"
+    assert is_sharded(saved) == (name not in ("ddp", "ddp_spawn"))
+    assert_same_average(other, single)
     apart = max(
         (single["state_dict"][k] - single["current_model_state"][k]).abs().max().item()
         for k in single["state_dict"]
@@ -96,24 +130,101 @@ def test_eval_evaluates_the_average_and_on_request_the_raw_weights(
 
 
 @shares_runs
-def test_a_run_stopped_by_sigterm_resumes_its_average_exactly(
-    runs: dict[str, Path], base, tmp_path: Path
+@pytest.mark.parametrize(
+    ("name", "layout"),
+    [("fsdp", ()), ("fsdp", ("strategy=fsdp", "devices=2")),
+     ("pipeline", ("strategy=pipeline", "devices=2"))],
+)  # fmt: skip
+def test_eval_of_a_sharded_checkpoint_evaluates_either_set(
+    runs: dict[str, Path], run_here: Callable[..., Path], run_script: Callable[..., Path],
+    name: str, layout: tuple[str, ...],
+) -> None:  # fmt: skip
+    """eval.py on the strategy's sharded last checkpoint, on one device or under the strategy
+    (each rank loading its part): the average's metrics by default, the raw weights' with
+    ``ema.evaluate=raw``, as on one device's checkpoint."""
+    evaluate = run_script if layout else run_here
+    found = {}
+    for which in ("average", "raw"):
+        args = ("accelerator=cpu", f"ema.evaluate={which}")
+        ours = metrics(evaluate("eval.py", f"ckpt_path={runs[name] / LAST}", *args, *layout))
+        theirs = metrics(run_here("eval.py", f"ckpt_path={runs['single'] / LAST}", *args))
+        assert ours["test"].keys() == theirs["test"].keys()
+        for key, value in theirs["test"].items():
+            assert abs(ours["test"][key] - value) < METRIC_ATOL, (which, key)
+        found[which] = ours["test"]["test/loss"]
+    assert abs(found["average"] - found["raw"]) > 1e-3
+
+
+def test_an_fsdp_run_resumed_on_three_ranks_carries_its_average(
+    base, run_script: Callable[..., Path]
 ) -> None:
-    """SIGTERM 5 steps into the second epoch, then ``ckpt_path=last``: the average and the raw
-    weights equal the uninterrupted run's, bit for bit."""
+    """fsdp x2 trains an epoch and saves its shards of the average; resumed for a second epoch
+    on 3 ranks (DCP reshards each part) it ends as ddp x3 resumed from the same checkpoint (read
+    whole, into Lightning's copy of the model), every update counted."""
+    first = run_script("train.py", *base, "strategy=fsdp", "devices=2", "data.batch_size=24",
+                       "trainer.max_epochs=1")  # fmt: skip
+    assert is_sharded(first / LAST)
+    epoch2 = (*base, f"ckpt_path={first / LAST}", "devices=3", "data.batch_size=16")
+    fsdp = last(run_script("train.py", *epoch2, "strategy=fsdp"))
+    ddp = last(run_script("train.py", *epoch2, "strategy=ddp"))
+    assert_same_average(fsdp, ddp)
+
+
+@shares_runs
+@pytest.mark.parametrize(
+    ("name", "layout"), [("single", ()), ("pipeline", ("strategy=pipeline", "devices=2"))]
+)
+def test_a_run_stopped_by_sigterm_resumes_its_average_exactly(
+    runs: dict[str, Path], base, tmp_path: Path, name: str, layout: tuple[str, ...]
+) -> None:
+    """SIGTERM 2 steps into the second epoch, then ``ckpt_path=last``: the average and the raw
+    weights equal the uninterrupted run's, bit for bit; the pipeline's stages each resume their
+    blocks' part of both from its sharded checkpoint."""
     hook = "+callbacks.signal_at"
     stopped = run_python(
-        "train.py", *base, "data.batch_size=64", f"{hook}._target_=helpers.SignalAt",
+        "train.py", *base, "data.batch_size=48", *layout, f"{hook}._target_=helpers.SignalAt",
         f"{hook}.step=18", log_dir=tmp_path,
     )  # fmt: skip
     assert stopped.returncode == 143, stopped.stderr[-3000:]
     resumed = run_python(
-        "train.py", *base, "data.batch_size=64", "ckpt_path=last", log_dir=tmp_path
+        "train.py", *base, "data.batch_size=48", *layout, "ckpt_path=last", log_dir=tmp_path
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     run_dir = sorted((tmp_path / "train" / "runs").iterdir())[-1]  # (the resume's)
-    final, reference = last(run_dir), last(runs["single"])
-    assert final["global_step"] == reference["global_step"] == 26
+    final, reference = last(run_dir), last(runs[name])
+    assert final["global_step"] == reference["global_step"] == 32
     for key in ("state_dict", "current_model_state"):
         for name, tensor in reference[key].items():
             assert torch.equal(final[key][name], tensor), f"{key} {name}"
+
+
+HELD_AFTER_AN_EVALUATION = """
+import torch, torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from trainkit.callbacks.ema import held
+
+dist.init_process_group("gloo")
+module = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+module.temperature = nn.Parameter(torch.ones(6))  # the root's own, as a CLIP keeps its scale
+fully_shard(module[0], mesh=init_device_mesh("cpu", (2,)))
+fully_shard(module, mesh=module[0].weight.device_mesh, reshard_after_forward=None)
+shards = {name: tuple(t.shape) for name, t in held(module).items()}
+with torch.no_grad():  # an evaluation: the root keeps its parameters gathered after it
+    module(torch.randn(3, 4))
+assert {name: tuple(t.shape) for name, t in held(module).items()} == shards, shards
+assert shards["temperature"] == (3,) and shards["1.weight"] == (1, 4), shards
+"""
+
+
+def test_each_rank_averages_its_shards_after_an_evaluation_too(tmp_path: Path) -> None:
+    """FSDP2 keeps the root unit's parameters gathered from a forward to its backward, and an
+    evaluation has none: what a rank holds (``held``, what it averages and swaps) is its shard
+    of them all the same."""
+    script = tmp_path / "held.py"
+    script.write_text(HELD_AFTER_AN_EVALUATION)
+    proc = run_python(
+        "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -9,7 +9,8 @@ module, right means:
   by, and what its logger got, equal ``eval.py``'s on one device on its best checkpoint;
 - ``eval.py`` on 2 (ddp_spawn) and 3 (fsdp) processes of the one-device run's checkpoint equals
   that run's test;
-- fsdp x2 trains the weights ddp x2 trains, with every parameter sharded.
+- fsdp x2 trains the weights ddp x2 trains, with every parameter sharded, and keeps the same
+  average of them (``ema.decay``: each rank averaging its shards, Lightning's copy under ddp).
 
 The training and evaluation sets have sizes that neither 2 nor 3 divides. Also here: the module
 that keeps objects in its hyperparameters, the language model changed for the pipeline, and
@@ -140,9 +141,10 @@ EXAMPLES = {
     ),
 }
 COUNTS = "+callbacks.counts._target_=helpers.EpochCounts"
+EMA = "ema.decay=0.9"  # an average of the weights, kept by ddp x2 and fsdp x2
 LAYOUTS = {  # the multi-process runs of each example
-    "ddp2": ("strategy=ddp", "devices=2"),
-    "fsdp2": ("strategy=fsdp", "devices=2", "+callbacks.shards._target_=helpers.ShardSizes"),
+    "ddp2": ("strategy=ddp", "devices=2", EMA),
+    "fsdp2": ("strategy=fsdp", "devices=2", EMA, "+callbacks.shards._target_=helpers.ShardSizes"),
     "fsdp3": (
         *("strategy=fsdp", "devices=3", "trainer.max_epochs=2"),
         *("+callbacks.seen._target_=helpers.SeenSamples", COUNTS),
@@ -268,11 +270,16 @@ def test_eval_on_several_processes_equals_the_one_device_run(runs: dict, devices
 
 
 def test_fsdp_trains_the_weights_ddp_trains_with_every_parameter_sharded(runs: dict) -> None:
-    """The same ranks, data and seed: fsdp x2's final weights are ddp x2's. Every parameter is
-    sharded, by a unit of its own or by the root unit: each rank holds its half of it, of its
-    gradient and of its optimizer state."""
-    ddp, fsdp = run_weights(runs["ddp2"]), run_weights(runs["fsdp2"])
+    """The same ranks, data and seed: fsdp x2's final weights are ddp x2's, and so is the
+    average of them its ranks kept shard by shard. Every parameter is sharded, by a unit of its
+    own or by the root unit: each rank holds its half of it, of its gradient and of its optimizer
+    state."""
+    ddp, fsdp = run_weights(runs["ddp2"]), run_weights(runs["fsdp2"])  # (the averages)
     assert max_diff(ddp, fsdp) < WEIGHT_ATOL
+    raw = [load_checkpoint(runs[n] / "checkpoints" / "last.ckpt")["current_model_state"]
+           for n in ("ddp2", "fsdp2")]  # fmt: skip
+    assert max_diff(*raw) < WEIGHT_ATOL
+    assert max_diff(raw[0], ddp) > 10 * WEIGHT_ATOL  # a real average, not the weights
     held = [json.loads((runs["fsdp2"] / f"shards.rank{r}.json").read_text()) for r in (0, 1)]
     assert held[0].keys() == ddp.keys()  # (neither example has buffers)
     for param, sizes in held[0].items():
@@ -345,11 +352,11 @@ def test_a_module_that_shards_itself_keeps_its_units(
 ) -> None:
     """A configure_model that calls fully_shard, as Lightning's docs write it for its
     ModelParallelStrategy: its own units are used (each linear layer, not the policy's encoder
-    and decoder), and it trains ddp x2's weights."""
+    and decoder), and it trains ddp x2's weights and keeps their average."""
     if runs["example"] != "autoencoder":
         pytest.skip("one module is enough: the autoencoder")
     units = "+callbacks.units._target_=helpers.FSDPUnits"
-    run = user_run(user_conf, data, "lit_self_sharded", "strategy=fsdp", "devices=2")
+    run = user_run(user_conf, data, "lit_self_sharded", "strategy=fsdp", "devices=2", EMA)
     run_dir = run_script("train.py", *run, units, TIMEOUT)
     layers = ["encoder.0", "encoder.2", "decoder.0", "decoder.2"]
     for rank in (0, 1):

@@ -31,6 +31,7 @@ WIDE = "model.net.hidden=[8192,8192,8192,8192,8192]"
 PIPE2 = ("strategy=pipeline", "devices=2")
 # below one device's peak address space, above a 2-stage rank's (measured 8,543, 7,023 and 6,517 MB)
 CAP_BELOW_ONE_DEVICE = 768 * 2**20
+EMA = "ema.decay=0.999"  # an average of each stage's blocks: one more copy of its weights
 
 
 def peaks(out: Path, ranks: int) -> list[dict]:
@@ -88,6 +89,8 @@ def runs(tmp_path_factory) -> dict:
         *train(root / "pipe_capped", *common, WIDE, *PIPE2, cap=cap),
         root / "pipe_capped",
     )
+    out["pipe_ema"] = (*train(root / "pipe_ema", *common, WIDE, *PIPE2, EMA), root / "pipe_ema")
+    assert out["pipe_ema"][0] == 0, out["pipe_ema"][1][-3000:]
     return out
 
 
@@ -124,3 +127,18 @@ def test_the_plan_estimates_each_peak_within_a_fifth(runs: dict, tmp_path: Path)
     estimated_stage = pipelined(wide, 2, microbatches=4, schedule="gpipe").total - small
     assert estimated_one == pytest.approx(one, rel=0.2), (estimated_one, one)
     assert estimated_stage == pytest.approx(max(stages), rel=0.2), (estimated_stage, stages)
+
+
+def test_the_plan_counts_each_stages_average_of_its_weights(runs: dict, tmp_path: Path) -> None:
+    """``ema.decay`` under the 2 stages: each averages its own blocks (callbacks/ema.py), about
+    half the model's weights more per rank (0.55 GB); the plan's stage, with its share of the
+    average, against the busiest rank's peak, and what the average added against its share."""
+    base = peaks(runs["small"][2], 1)[0]["train_peak_rss"]
+    plain = max(h["train_peak_rss"] - base for h in peaks(runs["pipe_capped"][2], 2))
+    averaged = max(h["train_peak_rss"] - base for h in peaks(runs["pipe_ema"][2], 2))
+    small = footprint(compose_config("train", tmp_path / "small", list(runs["common"]))).total
+    wide = footprint(compose_config("train", tmp_path / "wide", [*runs["common"], WIDE, EMA]))
+    stage = pipelined(wide, 2, microbatches=4, schedule="gpipe")
+    assert stage.average > 500 * 2**20
+    assert stage.total - small == pytest.approx(averaged, rel=0.2), (stage.total - small, averaged)
+    assert averaged - plain == pytest.approx(stage.average, rel=0.2), (averaged - plain, stage)

@@ -1,7 +1,9 @@
 """The average of the weights (callbacks.ema) on one device, in this process, with a module
 written as Lightning's docs write one: its updates against a moving average computed here by
 hand and against Lightning's own ``EMAWeightAveraging``, in float64; the weights validation and
-a checkpoint hold; the refusals. Every strategy's runs: e2e/test_ema.py."""
+a checkpoint hold; the refusals. ``ShardedAverage``, the average each rank keeps of its part under
+fsdp and the pipeline, holds the whole module's here, and must equal the same. Every strategy's
+runs: e2e/test_ema.py."""
 
 import lightning as L
 import pytest
@@ -11,10 +13,16 @@ from omegaconf import OmegaConf
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from trainkit.callbacks.ema import ExponentialAverage, check_ema, exponential_average
+from trainkit.callbacks.ema import (
+    ExponentialAverage,
+    ShardedAverage,
+    check_ema,
+    exponential_average,
+)
 from trainkit.errors import ConfigError
-from trainkit.parallel import ParallelDims
 from trainkit.preflight import preflight
+from trainkit.strategies.fsdp import FSDPStrategy
+from trainkit.strategies.pipeline import PipelineStrategy
 
 DECAY, EVERY, START, STEPS = 0.9, 2, 3, 9
 
@@ -85,10 +93,20 @@ def by_hand(weights: list[torch.Tensor]) -> torch.Tensor:
     return average
 
 
-def test_the_average_is_the_moving_average_of_the_updated_steps(tmp_path) -> None:
-    ours = ExponentialAverage(DECAY, every_n_steps=EVERY, start_step=START)
+KINDS = pytest.mark.parametrize("kind", [ExponentialAverage, ShardedAverage])
+
+
+def average_weight(callback: ExponentialAverage) -> torch.Tensor:
+    if isinstance(callback, ShardedAverage):
+        return callback.average_part["layer.weight"]
+    return callback._average_model.module.layer.weight.detach()
+
+
+@KINDS
+def test_the_average_is_the_moving_average_of_the_updated_steps(tmp_path, kind) -> None:
+    ours = kind(DECAY, every_n_steps=EVERY, start_step=START)
     _, model, raw = fit(ours, tmp_path)
-    average = ours._average_model.module.layer.weight.detach()
+    average = average_weight(ours)
     assert torch.allclose(average, by_hand(raw.after_step), rtol=0, atol=1e-12)
     lightnings = EMAWeightAveraging(
         decay=DECAY, update_every_n_steps=EVERY, update_starting_at_step=START
@@ -100,11 +118,12 @@ def test_the_average_is_the_moving_average_of_the_updated_steps(tmp_path) -> Non
     assert not torch.equal(raw.after_step[-1], average)
 
 
-def test_validation_runs_on_the_raw_weights_until_the_first_update(tmp_path, caplog) -> None:
+@KINDS
+def test_validation_runs_on_the_raw_weights_until_the_first_update(tmp_path, caplog, kind) -> None:
     """Validation every 2 steps: after 2 and 4 steps, before the first update (after the step of
     index 4, the first from ``start_step`` 3 that ``every_n_steps`` 2 divides), it runs on the
     raw weights, said once; after 6 and 8 steps on the average."""
-    ours = ExponentialAverage(DECAY, every_n_steps=EVERY, start_step=START)
+    ours = kind(DECAY, every_n_steps=EVERY, start_step=START)
     with caplog.at_level("INFO", logger="trainkit.callbacks.ema"):
         _, model, raw = fit(ours, tmp_path, val_every=2)
     validated = model.validated
@@ -117,15 +136,18 @@ def test_validation_runs_on_the_raw_weights_until_the_first_update(tmp_path, cap
     assert len(said) == 1
 
 
-def test_a_checkpoint_holds_the_average_as_its_state_dict(tmp_path) -> None:
-    """Lightning's keys: ``state_dict`` the average, ``current_model_state`` the raw weights."""
-    ours = ExponentialAverage(DECAY, every_n_steps=EVERY, start_step=START, evaluate="raw")
+@KINDS
+def test_a_checkpoint_holds_the_average_as_its_state_dict(tmp_path, kind) -> None:
+    """Lightning's keys: ``state_dict`` the average, ``current_model_state`` the raw weights,
+    ``averaging_state`` the count of updates."""
+    ours = kind(DECAY, every_n_steps=EVERY, start_step=START, evaluate="raw")
     trainer, model, raw = fit(ours, tmp_path)
     trainer.save_checkpoint(tmp_path / "last.ckpt")
     saved = torch.load(tmp_path / "last.ckpt", weights_only=True)
     average = by_hand(raw.after_step)
     assert torch.allclose(saved["state_dict"]["layer.weight"], average, rtol=0, atol=1e-12)
     assert torch.equal(saved["current_model_state"]["layer.weight"], raw.after_step[-1])
+    assert int(saved["averaging_state"]["n_averaged"]) == 3  # after steps 4, 6 and 8
     # evaluate=raw: training ends on its raw weights
     assert torch.equal(model.layer.weight.detach(), raw.after_step[-1])
 
@@ -133,9 +155,6 @@ def test_a_checkpoint_holds_the_average_as_its_state_dict(tmp_path) -> None:
 def config(**ema) -> OmegaConf:
     keys = {"decay": 0.9, "every_n_steps": 1, "start_step": 0, "evaluate": "average", **ema}
     return OmegaConf.create({"ema": keys})
-
-
-WHOLE = ParallelDims(accelerator="cpu", devices=1, num_nodes=1, single_process=False)
 
 
 @pytest.mark.parametrize(
@@ -152,20 +171,20 @@ WHOLE = ParallelDims(accelerator="cpu", devices=1, num_nodes=1, single_process=F
 )
 def test_a_bad_setting_is_refused_naming_it(ema: dict, says: str) -> None:
     with pytest.raises(ConfigError, match=says):
-        check_ema(config(**ema), WHOLE)
+        check_ema(config(**ema))
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "pipeline"])
-def test_a_split_model_is_refused_before_the_run_starts(compose, strategy: str) -> None:
-    """Under fsdp and the pipeline the average would be a whole copy on every rank: refused by
-    preflight, before any process starts (what the next part of #62 lifts)."""
-    cfg = compose(f"strategy={strategy}", "devices=2", "ema.decay=0.9")
-    with pytest.raises(ConfigError, match="splits the model's parameters"):
-        preflight(cfg)
-    preflight(compose(f"strategy={strategy}", "devices=2"))  # (accepted without an average)
+@pytest.mark.parametrize("strategy", [FSDPStrategy, PipelineStrategy])
+def test_a_split_model_keeps_the_average_of_each_part(compose, strategy: type) -> None:
+    """Under fsdp and the pipeline each rank averages the part it holds (``ShardedAverage``),
+    never a whole copy; preflight takes the setting."""
+    name = "fsdp" if strategy is FSDPStrategy else "pipeline"
+    preflight(compose(f"strategy={name}", "devices=2", "ema.decay=0.9"))
+    kinds = [type(c) for c in exponential_average(config(), strategy.capabilities)]
+    assert kinds == [ShardedAverage]
 
 
 def test_no_decay_no_average() -> None:
-    check_ema(config(decay=None), WHOLE)
+    check_ema(config(decay=None))
     assert exponential_average(config(decay=None)) == []
     assert [type(c) for c in exponential_average(config())] == [ExponentialAverage]

@@ -70,6 +70,24 @@ def test_bf16_true_weights_take_half_the_bytes(compose) -> None:
     assert bf16.grads * 2 == fp32.grads
 
 
+@pytest.mark.parametrize(("precision", "per_weight"), [("32-true", 4), ("bf16-true", 4)])
+def test_an_average_of_the_weights_is_held_beside_them(compose, precision, per_weight) -> None:
+    """``ema.decay``: one more copy of the weights, in float32 where they are bfloat16
+    (callbacks/ema.py), held throughout; none with ``ema.on_cpu``; a share under fsdp, a stage's
+    blocks' part in the pipeline."""
+    plain = footprint(compose(SMALL, f"precision={precision}"))
+    averaged = footprint(compose(SMALL, f"precision={precision}", "ema.decay=0.9"))
+    assert plain.average == 0
+    assert averaged.average == per_weight * sum(SMALL_PARAMS)
+    assert averaged.total == plain.total + averaged.average
+    on_cpu = compose(SMALL, f"precision={precision}", "ema.decay=0.9", "ema.on_cpu=true")
+    assert footprint(on_cpu).average == 0
+    assert fully_sharded(averaged, 2).average == averaged.average // 2
+    stage = pipelined(averaged, 2, microbatches=4, schedule="gpipe")
+    assert 0 < stage.average < averaged.average
+    assert stage.average == pytest.approx(averaged.average * stage.params / averaged.params, 1e-3)
+
+
 def test_fsdp_holds_a_share_of_the_state_plus_one_gathered_unit() -> None:
     fp = Footprint(params=800, grads=800, optimizer=1600, activations=100, batch=8,
                    largest_unit=300)  # fmt: skip

@@ -239,6 +239,8 @@ MEMORY_SPLITS = (
     pipeline("mlp_wide", 4, stages=3),
     pipeline("mlp_wide", 4, shards=2),  # 2 stages, each sharded over 2 ranks: 4 ranks
     FSDP_WIDE,
+    # with an average of the weights (ema.decay): each rank's share of it beside its shard
+    replace(FSDP_WIDE, extra=("ema.decay=0.999",), variant="ema"),
     FSDP_TRANSFORMER,
     Cell("resnet50_cifar", "template", "fsdp", 2),
     pipeline("resnet50_cifar", 4),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from itertools import chain
 from typing import Any
 
 import lightning as L
@@ -13,16 +14,18 @@ import torch
 from lightning.pytorch.callbacks import EMAWeightAveraging, WeightAveraging
 from lightning.pytorch.trainer.states import TrainerFn
 from omegaconf import DictConfig
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from trainkit.errors import ConfigError
-from trainkit.parallel import ParallelDims
+from trainkit.parallel import Capabilities
 
 log = logging.getLogger(__name__)
 
 EVALUATED = ("average", "raw")
 
 
-def check_ema(cfg: DictConfig, dims: ParallelDims) -> None:
+def check_ema(cfg: DictConfig) -> None:
     """``ema`` as a run can keep it, or a refusal naming the key, before the run starts."""
     ema = cfg.get("ema") or {}
     decay = ema.get("decay")
@@ -38,25 +41,23 @@ def check_ema(cfg: DictConfig, dims: ParallelDims) -> None:
             raise ConfigError(f"ema.{key}={value}: give a whole number from {least}")
     if not isinstance(ema.get("on_cpu", False), bool):
         raise ConfigError(f"ema.on_cpu={ema.get('on_cpu')}: give true or false")
-    if not dims.caps.whole_parameters:
-        raise ConfigError(
-            f"ema.decay={decay} with a strategy that splits the model's parameters (fsdp, "
-            f"pipeline): not yet (a copy of the whole module on every rank would undo the "
-            f"split). Use strategy=ddp, or ema.decay=null"
-        )
 
 
-def exponential_average(cfg: DictConfig, training: bool = True) -> list[L.Callback]:
+def exponential_average(
+    cfg: DictConfig, caps: Capabilities | None = None, training: bool = True
+) -> list[L.Callback]:
     """The run's average as ``ema`` configures it (checked by ``check_ema``), none where
-    ``ema.decay`` is null; for eval.py (``training=False``) which of a checkpoint's weights it
-    evaluates, nothing averaged."""
+    ``ema.decay`` is null: beside each process's part of the model where the strategy splits its
+    parameters (``caps.whole_parameters``), else Lightning's whole copy. For eval.py
+    (``training=False``) which of a checkpoint's weights it evaluates, nothing averaged."""
     ema = cfg.get("ema") or {}
     evaluate = ema.get("evaluate") or "average"
     if not training:
         return [ExponentialAverage(0.5, evaluate=evaluate)]
     if ema.get("decay") is None:
         return []
-    average = ExponentialAverage(
+    kind = ExponentialAverage if caps is None or caps.whole_parameters else ShardedAverage
+    average = kind(
         ema.decay,
         every_n_steps=ema.every_n_steps,
         start_step=ema.start_step,
@@ -100,8 +101,10 @@ class ExponentialAverage(EMAWeightAveraging):
     ) -> None:
         # EMAWeightAveraging's own __init__ gives torch's get_ema_avg_fn, a closure that ddp_spawn
         # cannot pickle into its processes: the same update as a class, and its settings
+        self.update = EmaUpdate(decay)
+        self.on_cpu = on_cpu
         WeightAveraging.__init__(
-            self, device="cpu" if on_cpu else None, use_buffers=True, avg_fn=EmaUpdate(decay)
+            self, device="cpu" if on_cpu else None, use_buffers=True, avg_fn=self.update
         )
         self.update_every_n_steps = every_n_steps
         self.update_starting_at_step = start_step
@@ -124,7 +127,7 @@ class ExponentialAverage(EMAWeightAveraging):
         if self.evaluate != "average" or trainer.state.fn != TrainerFn.FITTING:
             return
         if self.averaged():
-            super().on_validation_epoch_start(trainer, pl_module)
+            self._swap_models(pl_module)
             self.swapped = True
         elif not self.said_raw:
             self.said_raw = True
@@ -137,7 +140,7 @@ class ExponentialAverage(EMAWeightAveraging):
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.swapped:  # (at its start)
-            super().on_validation_epoch_end(trainer, pl_module)
+            self._swap_models(pl_module)
             self.swapped = False
 
     def on_exception(
@@ -149,7 +152,7 @@ class ExponentialAverage(EMAWeightAveraging):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.evaluate == "average" and self.averaged():
-            super().on_train_end(trainer, pl_module)  # the module ends as the average
+            self._copy_average_to_current(pl_module)  # the module ends as the average
 
     def on_save_checkpoint(
         self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
@@ -167,3 +170,139 @@ class ExponentialAverage(EMAWeightAveraging):
             raw = {**checkpoint, "state_dict": checkpoint["current_model_state"]}
             trainer.strategy.load_model_state_dict(raw, strict=pl_module.strict_loading)
             log.info("ema: evaluating the raw weights (ema.evaluate=raw)")
+
+
+def held(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What this process holds of the module's parameters and buffers, by name: an FSDP rank's
+    shard of each parameter (a DTensor's local part), a pipeline stage's own blocks (the other
+    stages' are on the meta device, with no data). FSDP units are resharded first: FSDP2 keeps
+    the root's parameters gathered from a forward to its backward, and whole they are no
+    shard."""
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()  # (nothing where it holds its shard already)
+    tensors = chain(module.named_parameters(), module.named_buffers())
+    local = {name: t.to_local() if isinstance(t, DTensor) else t for name, t in tensors}
+    return {name: t.detach() for name, t in local.items() if not t.is_meta}
+
+
+class ShardedAverage(ExponentialAverage):
+    """The same average, kept beside the part of the module this process holds (``held``) and
+    updated there tensor by tensor, never gathered: under fsdp the average of a rank's shards, in
+    a pipeline the average of a stage's blocks (as torchtitan keeps its EMA). Validation swaps it
+    in place, part by part; a checkpoint holds it as the strategy saves the module (sharded or
+    gathered, with the same keys as Lightning's); a resume or eval loads it through the strategy,
+    so any strategy and world size reads it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.average_part: dict[str, torch.Tensor] | None = None
+        self.n_averaged = 0
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Nothing here: the strategy has not split the module yet (``on_fit_start``)."""
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """This process's part of the average, made once the strategy has split the module; in
+        float32 where the weights are float16 or bfloat16 (as Lightning's copy, made before the
+        precision converts the module)."""
+        low = (torch.float16, torch.bfloat16)
+        self.average_part = {
+            name: t.to(
+                "cpu" if self.on_cpu else t.device,
+                dtype=torch.float32 if t.dtype in low else t.dtype,
+                copy=True,
+            )
+            for name, t in held(pl_module).items()
+        }
+
+    def averaged(self) -> bool:
+        return self.average_part is not None and self.n_averaged > 0
+
+    @torch.no_grad()
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kwargs: Any
+    ) -> None:
+        """After every ``every_n_steps``-th optimizer step from ``start_step`` (0-based), as
+        Lightning's: the first update copies the weights, each later one averages them in with
+        the same update as Lightning's (``EmaUpdate``, tensor by tensor: the same bits)."""
+        step_idx = trainer.global_step - 1
+        if trainer.global_step <= self._latest_update_step or not self.should_update(step_idx):
+            return
+        assert self.average_part is not None
+        for name, weights in held(pl_module).items():
+            average = self.average_part[name]
+            weights = weights.to(average.device)
+            if self.n_averaged == 0:
+                average.copy_(weights)
+            else:
+                average.copy_(self.update(average, weights, self.n_averaged))
+        self.n_averaged += 1
+        self._latest_update_step = trainer.global_step
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """(Lightning's updates here by epoch, which ``ema`` never configures.)"""
+
+    @torch.no_grad()
+    def _swap_models(self, pl_module: L.LightningModule) -> None:
+        assert self.average_part is not None
+        for name, weights in held(pl_module).items():
+            average = self.average_part[name]
+            kept = average.clone()
+            average.copy_(weights)
+            weights.copy_(kept)
+
+    @torch.no_grad()
+    def _copy_average_to_current(self, pl_module: L.LightningModule) -> None:
+        assert self.average_part is not None
+        for name, weights in held(pl_module).items():
+            weights.copy_(self.average_part[name])
+
+    def on_save_checkpoint(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """``state_dict`` the average as the strategy saves the module: swapped in, the strategy's
+        state dict taken (gathered to the writer, or each process's part), swapped back; an entry
+        that is the module's own tensor (a part saved as it is held) is then the average's."""
+        if not self.averaged():
+            return
+        assert self.average_part is not None
+        self._swap_models(pl_module)
+        try:
+            average = trainer.strategy.lightning_module_state_dict()
+        finally:
+            self._swap_models(pl_module)
+        raw = held(pl_module)
+        for name, value in average.items():
+            part = value.to_local() if isinstance(value, DTensor) else value
+            if name in raw and part.data_ptr() == raw[name].data_ptr():
+                average[name] = in_form_of(self.average_part[name], value)
+        checkpoint["current_model_state"] = checkpoint["state_dict"]
+        checkpoint["state_dict"] = average
+        checkpoint["averaging_state"] = {"n_averaged": torch.tensor(self.n_averaged)}
+
+    @torch.no_grad()
+    def on_load_checkpoint(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """A resume: the strategy has loaded ``state_dict``, the average, into the module; it
+        becomes this process's part of the average, and the raw weights are loaded in its place."""
+        if trainer.state.fn != TrainerFn.FITTING or "averaging_state" not in checkpoint:
+            return super().on_load_checkpoint(trainer, pl_module, checkpoint)
+        assert self.average_part is not None
+        for name, average in held(pl_module).items():
+            self.average_part[name].copy_(average)
+        self.n_averaged = int(checkpoint["averaging_state"]["n_averaged"])
+        raw = {**checkpoint, "state_dict": checkpoint["current_model_state"]}
+        trainer.strategy.load_model_state_dict(raw, strict=pl_module.strict_loading)
+
+
+def in_form_of(part: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This process's part of the average as ``like`` is: a DTensor of the same layout, on its
+    device."""
+    part = part.to(like.device)
+    if not isinstance(like, DTensor):
+        return part
+    return DTensor.from_local(
+        part, like.device_mesh, like.placements, shape=like.shape, stride=like.stride()
+    )

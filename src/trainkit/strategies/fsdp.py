@@ -15,7 +15,7 @@ accelerator (Lightning #21812).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -38,7 +38,13 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin
 
-from trainkit.checkpoint_io import ShardedSave, checkpoint_form, is_sharded, keyed_by_name
+from trainkit.checkpoint_io import (
+    AVERAGED_RAW,
+    ShardedSave,
+    checkpoint_form,
+    is_sharded,
+    keyed_by_name,
+)
 from trainkit.errors import ConfigError
 from trainkit.launch import JobScriptLauncher
 from trainkit.models.blocks import BlockSequence
@@ -250,9 +256,10 @@ class FSDPStrategy(ShardedSave, ExactMeanReduce, ModelParallelStrategy):
         if is_sharded(path):  # each rank reads its part, on any number of ranks (DCP reshards)
             optimizers = enumerate(self.optimizers if fitting else [])
             state = {"state_dict": self.model, **{f"optimizer_{i}": o for i, o in optimizers}}
-            return _load_checkpoint(
+            checkpoint = _load_checkpoint(
                 path, state, strict=module.strict_loading, weights_only=weights_only
             )
+            return {**checkpoint, **self._averaged_raw(path)}
         checkpoint = _load_checkpoint(
             path=path,
             state={"state_dict": self.model},
@@ -274,6 +281,34 @@ class FSDPStrategy(ShardedSave, ExactMeanReduce, ModelParallelStrategy):
             state = keyed_by_name(state, optimizer, self.model)
             set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state, options=options)
         return checkpoint
+
+    def _averaged_raw(self, path: Path) -> dict[str, Any]:
+        """A sharded checkpoint's raw weights beside an average (``ema``: its ``state_dict`` is
+        the average), this rank's shards of them; nothing where it has none."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemReader
+
+        saved = FileSystemReader(path).read_metadata().state_dict_metadata
+        if not any(key.startswith(f"{AVERAGED_RAW}.") for key in saved):
+            return {}
+        raw = {k: torch.empty_like(v) for k, v in self.model.state_dict().items()}
+        dcp.load({AVERAGED_RAW: raw}, checkpoint_id=path)
+        return {AVERAGED_RAW: raw}
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Weights given whole (a full checkpoint's, on every rank) or as this rank's shards
+        (DTensors) loaded into the shards: the raw weights beside an average (``ema``). A
+        checkpoint's own ``state_dict`` is loaded by ``load_checkpoint`` already, which takes it
+        out of the checkpoint."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        from torch.distributed.tensor import DTensor
+
+        if "state_dict" not in checkpoint:
+            return
+        state = checkpoint["state_dict"]
+        whole = not any(isinstance(v, DTensor) for v in state.values())
+        options = StateDictOptions(full_state_dict=whole, strict=strict)
+        set_model_state_dict(self.lightning_module, state, options=options)
 
     def model_to_device(self) -> None:
         """Everything to the device but, with ``cpu_offload``, the shards that FSDP keeps on the

@@ -69,6 +69,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from torchmetrics import Metric
 
 from trainkit.checkpoint_io import (
+    AVERAGED_RAW,
     ShardedSave,
     checkpoint_form,
     is_sharded,
@@ -954,10 +955,11 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
         )
 
     def _read_own_part(self, path: Path) -> dict[str, Any]:
-        """From a sharded checkpoint: the weights this process holds and its parameters'
-        optimizer state, read by this process alone."""
+        """From a sharded checkpoint: the weights this process holds (and the raw ones beside an
+        average, ``ema``) and its parameters' optimizer state, read by this process alone."""
         lm = self.lightning_module
-        keys = {f"state_dict.{k}" for k in self._held_keys(lm.state_dict())}
+        held = self._held_keys(lm.state_dict())
+        keys = {f"{part}.{k}" for k in held for part in ("state_dict", AVERAGED_RAW)}
         own = self._held_keys(dict(lm.named_parameters()))
         for i, _ in enumerate(self.optimizers):
             keys |= {f"optimizer_{i}.param_groups", *(f"optimizer_{i}.state.{n}" for n in own)}
