@@ -47,13 +47,15 @@ def runs(run_here: Callable[..., Path], run_script: Callable[..., Path], base) -
     """Two epochs on one device (in this process), under ddp x2, ddp_spawn x2, fsdp x2 and x3
     (each rank averaging its shards), the pipeline x2 (each stage its blocks) and the pipeline x2
     with each stage sharded over 2 ranks (each rank its shards of its stage), global batch 48.
-    fsdp's and the pipeline's checkpoints are sharded. (dp on CPU trains in one process on one
-    device: nothing of its own to compare.)"""
+    fsdp's and the pipeline's checkpoints are sharded. dp x2 on CPU trains in one process on one
+    device (torch's DataParallel splits batches across GPUs only): its strategy's path, the
+    average beside the module it would replicate."""
     two, three = ("devices=2", "data.batch_size=24"), ("devices=3", "data.batch_size=16")
     return {
         "single": run_here("train.py", *base, "data.batch_size=48"),
         "ddp": run_script("train.py", *base, "strategy=ddp", *two),
         "ddp_spawn": run_script("train.py", *base, "strategy=ddp_spawn", *two),
+        "dp": run_script("train.py", *base, "strategy=dp", "devices=2", "data.batch_size=48"),
         "fsdp": run_script("train.py", *base, "strategy=fsdp", *two),
         "fsdp_x3": run_script("train.py", *base, "strategy=fsdp", *three),
         "pipeline": run_script(
@@ -91,7 +93,7 @@ def metrics(run_dir: Path) -> dict:
 
 @shares_runs
 @pytest.mark.parametrize(
-    "name", ["ddp", "ddp_spawn", "fsdp", "fsdp_x3", "pipeline", "pipeline_fsdp"]
+    "name", ["ddp", "ddp_spawn", "dp", "fsdp", "fsdp_x3", "pipeline", "pipeline_fsdp"]
 )
 def test_the_average_equals_one_devices(runs: dict[str, Path], name: str) -> None:
     """The last checkpoint's average (``state_dict``) and raw weights (``current_model_state``)
@@ -99,7 +101,7 @@ def test_the_average_equals_one_devices(runs: dict[str, Path], name: str) -> Non
     raw weights."""
     single, other = last(runs["single"]), last(runs[name])
     saved = runs[name] / "checkpoints" / "last.ckpt"
-    assert is_sharded(saved) == (name not in ("ddp", "ddp_spawn"))
+    assert is_sharded(saved) == (name not in ("ddp", "ddp_spawn", "dp"))
     assert_same_average(other, single)
     apart = max(
         (single["state_dict"][k] - single["current_model_state"][k]).abs().max().item()
@@ -129,27 +131,37 @@ def test_eval_evaluates_the_average_and_on_request_the_raw_weights(
     assert raw["test/loss"] != average["test/loss"]
 
 
+@pytest.fixture(scope="module")
+def single_evaluated(runs: dict[str, Path], run_here: Callable[..., Path]) -> dict[str, dict]:
+    """eval.py's test metrics of one device's last checkpoint, by ``ema.evaluate``."""
+    last_ckpt = f"ckpt_path={runs['single'] / LAST}"
+    evaluated = {}
+    for which in ("average", "raw"):
+        run_dir = run_here("eval.py", last_ckpt, "accelerator=cpu", f"ema.evaluate={which}")
+        evaluated[which] = metrics(run_dir)["test"]
+    return evaluated
+
+
 @shares_runs
 @pytest.mark.parametrize(
     ("name", "layout"),
-    [("fsdp", ()), ("fsdp", ("strategy=fsdp", "devices=2")),
-     ("pipeline", ("strategy=pipeline", "devices=2"))],
+    [("ddp", ()), ("fsdp", ()), ("fsdp", ("strategy=fsdp", "devices=2")), ("fsdp_x3", ()),
+     ("pipeline", ()), ("pipeline", ("strategy=pipeline", "devices=2")), ("pipeline_fsdp", ())],
 )  # fmt: skip
-def test_eval_of_a_sharded_checkpoint_evaluates_either_set(
+def test_eval_of_each_checkpoint_evaluates_either_set(
     runs: dict[str, Path], run_here: Callable[..., Path], run_script: Callable[..., Path],
-    name: str, layout: tuple[str, ...],
+    single_evaluated: dict[str, dict], name: str, layout: tuple[str, ...],
 ) -> None:  # fmt: skip
-    """eval.py on the strategy's sharded last checkpoint, on one device or under the strategy
-    (each rank loading its part): the average's metrics by default, the raw weights' with
-    ``ema.evaluate=raw``, as on one device's checkpoint."""
+    """eval.py on the strategy's last checkpoint (sharded but ddp's), on one device or under the
+    strategy (each rank loading its part): the average's metrics by default, the raw weights'
+    with ``ema.evaluate=raw``, as on one device's checkpoint."""
     evaluate = run_script if layout else run_here
     found = {}
     for which in ("average", "raw"):
         args = ("accelerator=cpu", f"ema.evaluate={which}")
         ours = metrics(evaluate("eval.py", f"ckpt_path={runs[name] / LAST}", *args, *layout))
-        theirs = metrics(run_here("eval.py", f"ckpt_path={runs['single'] / LAST}", *args))
-        assert ours["test"].keys() == theirs["test"].keys()
-        for key, value in theirs["test"].items():
+        assert ours["test"].keys() == single_evaluated[which].keys()
+        for key, value in single_evaluated[which].items():
             assert abs(ours["test"][key] - value) < METRIC_ATOL, (which, key)
         found[which] = ours["test"]["test/loss"]
     assert abs(found["average"] - found["raw"]) > 1e-3

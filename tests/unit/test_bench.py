@@ -19,6 +19,7 @@ from trainkit.bench.cells import (
     MEMORY_MATRIX,
     MEMORY_ONE_DEVICE,
     MEMORY_SPLITS,
+    ONE_DEVICE_AVERAGED,
     TRAFFIC,
     WORKLOADS,
     Cell,
@@ -252,6 +253,26 @@ def test_existing_out_and_unknown_cells_refused_before_any_run(
         bench_main(["--out", str(tmp_path / "new"), "--cells", "mlp-nonsense"])
     assert exit_info.value.code == 2 and "--list" in capsys.readouterr().err
     assert not (tmp_path / "new").exists()
+
+
+def test_an_averaged_split_is_held_against_one_device_with_its_average() -> None:
+    """fsdp x2 with ``ema.decay`` against the one-device cell that keeps the average too (its
+    goal about the split, not the average); fsdp x2 without it against the plain one."""
+    averaged = next(c for c in MEMORY_SPLITS if c.extra == ONE_DEVICE_AVERAGED.extra)
+    assert averaged.strategy == "fsdp" and ONE_DEVICE_AVERAGED in MEMORY_MATRIX
+    cells = [
+        _cell(MEMORY_BASELINE.name, "mlp_b64", "template", 1, 1.0, peak_mem_mb=[700.0]),
+        _cell(MEMORY_ONE_DEVICE["mlp_wide"].name, "mlp_wide", "template", 1, 1.0,
+              peak_mem_mb=[2700.0]),
+        _cell(ONE_DEVICE_AVERAGED.name, "mlp_wide", "template", 1, 1.0, peak_mem_mb=[3200.0]),
+        _cell(FSDP_WIDE.name, "mlp_wide", "template", 2, 1.0, peak_mem_mb=[1900.0, 1700.0]),
+        _cell(averaged.name, "mlp_wide", "template", 2, 1.0, peak_mem_mb=[2200.0, 1950.0]),
+    ]  # fmt: skip
+    one, one_averaged, fsdp, fsdp_averaged = memory(cells)["rows"]
+    assert one["met"] is None and one_averaged["met"] is None
+    assert one_averaged["vs_one_device"] == [1.0]
+    assert fsdp["vs_one_device"] == [0.6, 0.5] and fsdp["met"] is True
+    assert fsdp_averaged["vs_one_device"] == [0.6, 0.5] and fsdp_averaged["met"] is True
 
 
 def test_memory_per_rank_above_the_baseline_against_its_models_one_device(tmp_path: Path) -> None:

@@ -58,11 +58,17 @@ class RawWeights(L.Callback):
         self.after_step.append(pl_module.layer.weight.detach().clone())
 
 
-def fit(callback: L.Callback, tmp_path, val_every: int | None = None) -> tuple:
+def fit(
+    callback: L.Callback,
+    tmp_path,
+    val_every: int | None = None,
+    dtype: torch.dtype = torch.float64,
+    model: L.LightningModule | None = None,
+) -> tuple:
     torch.manual_seed(0)
-    x = torch.randn(64, 4, dtype=torch.float64)
-    data = TensorDataset(x, x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]], dtype=torch.float64))
-    model = Regression().double()
+    x = torch.randn(64, 4, dtype=dtype)
+    data = TensorDataset(x, x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]], dtype=dtype))
+    model = (model or Regression()).to(dtype)
     raw = RawWeights()
     trainer = L.Trainer(
         max_steps=STEPS,
@@ -89,7 +95,10 @@ def by_hand(weights: list[torch.Tensor]) -> torch.Tensor:
     average = None
     for step, w in enumerate(weights):
         if step >= START and step % EVERY == 0:
-            average = w.clone() if average is None else DECAY * average + (1 - DECAY) * w
+            if average is None:  # (kept in float32 at least, as bf16 weights' average is)
+                average = w.to(torch.promote_types(w.dtype, torch.float32), copy=True)
+            else:
+                average = DECAY * average + (1 - DECAY) * w
     return average
 
 
@@ -150,6 +159,39 @@ def test_a_checkpoint_holds_the_average_as_its_state_dict(tmp_path, kind) -> Non
     assert int(saved["averaging_state"]["n_averaged"]) == 3  # after steps 4, 6 and 8
     # evaluate=raw: training ends on its raw weights
     assert torch.equal(model.layer.weight.detach(), raw.after_step[-1])
+
+
+class TiedRegression(Regression):
+    """The regression with a second layer that shares its weight (as a language model ties its
+    embedding and its output layer): two names in a state dict, one tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.echo = nn.Linear(4, 1)
+        self.echo.weight = self.layer.weight
+
+
+@KINDS
+def test_a_tied_weight_is_saved_as_the_average_under_each_of_its_names(tmp_path, kind) -> None:
+    ours = kind(DECAY, every_n_steps=EVERY, start_step=START, evaluate="raw")  # (ends raw)
+    trainer, _, raw = fit(ours, tmp_path, model=TiedRegression())
+    trainer.save_checkpoint(tmp_path / "last.ckpt")
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=True)
+    average = by_hand(raw.after_step)
+    for name in ("layer.weight", "echo.weight"):
+        assert torch.allclose(saved["state_dict"][name], average, rtol=0, atol=1e-12), name
+        assert torch.equal(saved["current_model_state"][name], raw.after_step[-1]), name
+
+
+def test_validation_never_rounds_a_float32_average_of_bfloat16_weights(tmp_path) -> None:
+    """bf16 weights, their average in float32: after validations on the average (each swapping
+    it in and out), it is the moving average of the weights to the bit, never rounded through
+    them."""
+    ours = ShardedAverage(DECAY, every_n_steps=EVERY, start_step=START)
+    _, _, raw = fit(ours, tmp_path, val_every=2, dtype=torch.bfloat16)
+    average = ours.average_part["layer.weight"]
+    assert average.dtype == torch.float32
+    assert torch.equal(average, by_hand(raw.after_step))
 
 
 def config(**ema) -> OmegaConf:

@@ -86,6 +86,15 @@ def test_an_average_of_the_weights_is_held_beside_them(compose, precision, per_w
     stage = pipelined(averaged, 2, microbatches=4, schedule="gpipe")
     assert 0 < stage.average < averaged.average
     assert stage.average == pytest.approx(averaged.average * stage.params / averaged.params, 1e-3)
+    # the plan's table: a column of its own (in whole MiB: a wider model)
+    wide = ("model.net.hidden=[1024,1024]", f"precision={precision}", "ema.decay=0.9")
+    cfg = compose(*wide, "strategy=fsdp", "devices=2")
+    rows = [r.split(" | ") for r in table(RunPlan(cfg, ParallelDims.from_config(cfg))).splitlines()
+            if r.count("|") > 8]  # fmt: skip
+    column = rows[0].index("average (ema)")
+    this_run = next(r for r in rows if r[0] == "| this run")
+    share = fully_sharded(footprint(compose(*wide)), 2).average
+    assert share > 2**20 and this_run[column] == f"{share / 2**20:,.0f} MiB"
 
 
 def test_fsdp_holds_a_share_of_the_state_plus_one_gathered_unit() -> None:

@@ -217,6 +217,17 @@ MEMORY_ONE_DEVICE = {  # by workload
     "transformer_wide": Cell("transformer_wide", "template"),
     "resnet50_cifar": Cell("resnet50_cifar", "template"),
 }
+# an average of the weights (ema.decay): one more copy of them, on one device and in each rank's
+# share under fsdp; a split cell is held against the one-device cell of its own options
+AVERAGED = ("ema.decay=0.999",)
+ONE_DEVICE_AVERAGED = Cell("mlp_wide", "template", extra=AVERAGED, variant="ema")
+
+
+def one_device_of(cell: Cell) -> Cell:
+    """The one-device cell a split ``cell`` is held against: its workload's with the same
+    options where the memory matrix has one (``ONE_DEVICE_AVERAGED``), else its workload's."""
+    same = replace(MEMORY_ONE_DEVICE[cell.workload], extra=cell.extra, variant=cell.variant)
+    return same if same == ONE_DEVICE_AVERAGED else MEMORY_ONE_DEVICE[cell.workload]
 
 
 SAVE_FORMS = {  # the strategy options of each form of save
@@ -239,8 +250,7 @@ MEMORY_SPLITS = (
     pipeline("mlp_wide", 4, stages=3),
     pipeline("mlp_wide", 4, shards=2),  # 2 stages, each sharded over 2 ranks: 4 ranks
     FSDP_WIDE,
-    # with an average of the weights (ema.decay): each rank's share of it beside its shard
-    replace(FSDP_WIDE, extra=("ema.decay=0.999",), variant="ema"),
+    replace(FSDP_WIDE, extra=AVERAGED, variant="ema"),  # each rank's share of the average
     FSDP_TRANSFORMER,
     Cell("resnet50_cifar", "template", "fsdp", 2),
     pipeline("resnet50_cifar", 4),
@@ -265,6 +275,7 @@ TRAFFIC = (
 MEMORY_MATRIX: tuple[Cell, ...] = (
     MEMORY_BASELINE,
     *MEMORY_ONE_DEVICE.values(),
+    ONE_DEVICE_AVERAGED,
     *MEMORY_SPLITS,
     *TRAFFIC,
 )

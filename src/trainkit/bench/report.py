@@ -15,7 +15,9 @@ from trainkit.bench.cells import (
     MEMORY_SPLITS,
     MLP_COMPILED,
     MLP_TEMPLATE,
+    ONE_DEVICE_AVERAGED,
     Cell,
+    one_device_of,
     pipeline,
 )
 from trainkit.bench.clock import PHASES
@@ -152,8 +154,8 @@ MEMORY_GOAL = 0.6
 
 def memory(cells: list[dict]) -> dict | None:
     """The memory cells' peak per rank above the baseline's (``MEMORY_BASELINE``), each against
-    its model's one-device cell (``MEMORY_ONE_DEVICE``); None unless the baseline and a
-    one-device cell ran."""
+    its model's one-device cell with the same options where one ran (``one_device_of``), else
+    its model's (``MEMORY_ONE_DEVICE``); None unless the baseline and a one-device cell ran."""
     by_name = {c["cell"]: c for c in cells if "peak_mem_mb" in c}
     ones = {w: c for w, c in MEMORY_ONE_DEVICE.items() if c.name in by_name}
     if MEMORY_BASELINE.name not in by_name or not ones:
@@ -161,13 +163,17 @@ def memory(cells: list[dict]) -> dict | None:
     base = by_name[MEMORY_BASELINE.name]["peak_mem_mb"][0]
     planned_base = by_name[MEMORY_BASELINE.name].get("planned_mb")
     rows = []
-    for workload, reference in ones.items():
-        one = by_name[reference.name]["peak_mem_mb"][0] - base
+    for workload, plain in ones.items():
         splits = [c for c in MEMORY_SPLITS if c.workload == workload and c.name in by_name]
-        for cell in (reference, *splits):
+        averaged = ONE_DEVICE_AVERAGED.workload == workload and ONE_DEVICE_AVERAGED.name in by_name
+        references = [plain, ONE_DEVICE_AVERAGED] if averaged else [plain]
+        for cell in (*references, *splits):
+            reference = cell if cell in references else one_device_of(cell)
+            reference = reference if reference.name in by_name else plain
+            one = by_name[reference.name]["peak_mem_mb"][0] - base
             above = [mb - base for mb in by_name[cell.name]["peak_mem_mb"]]
             largest = max(above) / one
-            met = None if cell is reference else largest <= MEMORY_GOAL
+            met = None if cell in references else largest <= MEMORY_GOAL
             planned = by_name[cell.name].get("planned_mb")
             # the plan's busiest process above the plan of the baseline, as measured
             planned = planned - planned_base if None not in (planned, planned_base) else None

@@ -198,6 +198,15 @@ class ShardedAverage(ExponentialAverage):
         super().__init__(*args, **kwargs)
         self.average_part: dict[str, torch.Tensor] | None = None
         self.n_averaged = 0
+        # while the average is swapped in: the raw weights it took the place of, where their
+        # dtype is not the average's
+        self.stash: dict[str, torch.Tensor] | None = None
+
+    @property
+    def state_key(self) -> str:
+        """``ExponentialAverage``'s: a checkpoint of either resumes under the other's strategy
+        with its step of the last update (Lightning keys a callback's state by its class)."""
+        return ExponentialAverage.__qualname__
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Nothing here: the strategy has not split the module yet (``on_fit_start``)."""
@@ -245,12 +254,24 @@ class ShardedAverage(ExponentialAverage):
 
     @torch.no_grad()
     def _swap_models(self, pl_module: L.LightningModule) -> None:
+        """The average into the module and the raw weights out; called again, back. Each tensor
+        is exchanged with its average, as Lightning's swap does, where the two have one dtype;
+        float16 or bfloat16 weights are kept aside instead (``stash``), so that their float32
+        average is never rounded through them."""
         assert self.average_part is not None
+        swapping_in, stash = self.stash is None, self.stash or {}
         for name, weights in held(pl_module).items():
             average = self.average_part[name]
-            kept = average.clone()
-            average.copy_(weights)
-            weights.copy_(kept)
+            if average.dtype == weights.dtype:  # (exact both ways)
+                kept = average.clone()
+                average.copy_(weights)
+                weights.copy_(kept)
+            elif swapping_in:
+                stash[name] = weights.clone()
+                weights.copy_(average)
+            else:
+                weights.copy_(stash[name])
+        self.stash = stash if swapping_in else None
 
     @torch.no_grad()
     def _copy_average_to_current(self, pl_module: L.LightningModule) -> None:
@@ -272,11 +293,13 @@ class ShardedAverage(ExponentialAverage):
             average = trainer.strategy.lightning_module_state_dict()
         finally:
             self._swap_models(pl_module)
-        raw = held(pl_module)
-        for name, value in average.items():
+        # by the tensor, not by name: a tied weight has one name in held() and two in a state
+        # dict, and fsdp's names drop a compiled or checkpointed module's wrapper
+        of_tensor = {t.data_ptr(): name for name, t in held(pl_module).items() if t.numel()}
+        for key, value in average.items():
             part = value.to_local() if isinstance(value, DTensor) else value
-            if name in raw and part.data_ptr() == raw[name].data_ptr():
-                average[name] = in_form_of(self.average_part[name], value)
+            if part.numel() and part.data_ptr() in of_tensor:
+                average[key] = in_form_of(self.average_part[of_tensor[part.data_ptr()]], value)
         checkpoint["current_model_state"] = checkpoint["state_dict"]
         checkpoint["state_dict"] = average
         checkpoint["averaging_state"] = {"n_averaged": torch.tensor(self.n_averaged)}

@@ -287,11 +287,13 @@ class FSDPStrategy(ShardedSave, ExactMeanReduce, ModelParallelStrategy):
         the average), this rank's shards of them; nothing where it has none."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         saved = FileSystemReader(path).read_metadata().state_dict_metadata
         if not any(key.startswith(f"{AVERAGED_RAW}.") for key in saved):
             return {}
-        raw = {k: torch.empty_like(v) for k, v in self.model.state_dict().items()}
+        # (named as DCP saved them: without a compiled or checkpointed module's wrapper)
+        raw = {k: torch.empty_like(v) for k, v in get_model_state_dict(self.model).items()}
         dcp.load({AVERAGED_RAW: raw}, checkpoint_id=path)
         return {AVERAGED_RAW: raw}
 
