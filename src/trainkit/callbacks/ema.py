@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from trainkit.checkpoint_io import AVERAGED_RAW
 from trainkit.errors import ConfigError
 from trainkit.parallel import Capabilities
 
@@ -164,11 +165,10 @@ class ExponentialAverage(EMAWeightAveraging):
         self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         if trainer.state.fn == TrainerFn.FITTING:  # a resume: the average and the raw weights
-            if "current_model_state" in checkpoint:  # (else none yet: its first update copies)
+            if AVERAGED_RAW in checkpoint:  # (else none yet: its first update copies)
                 super().on_load_checkpoint(trainer, pl_module, checkpoint)
-        elif self.evaluate == "raw" and "current_model_state" in checkpoint:  # (test, eval.py)
-            raw = {**checkpoint, "state_dict": checkpoint["current_model_state"]}
-            trainer.strategy.load_model_state_dict(raw, strict=pl_module.strict_loading)
+        elif self.evaluate == "raw" and AVERAGED_RAW in checkpoint:  # (test, eval.py)
+            load_raw_weights(trainer, pl_module, checkpoint)
             log.info("ema: evaluating the raw weights (ema.evaluate=raw)")
 
 
@@ -300,7 +300,7 @@ class ShardedAverage(ExponentialAverage):
             part = value.to_local() if isinstance(value, DTensor) else value
             if part.numel() and part.data_ptr() in of_tensor:
                 average[key] = in_form_of(self.average_part[of_tensor[part.data_ptr()]], value)
-        checkpoint["current_model_state"] = checkpoint["state_dict"]
+        checkpoint[AVERAGED_RAW] = checkpoint["state_dict"]
         checkpoint["state_dict"] = average
         checkpoint["averaging_state"] = {"n_averaged": torch.tensor(self.n_averaged)}
 
@@ -316,8 +316,16 @@ class ShardedAverage(ExponentialAverage):
         for name, average in held(pl_module).items():
             self.average_part[name].copy_(average)
         self.n_averaged = int(checkpoint["averaging_state"]["n_averaged"])
-        raw = {**checkpoint, "state_dict": checkpoint["current_model_state"]}
-        trainer.strategy.load_model_state_dict(raw, strict=pl_module.strict_loading)
+        load_raw_weights(trainer, pl_module, checkpoint)
+
+
+def load_raw_weights(
+    trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
+) -> None:
+    """A checkpoint's raw weights (beside its average) into the module, through the strategy:
+    whole, sharded or a stage's part, as it holds the module."""
+    raw = {**checkpoint, "state_dict": checkpoint[AVERAGED_RAW]}
+    trainer.strategy.load_model_state_dict(raw, strict=pl_module.strict_loading)
 
 
 def in_form_of(part: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
