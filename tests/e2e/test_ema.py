@@ -75,11 +75,11 @@ def last(run_dir: Path) -> dict:
     return consolidated(path) if is_sharded(path) else torch.load(path, weights_only=True)
 
 
-def assert_same_average(ours: dict, theirs: dict) -> None:
+def assert_same_average(ours: dict, theirs: dict, updates: int = 32) -> None:
     """Two checkpoints' averages (``state_dict``) and raw weights (``current_model_state``) equal
-    to float tolerance, each after all 32 updates."""
+    to float tolerance, each after all ``updates`` (2 epochs' 32 by default)."""
     for checkpoint in (ours, theirs):
-        assert int(checkpoint["averaging_state"]["n_averaged"]) == 32
+        assert int(checkpoint["averaging_state"]["n_averaged"]) == updates
     for key in ("state_dict", "current_model_state"):
         assert ours[key].keys() == theirs[key].keys()
         for name, tensor in theirs[key].items():
@@ -167,19 +167,18 @@ def test_eval_of_each_checkpoint_evaluates_either_set(
     assert abs(found["average"] - found["raw"]) > 1e-3
 
 
+@shares_runs
 def test_an_fsdp_run_resumed_on_three_ranks_carries_its_average(
-    base, run_script: Callable[..., Path]
+    runs: dict[str, Path], base, run_script: Callable[..., Path]
 ) -> None:
-    """fsdp x2 trains an epoch and saves its shards of the average; resumed for a second epoch
-    on 3 ranks (DCP reshards each part) it ends as ddp x3 resumed from the same checkpoint (read
+    """fsdp x2's checkpoint after 2 epochs (its shards of the average), resumed for a third epoch
+    on 3 ranks (DCP reshards each part), ends as ddp x3 resumed from the same checkpoint (read
     whole, into Lightning's copy of the model), every update counted."""
-    first = run_script("train.py", *base, "strategy=fsdp", "devices=2", "data.batch_size=24",
-                       "trainer.max_epochs=1")  # fmt: skip
-    assert is_sharded(first / LAST)
-    epoch2 = (*base, f"ckpt_path={first / LAST}", "devices=3", "data.batch_size=16")
-    fsdp = last(run_script("train.py", *epoch2, "strategy=fsdp"))
-    ddp = last(run_script("train.py", *epoch2, "strategy=ddp"))
-    assert_same_average(fsdp, ddp)
+    epoch3 = (*base, f"ckpt_path={runs['fsdp'] / LAST}", "trainer.max_epochs=3", "devices=3",
+              "data.batch_size=16")  # fmt: skip
+    fsdp = last(run_script("train.py", *epoch3, "strategy=fsdp"))
+    ddp = last(run_script("train.py", *epoch3, "strategy=ddp"))
+    assert_same_average(fsdp, ddp, updates=48)
 
 
 @shares_runs
