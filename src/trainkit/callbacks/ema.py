@@ -113,6 +113,9 @@ class ExponentialAverage(EMAWeightAveraging):
         self.evaluate = evaluate
         self.said_raw = False
         self.swapped = False  # the average in the module (a validation of the fit)
+        # while the average is swapped in: the raw weights it took the place of, where their
+        # dtype is not the average's
+        self.stash: dict[str, torch.Tensor] | None = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         with warnings.catch_warnings():  # (its warning on configure_model: that the average of
@@ -154,6 +157,44 @@ class ExponentialAverage(EMAWeightAveraging):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.evaluate == "average" and self.averaged():
             self._copy_average_to_current(pl_module)  # the module ends as the average
+
+    def pairs(self, pl_module: L.LightningModule) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        """Each of the module's parameters and buffers with its average: (name, average,
+        weights), as Lightning's swap pairs them."""
+        average = self._average_model.module
+        return [
+            (name, mean.data, weights.data)
+            for (name, mean), (_, weights) in zip(
+                chain(average.named_parameters(), average.named_buffers()),
+                chain(pl_module.named_parameters(), pl_module.named_buffers()),
+                strict=True,
+            )
+        ]
+
+    @torch.no_grad()
+    def _swap_models(self, pl_module: L.LightningModule) -> None:
+        """The average into the module and the raw weights out; called again, back. Each tensor
+        is exchanged with its average, as Lightning's swap does, where the two have one dtype;
+        float16 or bfloat16 weights are kept aside instead (``stash``), so that their float32
+        average is never rounded through them (Lightning's exchange rounds it at every
+        validation)."""
+        swapping_in, stash = self.stash is None, self.stash or {}
+        for name, average, weights in self.pairs(pl_module):
+            if average.dtype == weights.dtype:  # (exact both ways)
+                kept = average.clone()
+                average.copy_(weights)
+                weights.copy_(kept)
+            elif swapping_in:
+                stash[name] = weights.clone()
+                weights.copy_(average)
+            else:
+                weights.copy_(stash[name])
+        self.stash = stash if swapping_in else None
+
+    @torch.no_grad()
+    def _copy_average_to_current(self, pl_module: L.LightningModule) -> None:
+        for _, average, weights in self.pairs(pl_module):
+            weights.copy_(average)
 
     def on_save_checkpoint(
         self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
@@ -198,9 +239,6 @@ class ShardedAverage(ExponentialAverage):
         super().__init__(*args, **kwargs)
         self.average_part: dict[str, torch.Tensor] | None = None
         self.n_averaged = 0
-        # while the average is swapped in: the raw weights it took the place of, where their
-        # dtype is not the average's
-        self.stash: dict[str, torch.Tensor] | None = None
 
     @property
     def state_key(self) -> str:
@@ -252,32 +290,10 @@ class ShardedAverage(ExponentialAverage):
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """(Lightning's updates here by epoch, which ``ema`` never configures.)"""
 
-    @torch.no_grad()
-    def _swap_models(self, pl_module: L.LightningModule) -> None:
-        """The average into the module and the raw weights out; called again, back. Each tensor
-        is exchanged with its average, as Lightning's swap does, where the two have one dtype;
-        float16 or bfloat16 weights are kept aside instead (``stash``), so that their float32
-        average is never rounded through them."""
+    def pairs(self, pl_module: L.LightningModule) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        """What this process holds of the module, each with its part of the average."""
         assert self.average_part is not None
-        swapping_in, stash = self.stash is None, self.stash or {}
-        for name, weights in held(pl_module).items():
-            average = self.average_part[name]
-            if average.dtype == weights.dtype:  # (exact both ways)
-                kept = average.clone()
-                average.copy_(weights)
-                weights.copy_(kept)
-            elif swapping_in:
-                stash[name] = weights.clone()
-                weights.copy_(average)
-            else:
-                weights.copy_(stash[name])
-        self.stash = stash if swapping_in else None
-
-    @torch.no_grad()
-    def _copy_average_to_current(self, pl_module: L.LightningModule) -> None:
-        assert self.average_part is not None
-        for name, weights in held(pl_module).items():
-            weights.copy_(self.average_part[name])
+        return [(name, self.average_part[name], t) for name, t in held(pl_module).items()]
 
     def on_save_checkpoint(
         self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
