@@ -190,13 +190,16 @@ def test_validation_never_rounds_a_float32_average_of_bfloat16_weights(tmp_path,
     """``bf16-true``: the weights in bf16, their average in float32 (the whole copy made before
     the precision converts the module, as Lightning's is). After validations on the average (each
     swapping it in and out), it is the moving average of the weights to the bit, never rounded
-    through them."""
+    through them; and training goes on from the raw weights, bit for bit as without validation."""
     ours = kind(DECAY, every_n_steps=EVERY, start_step=START)
     _, _, raw = fit(ours, tmp_path, val_every=2, dtype=torch.float32, precision="bf16-true")
     assert raw.after_step[0].dtype == torch.bfloat16
     average = average_weight(ours)
     assert average.dtype == torch.float32
     assert torch.equal(average, by_hand(raw.after_step))
+    unvalidated = kind(DECAY, every_n_steps=EVERY, start_step=START)
+    _, _, alone = fit(unvalidated, tmp_path / "alone", dtype=torch.float32, precision="bf16-true")
+    assert all(map(torch.equal, raw.after_step, alone.after_step))
 
 
 def config(**ema) -> OmegaConf:
