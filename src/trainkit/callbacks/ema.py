@@ -276,9 +276,7 @@ class ShardedAverage(ExponentialAverage):
         step_idx = trainer.global_step - 1
         if trainer.global_step <= self._latest_update_step or not self.should_update(step_idx):
             return
-        assert self.average_part is not None
-        for name, weights in held(pl_module).items():
-            average = self.average_part[name]
+        for _, average, weights in self.pairs(pl_module):
             weights = weights.to(average.device)
             if self.n_averaged == 0:
                 average.copy_(weights)
@@ -303,7 +301,6 @@ class ShardedAverage(ExponentialAverage):
         that is the module's own tensor (a part saved as it is held) is then the average's."""
         if not self.averaged():
             return
-        assert self.average_part is not None
         self._swap_models(pl_module)
         try:
             average = trainer.strategy.lightning_module_state_dict()
@@ -311,11 +308,11 @@ class ShardedAverage(ExponentialAverage):
             self._swap_models(pl_module)
         # by the tensor, not by name: a tied weight has one name in held() and two in a state
         # dict, and fsdp's names drop a compiled or checkpointed module's wrapper
-        of_tensor = {t.data_ptr(): name for name, t in held(pl_module).items() if t.numel()}
+        average_of = {t.data_ptr(): mean for _, mean, t in self.pairs(pl_module) if t.numel()}
         for key, value in average.items():
             part = value.to_local() if isinstance(value, DTensor) else value
-            if part.numel() and part.data_ptr() in of_tensor:
-                average[key] = in_form_of(self.average_part[of_tensor[part.data_ptr()]], value)
+            if part.numel() and part.data_ptr() in average_of:
+                average[key] = in_form_of(average_of[part.data_ptr()], value)
         checkpoint[AVERAGED_RAW] = checkpoint["state_dict"]
         checkpoint["state_dict"] = average
         checkpoint["averaging_state"] = {"n_averaged": torch.tensor(self.n_averaged)}
@@ -328,9 +325,8 @@ class ShardedAverage(ExponentialAverage):
         becomes this process's part of the average, and the raw weights are loaded in its place."""
         if trainer.state.fn != TrainerFn.FITTING or "averaging_state" not in checkpoint:
             return super().on_load_checkpoint(trainer, pl_module, checkpoint)
-        assert self.average_part is not None
-        for name, average in held(pl_module).items():
-            self.average_part[name].copy_(average)
+        for _, average, loaded in self.pairs(pl_module):
+            average.copy_(loaded)
         self.n_averaged = int(checkpoint["averaging_state"]["n_averaged"])
         load_raw_weights(trainer, pl_module, checkpoint)
 
