@@ -120,20 +120,24 @@ STOP_GRACE_S = 60.0
 
 
 class _JobObserver(_ChildProcessObserver):
-    """Lightning's watcher, except that in a sweep it stops the job's children, not the sweep,
-    and that children stopped by a signal leave this process time to stop as well (Lightning's
-    would SIGKILL it when a child exits 143 first)."""
+    """Lightning's watcher, except that in a sweep it stops the job's children, not the sweep;
+    that children stopped by a signal leave this process time to stop as well (Lightning's
+    would SIGKILL it when a child exits 143 first); and so does a child's failure once this
+    process's job has failed on its own (``failing``): an error every rank raises, such as a full
+    disk, then ends the run with its own exit code, not -9 when another rank exited first."""
 
     def __init__(self, child_processes: list[subprocess.Popen], in_sweep: bool) -> None:
         super().__init__(main_pid=os.getpid(), child_processes=child_processes)
         self._in_sweep = in_sweep
         self._stopped_at: float | None = None
+        self.failing = False
 
     def _run(self) -> bool:
         codes = [proc.poll() for proc in self._child_processes]
-        if any(code in SIGNAL_STOPS for code in codes) and all(
+        signal_stop = any(code in SIGNAL_STOPS for code in codes) and all(
             code in (0, *SIGNAL_STOPS) for code in codes
-        ):
+        )
+        if self.failing or signal_stop:
             self._stopped_at = self._stopped_at or time.monotonic()
             if time.monotonic() - self._stopped_at < STOP_GRACE_S:
                 return False
@@ -154,11 +158,18 @@ class JobScriptLauncher(_SubprocessScriptLauncher):
         self.cluster_environment.validate_settings(
             num_devices=self.num_processes, num_nodes=self.num_nodes
         )
+        observer = None
         if not self.cluster_environment.creates_processes_externally:
             self._call_children_scripts()
-            _JobObserver(self.procs, in_sweep=in_multirun()).start()
+            observer = _JobObserver(self.procs, in_sweep=in_multirun())
+            observer.start()
         _set_num_threads_if_needed(num_processes=self.num_processes)
-        return function(*args, **kwargs)
+        try:
+            return function(*args, **kwargs)
+        except BaseException:
+            if observer is not None:
+                observer.failing = True
+            raise
 
     def _call_children_scripts(self) -> None:
         self._check_can_spawn_children()
