@@ -43,6 +43,7 @@ def gpu_runs(run_script: Callable[..., Path], overrides: tuple[str, ...], tmp_pa
         "fsdp_bf16_offload": (
             *(*base, *GPU, "strategy=fsdp", "precision=bf16-mixed", "strategy.cpu_offload=true"),
         ),
+        "fsdp_bf16_ema": (*base, *GPU, "strategy=fsdp", "precision=bf16-true", "ema.decay=0.9"),
     }
     runs = {k: run_script("train.py", *v, log_dir=log_dir) for k, v in commands.items()}
     for name in ("32-true", "fsdp"):
@@ -72,6 +73,19 @@ def test_fsdp_checkpoint_evaluates_to_the_logged_metrics(gpu_runs: dict) -> None
     trained, evaluated = metrics(gpu_runs["fsdp"]), metrics(gpu_runs["eval_fsdp"])
     assert evaluated["test"] == pytest.approx(trained["test"], rel=1e-4)
     assert trained["fit"]["val/acc"] > 0.5
+
+
+@shares_runs
+def test_a_sharded_save_on_the_gpu_keeps_a_float32_average_of_bfloat16_weights(
+    gpu_runs: dict,
+) -> None:
+    """fsdp's sharded checkpoint holds the average as the callback keeps it, in float32 (a host
+    copy of the module's shards, Lightning's ``cpu_offload``, held it rounded to bf16)."""
+    saved = checkpoint(gpu_runs["fsdp_bf16_ema"])
+    average, raw = saved["state_dict"], saved["current_model_state"]
+    assert {t.dtype for t in raw.values() if t.is_floating_point()} == {torch.bfloat16}
+    assert {t.dtype for t in average.values() if t.is_floating_point()} == {torch.float32}
+    assert any(not torch.equal(t, t.bfloat16().float()) for t in average.values())
 
 
 @shares_runs

@@ -239,6 +239,18 @@ class FSDPStrategy(ShardedSave, ExactMeanReduce, ModelParallelStrategy):
     def saves_sharded(self) -> bool:
         return self.checkpoint == "sharded"
 
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Lightning's; for a sharded save, the module's own shards where they are, not copied to
+        the host first as Lightning's ``cpu_offload`` does on a GPU (DCP copies each tensor as it
+        writes it). ``ema``'s average, put in place of the module's own tensors, then reaches a
+        GPU's checkpoint in float32 as it does a CPU's; the host copies held it rounded to the
+        weights' bf16."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        if not self.saves_sharded():
+            return super().lightning_module_state_dict()
+        return get_model_state_dict(self.model)
+
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
         """Lightning's load of a full checkpoint, its optimizer part mended: a test after fit
         found the fit's optimizers still there and loaded their state too, and a stateless
