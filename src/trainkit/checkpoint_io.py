@@ -19,13 +19,14 @@ import zipfile
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._pytree import tree_leaves
 
 from trainkit.config import ROOT_DIR
@@ -312,6 +313,38 @@ CHECKPOINT_FORMS = ("full", "sharded")  # strategy.checkpoint of fsdp and the pi
 AVERAGED_RAW = "current_model_state"
 _SAVE_NAME = re.compile(r"^\..+\.[0-9a-f]{12}$")
 _LINK_NAME = re.compile(r"^\..+\.link-\..+\.[0-9a-f]{12}$")
+
+
+@runtime_checkable
+class SplitState(Protocol):
+    """A strategy whose processes each hold a part of the module (fsdp, the pipeline), and build
+    the state dict a checkpoint holds from their parts: ``ema`` builds its average's the same
+    way, from its own parts."""
+
+    def own_state_dict(self) -> dict[str, Any]:
+        """The module's state dict as this process holds it: its own tensors (their storage, a
+        DTensor where sharded), keyed as a checkpoint keys them."""
+        ...
+
+    def as_saved(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A state dict like ``own_state_dict()``'s as a checkpoint holds it: each process's part
+        (sharded), or gathered whole on the writer (full)."""
+        ...
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: a DTensor's local shard, any other tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def as_held(full: Any, like: Any) -> Any:
+    """``full`` as ``like`` holds it: sharded alike where ``like`` is a DTensor (this rank's
+    slice, cut here: every rank read the whole tensor), else as it is."""
+    if not isinstance(like, DTensor) or isinstance(full, DTensor):
+        return full
+    return distribute_tensor(
+        full.to(like.device), like.device_mesh, like.placements, src_data_rank=None
+    )
 
 
 def checkpoint_form(form: str, async_save: bool = False) -> str:

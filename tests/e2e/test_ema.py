@@ -1,8 +1,9 @@
 """``ema.decay`` end to end: the MLP's average of its weights under ddp, ddp_spawn, fsdp x2 and
 x3, the pipeline x2 and the pipeline x fsdp equals one device's; eval.py evaluates the average by
 default and the raw weights on request, from any of their checkpoints; a run stopped by SIGTERM
-and resumed ends with the uninterrupted run's average, on one device and in the pipeline; an fsdp
-x2 run resumed on 3 ranks carries its average. The update rule itself, against a hand-computed
+and resumed ends with the uninterrupted run's average, on one device and in the pipeline, and a
+bf16 run's float32 average under fsdp and the pipeline; an fsdp x2 run resumed on 3 ranks
+carries its average. The update rule itself, against a hand-computed
 average and Lightning's own callback: unit/test_ema.py."""
 
 import json
@@ -207,6 +208,35 @@ def test_a_run_stopped_by_sigterm_resumes_its_average_exactly(
     for key in ("state_dict", "current_model_state"):
         for name, tensor in reference[key].items():
             assert torch.equal(final[key][name], tensor), f"{key} {name}"
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ("strategy=fsdp", "devices=2", "data.batch_size=24"),
+        ("strategy=fsdp", "devices=2", "data.batch_size=24", "strategy.checkpoint=full"),
+        ("strategy=pipeline", "devices=2", "data.batch_size=48", "strategy.checkpoint=full"),
+    ],
+    ids=["fsdp sharded", "fsdp full", "pipeline full"],
+)
+def test_a_bf16_run_resumed_goes_on_from_its_float32_average_to_the_bit(
+    base, run_script: Callable[..., Path], layout: tuple[str, ...]
+) -> None:
+    """``bf16-true``: the weights in bf16, each rank's part of the average in float32. A
+    checkpoint holds that average as it is (a full one gathers it so too, not through the bf16
+    module), and a resume takes it back as it is, not rounded through the module: one epoch,
+    then a second resumed from its checkpoint, ends as two epochs uninterrupted, bit for bit."""
+    bf16 = (*base, *layout, "precision=bf16-true")
+    whole = last(run_script("train.py", *bf16))
+    first = run_script("train.py", *bf16, "trainer.max_epochs=1")
+    resumed = last(run_script("train.py", *bf16, f"ckpt_path={first / LAST}"))
+    assert {t.dtype for t in whole["state_dict"].values()} == {torch.float32}
+    assert {t.dtype for t in whole["current_model_state"].values()} == {torch.bfloat16}
+    assert any(not torch.equal(t, t.bfloat16().float()) for t in whole["state_dict"].values())
+    assert resumed["global_step"] == whole["global_step"] == 32
+    for key in ("state_dict", "current_model_state"):
+        for name, tensor in whole[key].items():
+            assert torch.equal(resumed[key][name], tensor), f"{key} {name}"
 
 
 HELD_AFTER_AN_EVALUATION = """

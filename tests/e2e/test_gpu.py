@@ -38,10 +38,12 @@ def gpu_runs(run_script: Callable[..., Path], overrides: tuple[str, ...], tmp_pa
             *("experiment=cifar10_resnet50", f"data.root={cifar}", "data.download=false"),
             *("data.val_size=8", "data.batch_size=8", "model.net.channels_last=true", *GPU),
         ),
-        # strategy=fsdp on NCCL: one rank here, its whole shard on the GPU, or offloaded
+        # strategy=fsdp on NCCL: one rank here, its whole shard on the GPU, or offloaded (and
+        # gathered for a full checkpoint through the GPU: NCCL gathers device tensors only)
         "fsdp": (*base, *GPU, "strategy=fsdp"),
         "fsdp_bf16_offload": (
             *(*base, *GPU, "strategy=fsdp", "precision=bf16-mixed", "strategy.cpu_offload=true"),
+            "strategy.checkpoint=full",
         ),
         "fsdp_bf16_ema": (*base, *GPU, "strategy=fsdp", "precision=bf16-true", "ema.decay=0.9"),
     }

@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from trainkit.checkpoint_io import AVERAGED_RAW
+from trainkit.checkpoint_io import AVERAGED_RAW, SplitState, as_held, local_part
 from trainkit.errors import ConfigError
 from trainkit.parallel import Capabilities
 
@@ -213,6 +213,12 @@ class ExponentialAverage(EMAWeightAveraging):
             log.info("ema: evaluating the raw weights (ema.evaluate=raw)")
 
 
+def average_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype an average of weights in ``dtype`` is kept in: float32 for float16 and bfloat16
+    (which would lose the small updates), the weights' own otherwise."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 def held(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """What this process holds of the module's parameters and buffers, by name: an FSDP rank's
     shard of each parameter (a DTensor's local part), a pipeline stage's own blocks (the other
@@ -223,7 +229,7 @@ def held(module: torch.nn.Module) -> dict[str, torch.Tensor]:
         if isinstance(unit, FSDPModule):
             unit.reshard()  # (nothing where it holds its shard already)
     tensors = chain(module.named_parameters(), module.named_buffers())
-    local = {name: t.to_local() if isinstance(t, DTensor) else t for name, t in tensors}
+    local = {name: local_part(t) for name, t in tensors}
     return {name: t.detach() for name, t in local.items() if not t.is_meta}
 
 
@@ -253,13 +259,8 @@ class ShardedAverage(ExponentialAverage):
         """This process's part of the average, made once the strategy has split the module; in
         float32 where the weights are float16 or bfloat16 (as Lightning's copy, made before the
         precision converts the module)."""
-        low = (torch.float16, torch.bfloat16)
         self.average_part = {
-            name: t.to(
-                "cpu" if self.on_cpu else t.device,
-                dtype=torch.float32 if t.dtype in low else t.dtype,
-                copy=True,
-            )
+            name: t.to("cpu" if self.on_cpu else t.device, average_dtype(t.dtype), copy=True)
             for name, t in held(pl_module).items()
         }
 
@@ -293,40 +294,67 @@ class ShardedAverage(ExponentialAverage):
         assert self.average_part is not None
         return [(name, self.average_part[name], t) for name, t in held(pl_module).items()]
 
+    def keyed(
+        self, trainer: L.Trainer, pl_module: L.LightningModule
+    ) -> list[tuple[str, Any, torch.Tensor | None]]:
+        """Each entry of the module's state dict as this process holds it (``SplitState``; whole
+        under a strategy that does not split the module), with this process's part of the
+        average (None: another stage's block, on the meta device, or no tensor). Matched by the
+        tensor, not by name: a tied weight has one name in held() and two in a state dict, and
+        fsdp's names drop a compiled or checkpointed module's wrapper."""
+        strategy = trainer.strategy
+        average_of = {t.data_ptr(): mean for _, mean, t in self.pairs(pl_module) if t.numel()}
+        own = strategy.own_state_dict() if isinstance(strategy, SplitState) else None
+        entries = []
+        for key, value in (own if own is not None else pl_module.state_dict()).items():
+            part = local_part(value) if isinstance(value, torch.Tensor) else None
+            if part is None or part.is_meta:  # (a module's extra state: kept as it is)
+                entries.append((key, value, None))
+            elif not part.numel():  # (an empty shard: nothing to average, in the average's dtype)
+                entries.append((key, value, part.new_empty(0, dtype=average_dtype(part.dtype))))
+            elif part.data_ptr() in average_of:
+                entries.append((key, value, average_of[part.data_ptr()]))
+            else:
+                raise RuntimeError(
+                    f"ema: {key} in {type(strategy).__name__}'s state dict is not a tensor the "
+                    f"module holds, so its average cannot be saved or loaded in its place"
+                )
+        return entries
+
     def on_save_checkpoint(
         self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        """``state_dict`` the average as the strategy saves the module: swapped in, the strategy's
-        state dict taken (gathered to the writer, or each process's part), swapped back; an entry
-        that is the module's own tensor (a part saved as it is held) is then the average's."""
+        """``state_dict`` the average as the strategy saves the module: this process's part of
+        it in place of each tensor the process holds, saved as the strategy saves its parts
+        (``SplitState.as_saved``: each process's, or gathered to the writer), in the average's
+        own dtype (float32 beside bf16 weights)."""
         if not self.averaged():
             return
-        self._swap_models(pl_module)
-        try:
-            average = trainer.strategy.lightning_module_state_dict()
-        finally:
-            self._swap_models(pl_module)
-        # by the tensor, not by name: a tied weight has one name in held() and two in a state
-        # dict, and fsdp's names drop a compiled or checkpointed module's wrapper
-        average_of = {t.data_ptr(): mean for _, mean, t in self.pairs(pl_module) if t.numel()}
-        for key, value in average.items():
-            part = value.to_local() if isinstance(value, DTensor) else value
-            if part.numel() and part.data_ptr() in average_of:
-                average[key] = in_form_of(average_of[part.data_ptr()], value)
+        average = {
+            key: value if mean is None else in_form_of(mean, value)
+            for key, value, mean in self.keyed(trainer, pl_module)
+        }
+        strategy = trainer.strategy
         checkpoint[AVERAGED_RAW] = checkpoint["state_dict"]
-        checkpoint["state_dict"] = average
+        checkpoint["state_dict"] = (
+            strategy.as_saved(average) if isinstance(strategy, SplitState) else average
+        )
         checkpoint["averaging_state"] = {"n_averaged": torch.tensor(self.n_averaged)}
 
     @torch.no_grad()
     def on_load_checkpoint(
         self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        """A resume: the strategy has loaded ``state_dict``, the average, into the module; it
-        becomes this process's part of the average, and the raw weights are loaded in its place."""
+        """A resume: ``state_dict``, the average, as the strategy kept it (in the dtype saved, its
+        whole tensors or this process's parts) becomes this process's part of the average; the
+        raw weights are loaded into the module. (The strategy has loaded the average into the
+        module too: where a key is not kept, its value there.)"""
         if trainer.state.fn != TrainerFn.FITTING or "averaging_state" not in checkpoint:
             return super().on_load_checkpoint(trainer, pl_module, checkpoint)
-        for _, average, loaded in self.pairs(pl_module):
-            average.copy_(loaded)
+        saved = checkpoint["state_dict"]
+        for key, value, average in self.keyed(trainer, pl_module):
+            if average is not None and average.numel():
+                average.copy_(local_part(as_held(saved.get(key, value), value)))
         self.n_averaged = int(checkpoint["averaging_state"]["n_averaged"])
         load_raw_weights(trainer, pl_module, checkpoint)
 

@@ -37,6 +37,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 # default buffer allocation, importable from these modules only
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin
+from torch.distributed.tensor import DTensor
 
 from trainkit.checkpoint_io import (
     AVERAGED_RAW,
@@ -239,17 +240,33 @@ class FSDPStrategy(ShardedSave, ExactMeanReduce, ModelParallelStrategy):
     def saves_sharded(self) -> bool:
         return self.checkpoint == "sharded"
 
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Lightning's; for a sharded save, the module's own shards where they are, not copied to
-        the host first as Lightning's ``cpu_offload`` does on a GPU (DCP copies each tensor as it
-        writes it). ``ema``'s average, put in place of the module's own tensors, then reaches a
-        GPU's checkpoint in float32 as it does a CPU's; the host copies held it rounded to the
-        weights' bf16."""
+    def own_state_dict(self) -> dict[str, Any]:
+        """(``SplitState``) The module's shards where they are: DCP's names, each parameter a
+        DTensor of this rank's shard."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        if not self.saves_sharded():
-            return super().lightning_module_state_dict()
         return get_model_state_dict(self.model)
+
+    def as_saved(self, state: dict[str, Any]) -> dict[str, Any]:
+        """(``SplitState``) Sharded: as it is (DCP copies each tensor to the host as it writes
+        it). Full: gathered whole on the writer, on the CPU, one tensor at a time (every rank
+        takes part in each all-gather); nothing elsewhere."""
+        if self.saves_sharded():
+            return state
+        whole = {}
+        for key, value in state.items():
+            if isinstance(value, DTensor):  # (an offloaded shard via its mesh's device: NCCL
+                # gathers device tensors only)
+                value = value.to(value.device_mesh.device_type).full_tensor()
+            if self.global_rank == 0:
+                whole[key] = value.cpu() if isinstance(value, torch.Tensor) else value
+        return whole
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """What the checkpoint holds of the module, built as ``ema`` builds its average's (not
+        Lightning's host copies of the shards, ``cpu_offload``: on a GPU they kept the float32
+        average of bf16 weights out of a sharded checkpoint)."""
+        return self.as_saved(self.own_state_dict())
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
         """Lightning's load of a full checkpoint, its optimizer part mended: a test after fit
@@ -271,7 +288,7 @@ class FSDPStrategy(ShardedSave, ExactMeanReduce, ModelParallelStrategy):
             checkpoint = _load_checkpoint(
                 path, state, strict=module.strict_loading, weights_only=weights_only
             )
-            return {**checkpoint, **self._averaged_raw(path)}
+            return {**checkpoint, **self._average_and_raw(path, fitting)}
         checkpoint = _load_checkpoint(
             path=path,
             state={"state_dict": self.model},
@@ -279,6 +296,9 @@ class FSDPStrategy(ShardedSave, ExactMeanReduce, ModelParallelStrategy):
             optimizer_states_from_list=True,
             weights_only=weights_only,
         )
+        if fitting and AVERAGED_RAW in checkpoint:  # ema: the average as saved (Lightning took it)
+            saved = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+            checkpoint["state_dict"] = saved["state_dict"]
         if not fitting:
             return checkpoint
         options = StateDictOptions(
@@ -294,35 +314,44 @@ class FSDPStrategy(ShardedSave, ExactMeanReduce, ModelParallelStrategy):
             set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state, options=options)
         return checkpoint
 
-    def _averaged_raw(self, path: Path) -> dict[str, Any]:
+    def _average_and_raw(self, path: Path, fitting: bool) -> dict[str, Any]:
         """A sharded checkpoint's raw weights beside an average (``ema``: its ``state_dict`` is
-        the average), this rank's shards of them; nothing where it has none."""
+        the average) and, to fit, the average: this rank's shards of each, in the dtype saved (a
+        float32 average of bf16 weights is not rounded through the module). Nothing where there
+        is no average."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import FileSystemReader
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         saved = FileSystemReader(path).read_metadata().state_dict_metadata
         if not any(key.startswith(f"{AVERAGED_RAW}.") for key in saved):
             return {}
-        # (named as DCP saved them: without a compiled or checkpointed module's wrapper)
-        raw = {k: torch.empty_like(v) for k, v in get_model_state_dict(self.model).items()}
-        dcp.load({AVERAGED_RAW: raw}, checkpoint_id=path)
-        return {AVERAGED_RAW: raw}
+
+        def dtype(key: str, like: torch.Tensor) -> torch.dtype:
+            return getattr(getattr(saved.get(key), "properties", None), "dtype", like.dtype)
+
+        own = self.own_state_dict()  # (named as DCP saved them: without a module's wrapper)
+        parts = {
+            part: {k: torch.empty_like(v, dtype=dtype(f"{part}.{k}", v)) for k, v in own.items()}
+            for part in (("state_dict", AVERAGED_RAW) if fitting else (AVERAGED_RAW,))
+        }
+        dcp.load(parts, checkpoint_id=path)
+        return parts
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """Weights given whole (a full checkpoint's, on every rank) or as this rank's shards
         (DTensors) loaded into the shards: the raw weights beside an average (``ema``). A
         checkpoint's own ``state_dict`` is loaded by ``load_checkpoint`` already, which takes it
-        out of the checkpoint."""
+        out of the checkpoint (an average's is kept, for ``ema``, and loaded here again)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-        from torch.distributed.tensor import DTensor
 
         if "state_dict" not in checkpoint:
             return
         state = checkpoint["state_dict"]
         whole = not any(isinstance(v, DTensor) for v in state.values())
         options = StateDictOptions(full_state_dict=whole, strict=strict)
-        set_model_state_dict(self.lightning_module, state, options=options)
+        # a copy: torch renames a wrapped submodule's keys and replaces values in the dict it is
+        # given, and ema reads the checkpoint's own afterwards
+        set_model_state_dict(self.lightning_module, dict(state), options=options)
 
     def model_to_device(self) -> None:
         """Everything to the device but, with ``cpu_offload``, the shards that FSDP keeps on the

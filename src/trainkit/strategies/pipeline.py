@@ -63,7 +63,6 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
     ScheduleLoopedBFS,
 )
-from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode
 from torchmetrics import Metric
@@ -71,9 +70,11 @@ from torchmetrics import Metric
 from trainkit.checkpoint_io import (
     AVERAGED_RAW,
     ShardedSave,
+    as_held,
     checkpoint_form,
     is_sharded,
     keyed_by_name,
+    local_part,
     read_sharded,
 )
 from trainkit.errors import ConfigError
@@ -180,24 +181,9 @@ def recv_state(src: int, group: Any, device: torch.device) -> dict[Any, Any]:
     return tree_unflatten(leaves, spec)
 
 
-def as_held(full: Any, like: Any) -> Any:
-    """``full`` as ``like`` holds it: sharded alike where ``like`` is a DTensor (this rank's
-    slice, cut here: every rank read the whole tensor), else as it is."""
-    if not isinstance(like, DTensor) or isinstance(full, DTensor):
-        return full
-    return distribute_tensor(
-        full.to(like.device), like.device_mesh, like.placements, src_data_rank=None
-    )
-
-
 def is_shaped_like(value: Any, param: Tensor) -> bool:
     """Whether an optimizer's state ``value`` is a tensor of its parameter's shape (a moment)."""
     return isinstance(value, Tensor) and value.shape == param.shape
-
-
-def local_part(t: Tensor) -> Tensor:
-    """This rank's part of a tensor: a DTensor's local shard, any other tensor itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def as_bytes(t: Tensor) -> Tensor:
@@ -907,15 +893,22 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
         """This process's blocks' entries and those that are no block's (every stage holds)."""
         return {k: v for k, v in state.items() if self._is_block_of(k) in (None, self.stage)}
 
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The whole model's weights on the writer, its own blocks' weights elsewhere; sharded:
-        what this process holds, on every process."""
-        state = super().lightning_module_state_dict()
+    def own_state_dict(self) -> dict[str, Any]:
+        """(``SplitState``) The module's state dict: this process's blocks and what is no block's
+        as it holds them, the other stages' blocks on the meta device."""
+        return self.lightning_module.state_dict()
+
+    def as_saved(self, state: dict[str, Any]) -> dict[str, Any]:
+        """(``SplitState``) The whole model's weights on the writer, its own blocks' weights
+        elsewhere; sharded: what this process holds, on every process."""
         if not self._chunks:  # before set-up cut the model: rank 0 holds it whole
             return state
         if self.saves_sharded():
             return self._held_keys(state)
         return self._to_writer(self._own_keys(state), state)
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return self.as_saved(self.own_state_dict())
 
     def _own_param_indices(self, optimizer: Any) -> set[int]:
         """The indices, in ``optimizer``'s state dict, of the parameters this process trains."""
