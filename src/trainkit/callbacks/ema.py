@@ -304,9 +304,10 @@ class ShardedAverage(ExponentialAverage):
         fsdp's names drop a compiled or checkpointed module's wrapper."""
         strategy = trainer.strategy
         average_of = {t.data_ptr(): mean for _, mean, t in self.pairs(pl_module) if t.numel()}
-        own = strategy.own_state_dict() if isinstance(strategy, SplitState) else None
+        split = isinstance(strategy, SplitState)
+        own = strategy.own_state_dict() if split else pl_module.state_dict()
         entries = []
-        for key, value in (own if own is not None else pl_module.state_dict()).items():
+        for key, value in own.items():
             part = local_part(value) if isinstance(value, torch.Tensor) else None
             if part is None or part.is_meta:  # (a module's extra state: kept as it is)
                 entries.append((key, value, None))

@@ -255,8 +255,7 @@ class FSDPStrategy(ShardedSave, ExactMeanReduce, ModelParallelStrategy):
             return state
         whole = {}
         for key, value in state.items():
-            if isinstance(value, DTensor):  # (an offloaded shard via its mesh's device: NCCL
-                # gathers device tensors only)
+            if isinstance(value, DTensor):  # (via the mesh's device: NCCL gathers no CPU shard)
                 value = value.to(value.device_mesh.device_type).full_tensor()
             if self.global_rank == 0:
                 whole[key] = value.cpu() if isinstance(value, torch.Tensor) else value
