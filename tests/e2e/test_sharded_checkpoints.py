@@ -63,7 +63,7 @@ def sharded_fsdp_runs(run_script: Callable[..., Path], run_here: Callable[..., P
     from the sharded last
     checkpoint a second epoch on fsdp x3, ddp x2 and one device, and from fsdp x3's a third on one
     device; from ddp's one-file checkpoint a second epoch on fsdp x2, sharded. One device's 2 and
-    3 epochs."""
+    3 epochs. One device's runs, resumes included, in this process."""
     out = {
         "sharded": run_script("train.py", *base, *SHARDED, *TWO, "trainer.max_epochs=1"),
         "full": run_script("train.py", *base, *SHARDED, FULL, *TWO, "trainer.max_epochs=1"),
@@ -77,8 +77,8 @@ def sharded_fsdp_runs(run_script: Callable[..., Path], run_here: Callable[..., P
     epoch2 = (*base, f"ckpt_path={last(out['sharded'])}", "trainer.max_epochs=2")
     out["fsdp3"] = run_script("train.py", *epoch2, *SHARDED, "devices=3", "data.batch_size=32")
     out["ddp2"] = run_script("train.py", *epoch2, "strategy=ddp", *TWO)
-    out["one"] = run_script("train.py", *epoch2, "strategy=auto", "devices=1", "data.batch_size=96")
-    out["one_from3"] = run_script(
+    out["one"] = run_here("train.py", *epoch2, "strategy=auto", "devices=1", "data.batch_size=96")
+    out["one_from3"] = run_here(
         "train.py", *base, f"ckpt_path={last(out['fsdp3'])}", "trainer.max_epochs=3",
         "strategy=auto", "devices=1", "data.batch_size=96",
     )  # fmt: skip
@@ -93,7 +93,8 @@ def sharded_pipe_runs(run_script: Callable[..., Path], run_here: Callable[..., P
     """An epoch on 2 stages, sharded and full, and on pipeline x fsdp (2 stages x 2 shards),
     sharded in the background; from the 2 stages' sharded last
     checkpoint a second epoch on fsdp x2, one device and pipeline x fsdp, and from
-    pipeline x fsdp's on one device. One device's 2 epochs."""
+    pipeline x fsdp's on one device. One device's 2 epochs. One device's runs, resumes included,
+    in this process."""
     out = {
         "pipe": run_script("train.py", *base, *PIPE, "trainer.max_epochs=1"),
         "pipe_full": run_script("train.py", *base, *PIPE, FULL, "trainer.max_epochs=1"),
@@ -101,7 +102,7 @@ def sharded_pipe_runs(run_script: Callable[..., Path], run_here: Callable[..., P
     }
     from_pipe = (*base, f"ckpt_path={last(out['pipe'])}", "trainer.max_epochs=2")
     out["pipe_then_fsdp"] = run_script("train.py", *from_pipe, "strategy=fsdp", *TWO)
-    out["pipe_then_one"] = run_script(
+    out["pipe_then_one"] = run_here(
         "train.py", *from_pipe, "strategy=auto", "devices=1", "data.batch_size=96"
     )
     # pipeline x fsdp: 2 stages, each sharded over 2 ranks (saving in the background); resumed
@@ -112,7 +113,7 @@ def sharded_pipe_runs(run_script: Callable[..., Path], run_here: Callable[..., P
         "train.py", *base, *PIPE_FSDP, "strategy.async_save=true", "trainer.max_epochs=1",
         "+callbacks.shards._target_=helpers.ShardSizes",
     )  # fmt: skip
-    out["pipe_fsdp_then_one"] = run_script(
+    out["pipe_fsdp_then_one"] = run_here(
         "train.py", *base, f"ckpt_path={last(out['pipe_fsdp'])}", "trainer.max_epochs=2",
         "strategy=auto", "devices=1", "data.batch_size=96",
     )  # fmt: skip
