@@ -122,26 +122,29 @@ def build_model(
     caps: Capabilities,
     trained: bool = False,
 ) -> L.LightningModule:
-    """The task of ``cfg.model``, given plain lists and dicts (as ``build_datamodule``). Under a
-    strategy that materialises each process's own blocks (``materialises_blocks``), a net that can
-    initialise one block alone (``BlockSequence``) is built on the meta device: no process ever
-    holds the whole model."""
+    """The task of ``cfg.model``, given plain lists and dicts (as ``build_datamodule``). A net that
+    initialises its blocks itself (``BlockSequence``) is built on the meta device, then given
+    memory and initialised once (on a device, PyTorch's layers would initialise themselves first,
+    for nothing); under a strategy that materialises each process's own blocks
+    (``materialises_blocks``) it stays there: no process ever holds the whole model."""
     model = model_config(cfg, datamodule, trained)
     convert = model.get("_convert_", "all")
-    if not caps.materialises_blocks:
-        return instantiate_config(model, _convert_=convert)
     from trainkit.models.blocks import BlockSequence
 
     net = model.get("net") or {}
     net_class = get_object(net._target_) if "_target_" in net else None
-    # Built whole (the strategy then drops the other stages' blocks): a net that is not a
-    # BlockSequence, and one that loads pretrained ``weights`` as it is built, which would load
-    # into meta tensors (a no-op) and be lost when its blocks are initialised
+    # Built as it builds itself (under the pipeline the strategy then drops the other stages'
+    # blocks): a net that is not a BlockSequence, and one that loads pretrained ``weights`` as it
+    # is built, which would load into meta tensors (a no-op) and be lost when its blocks are
+    # initialised
     pretrained = net.get("weights") is not None
     if pretrained or not (isinstance(net_class, type) and issubclass(net_class, BlockSequence)):
         return instantiate_config(model, _convert_=convert)
     with torch.device("meta"):
         built = instantiate_config(model.net, _convert_=convert)
+    if not caps.materialises_blocks:
+        built.to_empty(device=torch.get_default_device())
+        built.reset_blocks()
     return instantiate_config(model, net=built, _convert_=convert)
 
 

@@ -6,8 +6,12 @@ import math
 import pytest
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
+from myproject.data import MNISTDataModule
 from myproject.models import MLP, ResNet50
+from trainkit.build import build_model
+from trainkit.parallel import capabilities
 
 
 def seeded(seed: int, cls, **kwargs) -> nn.Sequential:
@@ -84,3 +88,34 @@ def test_resnet_blocks_start_as_torchvision_initialises_them() -> None:
     imagenet = seeded(0, ResNet50, num_classes=10, cifar_stem=False)
     for name in ("layer1", "layer4", "head"):
         assert_equal_blocks(getattr(model, name), getattr(imagenet, name))
+
+
+class RandomWrites(TorchFunctionMode):
+    """Counts the random initialisations written into memory (``torch.nn.init``'s ``*uniform_``
+    and ``*normal_``), not those of meta tensors, which write nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        written = args[0] if args else (kwargs or {}).get("tensor")
+        if name.endswith(("uniform_", "normal_")) and isinstance(written, torch.Tensor):
+            self.count += not written.is_meta  # (the mode is off inside func: one count a draw)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_built_net_initialises_each_layer_once_to_the_weights_it_builds_itself(compose) -> None:
+    """``build_model`` builds a BlockSequence net on the meta device and initialises each block
+    once, from its stream; built on the CPU, each layer first initialises itself (a weight and a
+    bias: two draws), then again. The same weights either way."""
+    cfg = compose("model.net.hidden=[32,16]")
+    torch.manual_seed(3)
+    with RandomWrites() as built:
+        net = build_model(cfg, MNISTDataModule("unused"), capabilities(cfg.strategy)).net
+    torch.manual_seed(3)
+    with RandomWrites() as itself:
+        whole = MLP(hidden=[32, 16])
+    assert_equal_blocks(net, whole)
+    assert (built.count, itself.count) == (3 * 2, 2 * 3 * 2)  # 3 layers
