@@ -722,6 +722,33 @@ class FSDPUnits(L.Callback):
         out.write_text(json.dumps(units))
 
 
+class CheckpointReads(L.Callback):
+    """What a resume reads of a sharded checkpoint: for each read of
+    ``torch.distributed.checkpoint`` (``FileSystemReader.read_data``, patched from ``setup`` to
+    the start of training, when the checkpoint is restored), the parts whose tensors it reads
+    (``state_dict``, ``optimizer_0``...). Writes ``reads.rank<r>.json`` into the run's
+    directory."""
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        self.reads: list[list[str]] = []
+        self._original = FileSystemReader.read_data
+
+        def read_data(reader, plan, planner):
+            self.reads.append(sorted({item.dest_index.fqn.split(".")[0] for item in plan.items}))
+            return self._original(reader, plan, planner)
+
+        FileSystemReader.read_data = read_data
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        FileSystemReader.read_data = self._original
+        out = Path(trainer.default_root_dir) / f"reads.rank{trainer.global_rank}.json"
+        out.write_text(json.dumps(self.reads))
+
+
 class ShardSizes(L.Callback):
     """How much of each parameter this rank holds when training ends: elements of the parameter,
     of its gradient at the last optimizer step and of each optimizer state tensor, beside the

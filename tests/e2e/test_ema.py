@@ -174,12 +174,18 @@ def test_an_fsdp_run_resumed_on_three_ranks_carries_its_average(
 ) -> None:
     """fsdp x2's checkpoint after 2 epochs (its shards of the average), resumed for a third epoch
     on 3 ranks (DCP reshards each part), ends as ddp x3 resumed from the same checkpoint (read
-    whole, into Lightning's copy of the model), every update counted."""
+    whole, into Lightning's copy of the model), every update counted. Each fsdp rank reads each
+    part of the checkpoint once: the raw weights into the module, the optimizer's state, the
+    average."""
     epoch3 = (*base, f"ckpt_path={runs['fsdp'] / LAST}", "trainer.max_epochs=3", "devices=3",
               "data.batch_size=16")  # fmt: skip
-    fsdp = last(run_script("train.py", *epoch3, "strategy=fsdp"))
+    resumed = run_script("train.py", *epoch3, "strategy=fsdp",
+                         "+callbacks.reads._target_=helpers.CheckpointReads")  # fmt: skip
     ddp = last(run_script("train.py", *epoch3, "strategy=ddp"))
-    assert_same_average(fsdp, ddp, updates=48)
+    assert_same_average(last(resumed), ddp, updates=48)
+    for rank in range(3):
+        reads = json.loads((resumed / f"reads.rank{rank}.json").read_text())
+        assert sorted(reads) == [["current_model_state"], ["optimizer_0"], ["state_dict"]], reads
 
 
 @shares_runs

@@ -273,6 +273,7 @@ class FSDPStrategy(ShardedSave, ExactMeanReduce, ModelParallelStrategy):
         optimizer's state (SGD without momentum) failed there, Lightning reading the first key of
         its empty state (and torch's loader finding no state tensor). The weights as Lightning
         loads them; the optimizers' state only to fit."""
+        from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_optimizer_state_dict,
@@ -282,12 +283,19 @@ class FSDPStrategy(ShardedSave, ExactMeanReduce, ModelParallelStrategy):
         fitting = module.trainer.state.fn == TrainerFn.FITTING
         path = Path(self.broadcast(str(checkpoint_path)))
         if is_sharded(path):  # each rank reads its part, on any number of ranks (DCP reshards)
+            saved = FileSystemReader(path).read_metadata().state_dict_metadata
+            averaged = any(key.startswith(f"{AVERAGED_RAW}.") for key in saved)
+            # to fit beside an average (ema), the module reads the raw weights, not the average
+            # (its state_dict), which _average_and_raw reads once
+            into_module = AVERAGED_RAW if averaged and fitting else "state_dict"
             optimizers = enumerate(self.optimizers if fitting else [])
-            state = {"state_dict": self.model, **{f"optimizer_{i}": o for i, o in optimizers}}
+            state = {into_module: self.model, **{f"optimizer_{i}": o for i, o in optimizers}}
             checkpoint = _load_checkpoint(
                 path, state, strict=module.strict_loading, weights_only=weights_only
             )
-            return {**checkpoint, **self._average_and_raw(path, fitting)}
+            if not averaged:
+                return checkpoint
+            return {**checkpoint, **self._average_and_raw(path, saved, fitting)}
         checkpoint = _load_checkpoint(
             path=path,
             state={"state_dict": self.model},
@@ -313,28 +321,26 @@ class FSDPStrategy(ShardedSave, ExactMeanReduce, ModelParallelStrategy):
             set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state, options=options)
         return checkpoint
 
-    def _average_and_raw(self, path: Path, fitting: bool) -> dict[str, Any]:
-        """A sharded checkpoint's raw weights beside an average (``ema``: its ``state_dict`` is
-        the average) and, to fit, the average: this rank's shards of each, in the dtype saved (a
-        float32 average of bf16 weights is not rounded through the module). Nothing where there
-        is no average."""
+    def _average_and_raw(self, path: Path, saved: Mapping[str, Any], fitting: bool) -> dict:
+        """A sharded checkpoint's raw weights and average (``ema``: its ``state_dict`` is the
+        average), this rank's shards of each. To fit, the module holds the raw weights already
+        (kept aside: Lightning loads the average into the module next) and the average is read in
+        the dtype saved (a float32 average of bf16 weights is not rounded through the module);
+        else the raw weights are read, for ``ema.evaluate=raw``."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import FileSystemReader
-
-        saved = FileSystemReader(path).read_metadata().state_dict_metadata
-        if not any(key.startswith(f"{AVERAGED_RAW}.") for key in saved):
-            return {}
 
         def dtype(key: str, like: torch.Tensor) -> torch.dtype:
             return getattr(getattr(saved.get(key), "properties", None), "dtype", like.dtype)
 
         own = self.own_state_dict()  # (named as DCP saved them: without a module's wrapper)
-        parts = {
+        part = "state_dict" if fitting else AVERAGED_RAW
+        read = {
             part: {k: torch.empty_like(v, dtype=dtype(f"{part}.{k}", v)) for k, v in own.items()}
-            for part in (("state_dict", AVERAGED_RAW) if fitting else (AVERAGED_RAW,))
         }
-        dcp.load(parts, checkpoint_id=path)
-        return parts
+        dcp.load(read, checkpoint_id=path)
+        if fitting:
+            read[AVERAGED_RAW] = {k: v.detach().clone() for k, v in own.items()}
+        return read
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """Weights given whole (a full checkpoint's, on every rank) or as this rank's shards
