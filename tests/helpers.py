@@ -49,6 +49,7 @@ from hydra.core.hydra_config import HydraConfig
 from PIL import Image
 
 from trainkit.checkpoint_io import consolidated, is_sharded
+from trainkit.models.blocks import BlockSequence, draw_init_seed
 from trainkit.runtime import peak_rss_bytes
 
 TESTS = Path(__file__).resolve().parent
@@ -722,6 +723,28 @@ class FSDPUnits(L.Callback):
         out.write_text(json.dumps(units))
 
 
+class TiedBlocks(BlockSequence):
+    """Two blocks, the second's weight the first's (tied, as a language model's embedding and
+    output layer); the task's other net arguments are ignored."""
+
+    def __init__(self, width: int = 8, **_: object) -> None:
+        init_seed = draw_init_seed()
+        first, second = torch.nn.Linear(width, width), torch.nn.Linear(width, width)
+        second.weight = first.weight
+        super().__init__(first, second, init_seed=init_seed)
+
+
+class UnsetBuffer(BlockSequence):
+    """A block with a buffer computed as it is built (as a positional encoding is), which the
+    default ``init_block`` (the layers' ``reset_parameters``) does not set."""
+
+    def __init__(self, **_: object) -> None:
+        init_seed = draw_init_seed()
+        block = torch.nn.Linear(4, 4)
+        block.register_buffer("scale", torch.arange(4.0))
+        super().__init__(block, init_seed=init_seed)
+
+
 class CheckpointReads(L.Callback):
     """What a resume reads of a sharded checkpoint: for each read of
     ``torch.distributed.checkpoint`` (``FileSystemReader.read_data``, patched from ``setup`` to
@@ -732,6 +755,8 @@ class CheckpointReads(L.Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         from torch.distributed.checkpoint import FileSystemReader
 
+        if stage != "fit":  # (restored at the start of training, which a test has none of)
+            return
         self.reads: list[list[str]] = []
         self._original = FileSystemReader.read_data
 

@@ -8,9 +8,11 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from helpers import TiedBlocks
 from myproject.data import MNISTDataModule
 from myproject.models import MLP, ResNet50
 from trainkit.build import build_model
+from trainkit.errors import ConfigError
 from trainkit.parallel import capabilities
 
 
@@ -57,20 +59,21 @@ def test_reset_block_gives_the_built_weights_and_leaves_the_global_stream() -> N
         (MLP, {"hidden": [32, 16]}, 1),
         (ResNet50, {"num_classes": 10, "cifar_stem": True}, 2),
         (ResNet50, {"num_classes": 10, "norm": "group"}, 5),
+        (ResNet50, {"num_classes": 10, "channels_last": True}, 2),
     ],
-    ids=["mlp", "resnet50", "resnet50-group"],
+    ids=["mlp", "resnet50", "resnet50-group", "resnet50-channels-last"],
 )
 def test_a_block_materialised_from_meta_equals_the_one_device_block(cls, kwargs, index) -> None:
     """What a pipeline stage does for its own blocks: the model built on the meta device (no
-    memory), one block moved to real memory with to_empty and initialised from its stream."""
+    memory), one block given memory and initialised from its stream (``materialise_block``), in
+    the layout the net chose."""
     whole = seeded(3, cls, **kwargs)
     torch.manual_seed(3)
     with torch.device("meta"):
         lazy = cls(**kwargs)
     assert all(p.is_meta for p in lazy.parameters())
     assert lazy.init_seed == whole.init_seed
-    lazy[index].to_empty(device="cpu")
-    lazy.reset_block(index)
+    lazy.materialise_block(index, "cpu")
     assert_equal_blocks(lazy[index], whole[index])
     assert all(p.is_meta for i, b in enumerate(lazy) if i != index for p in b.parameters())
 
@@ -113,9 +116,50 @@ def test_a_built_net_initialises_each_layer_once_to_the_weights_it_builds_itself
     cfg = compose("model.net.hidden=[32,16]")
     torch.manual_seed(3)
     with RandomWrites() as built:
-        net = build_model(cfg, MNISTDataModule("unused"), capabilities(cfg.strategy)).net
+        net = built_net(cfg)
     torch.manual_seed(3)
     with RandomWrites() as itself:
         whole = MLP(hidden=[32, 16])
     assert_equal_blocks(net, whole)
     assert (built.count, itself.count) == (3 * 2, 2 * 3 * 2)  # 3 layers
+
+
+def built_net(cfg) -> nn.Module:
+    return build_model(cfg, MNISTDataModule("unused"), capabilities(cfg.strategy)).net
+
+
+def test_a_net_with_tied_weights_is_built_as_it_builds_itself(compose) -> None:
+    """Given memory (``to_empty``), tied weights would come apart: such a net is built again on
+    the CPU, from the same random state, so its weights are the ones it builds itself."""
+    cfg = compose("model.net._target_=helpers.TiedBlocks")
+    torch.manual_seed(3)
+    net = built_net(cfg)
+    after = torch.get_rng_state()
+    torch.manual_seed(3)
+    itself = TiedBlocks()
+    assert net[1].weight is net[0].weight
+    assert_equal_blocks(net, itself)
+    assert torch.equal(after, torch.get_rng_state())  # the same draws, once
+
+
+def test_a_tensor_init_block_leaves_unset_is_refused_by_name(compose) -> None:
+    """A buffer computed as the net is built is lost with the meta device: refused, naming it
+    and the rule, not trained from whatever memory ``to_empty`` gave it."""
+    cfg = compose("model.net._target_=helpers.UnsetBuffer")
+    with pytest.raises(
+        ConfigError, match=r"model\.net: UnsetBuffer\.init_block leaves 0\.scale unset: "
+    ):
+        built_net(cfg)
+
+
+def test_a_built_resnet_equals_the_resnet_it_builds_itself(compose) -> None:
+    """Given memory after the meta device: BatchNorm's statistics too, and the channels-last
+    layout ResNet-50 takes as it is built."""
+    cfg = compose("model=resnet50", "model.net.channels_last=true")
+    torch.manual_seed(3)
+    net = built_net(cfg)
+    torch.manual_seed(3)
+    itself = ResNet50(num_classes=10, channels_last=True)
+    assert_equal_blocks(net, itself)
+    conv = net.layer1[0].conv2.weight  # (3x3: a 1x1 is contiguous either way)
+    assert conv.is_contiguous(memory_format=torch.channels_last) and not conv.is_contiguous()

@@ -9,6 +9,9 @@ building the whole model does.
 
 from __future__ import annotations
 
+import math
+from itertools import chain
+
 import torch
 from torch import nn
 
@@ -50,3 +53,45 @@ class BlockSequence(nn.Sequential):
     def reset_blocks(self) -> None:
         for index in range(len(self)):
             self.reset_block(index)
+
+    def materialise_block(self, index: int, device: torch.device | str) -> None:
+        """Block ``index``, built on the meta device, given memory on ``device`` and initialised
+        as the block built there is. A random draw fills memory in its order, so it is drawn in
+        the default layout and then given the one the net chose (ResNet-50's channels-last). Its
+        floating-point tensors start as NaN: one that ``init_block`` leaves unset is refused by
+        name, where it would train from whatever the memory held."""
+        block = self[index]
+        block.to_empty(device=device)
+        tensors = dict(chain(block.named_parameters(), block.named_buffers()))
+        laid_out = {name: t.stride() for name, t in tensors.items() if not t.is_contiguous()}
+        with torch.no_grad():
+            for name, tensor in tensors.items():
+                if name in laid_out:
+                    tensor.data = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+                if tensor.is_floating_point():
+                    tensor.fill_(math.nan)
+            self.reset_block(index)
+            for name, stride in laid_out.items():
+                tensor = tensors[name]
+                tensor.data = tensor.new_empty_strided(tensor.shape, stride).copy_(tensor)
+        unset = [
+            f"{index}.{n}" for n, t in tensors.items() if t.is_floating_point() and t.isnan().any()
+        ]
+        if unset:
+            raise ValueError(
+                f"{type(self).__name__}.init_block leaves {', '.join(unset)} unset: a "
+                "BlockSequence's init_block must set every parameter and buffer of a block "
+                "(its net is built on the meta device, then each block initialised by it)"
+            )
+
+    def materialise(self, device: torch.device | str) -> None:
+        """The whole net, built on the meta device, given memory on ``device`` and initialised
+        block by block (``materialise_block``); a tensor outside the blocks is refused."""
+        for index in range(len(self)):
+            self.materialise_block(index, device)
+        outside = [n for n, t in chain(self.named_parameters(), self.named_buffers()) if t.is_meta]
+        if outside:
+            raise ValueError(
+                f"{type(self).__name__} holds {', '.join(outside)} outside its blocks: a "
+                "BlockSequence initialises its blocks only, so keep every tensor in one"
+            )

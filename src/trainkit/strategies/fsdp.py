@@ -346,7 +346,8 @@ class FSDPStrategy(ShardedSave, ExactMeanReduce, ModelParallelStrategy):
         """Weights given whole (a full checkpoint's, on every rank) or as this rank's shards
         (DTensors) loaded into the shards: the raw weights beside an average (``ema``). A
         checkpoint's own ``state_dict`` is loaded by ``load_checkpoint`` already, which takes it
-        out of the checkpoint (an average's is kept, for ``ema``, and loaded here again)."""
+        out of the checkpoint; an average's is kept, for ``ema``: to fit, it is loaded here (the
+        module read the raw weights, which ``ema`` loads back after it)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         if "state_dict" not in checkpoint:

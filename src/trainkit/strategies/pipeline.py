@@ -552,14 +552,17 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
 
     def _hold_own_blocks(self) -> None:
         """This process's blocks materialised on the CPU and initialised as one device initialises
-        them (``BlockSequence.reset_block``); every other block on the meta device, without memory.
-        A net that was not built on meta (not a BlockSequence) was built whole: the others' go."""
+        them (``BlockSequence.materialise_block``); every other block on the meta device, without
+        memory. A net that was not built on meta (not a BlockSequence) was built whole: the
+        others' go."""
         net = getattr(self.lightning_module, self.module_name)
         for i, block in enumerate(net.children()):
             on_meta = any(t.is_meta for t in chain(block.parameters(), block.buffers()))
             if self._owner(i) == self.stage and on_meta:
-                block.to_empty(device="cpu")
-                net.reset_block(i)
+                try:
+                    net.materialise_block(i, "cpu")
+                except ValueError as err:  # (its init_block's contract: one line, as a config's)
+                    raise ConfigError(f"{self.module_name}: {err}") from err
             elif self._owner(i) != self.stage and not on_meta:
                 block.to("meta")
 
