@@ -143,13 +143,14 @@ def build_model(
     drawn = torch.get_rng_state()
     with torch.device("meta"):
         built = instantiate_config(model.net, _convert_=convert)
-    if not caps.materialises_blocks:
+    device = torch.get_default_device()  # (meta where the memory plan builds the model)
+    if not caps.materialises_blocks and device.type != "meta":
         if _shares_tensors(built):  # to_empty would untie them: built as it builds itself, again
             torch.set_rng_state(drawn)  # (from the same state: the same init_seed)
             built = instantiate_config(model.net, _convert_=convert)
         else:
             try:
-                built.materialise(torch.get_default_device())
+                built.materialise(device)
             except ValueError as err:  # (its init_block's contract: one line, as a config's)
                 raise ConfigError(f"model.net: {err}") from err
     return instantiate_config(model, net=built, _convert_=convert)
