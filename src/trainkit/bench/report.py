@@ -439,8 +439,8 @@ PLAIN_RGB, TEMPLATE_RGB = (128, 128, 128), (31, 119, 180)
 def write_png(path: Path, cells: list[dict]) -> None:
     """One horizontal bar chart per workload: median samples/s, with a line for the min-max range.
 
-    Drawn with Pillow, not matplotlib: installed, matplotlib is imported by torchmetrics in every
-    training process (torchmetrics#3457), about half a second of each launch here."""
+    Drawn with Pillow, which torchvision already brings: a chart of bars needs no plotting
+    library."""
     from PIL import Image, ImageDraw, ImageFont
 
     done = [c for c in cells if "median" in c]
