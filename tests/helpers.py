@@ -724,14 +724,41 @@ class FSDPUnits(L.Callback):
 
 
 class TiedBlocks(BlockSequence):
-    """Two blocks, the second's weight the first's (tied, as a language model's embedding and
-    output layer); the task's other net arguments are ignored."""
+    """``blocks`` blocks, the second's weight the first's (tied, as a language model's embedding
+    and output layer); the task's other net arguments are ignored."""
 
-    def __init__(self, width: int = 8, **_: object) -> None:
+    def __init__(self, width: int = 8, blocks: int = 2, **_: object) -> None:
         init_seed = draw_init_seed()
-        first, second = torch.nn.Linear(width, width), torch.nn.Linear(width, width)
-        second.weight = first.weight
-        super().__init__(first, second, init_seed=init_seed)
+        layers = [torch.nn.Linear(width, width) for _ in range(blocks)]
+        layers[1].weight = layers[0].weight
+        super().__init__(*layers, init_seed=init_seed)
+
+
+class TiedInBlock(BlockSequence):
+    """An MLP whose middle block's two layers share one weight (and whose first layer holds a
+    buffer under two names), as a block that applies one layer twice; the task's other net
+    arguments are ignored."""
+
+    def __init__(
+        self, in_features: int = 784, num_classes: int = 10, width: int = 32, **_: object
+    ) -> None:
+        init_seed = draw_init_seed()
+        first = torch.nn.Linear(in_features, width)
+        first.register_buffer("scale", torch.ones(width))
+        first.register_buffer("scale_again", first.scale)
+        inner, outer = torch.nn.Linear(width, width), torch.nn.Linear(width, width)
+        outer.weight = inner.weight
+        super().__init__(
+            torch.nn.Sequential(torch.nn.Flatten(), first, torch.nn.ReLU()),
+            torch.nn.Sequential(inner, torch.nn.ReLU(), outer, torch.nn.ReLU()),
+            torch.nn.Linear(width, num_classes),
+            init_seed=init_seed,
+        )
+
+    def init_block(self, block: torch.nn.Module) -> None:
+        super().init_block(block)
+        for buffer in block.buffers():
+            buffer.uniform_(0.5, 1.5)
 
 
 class UnsetBuffer(BlockSequence):

@@ -140,29 +140,15 @@ def build_model(
     pretrained = net.get("weights") is not None
     if pretrained or not (isinstance(net_class, type) and issubclass(net_class, BlockSequence)):
         return instantiate_config(model, _convert_=convert)
-    drawn = torch.get_rng_state()
     with torch.device("meta"):
         built = instantiate_config(model.net, _convert_=convert)
     device = torch.get_default_device()  # (meta where the memory plan builds the model)
     if not caps.materialises_blocks and device.type != "meta":
-        if _shares_tensors(built):  # to_empty would untie them: built as it builds itself, again
-            torch.set_rng_state(drawn)  # (from the same state: the same init_seed)
-            built = instantiate_config(model.net, _convert_=convert)
-        else:
-            try:
-                built.materialise(device)
-            except ValueError as err:  # (its init_block's contract: one line, as a config's)
-                raise ConfigError(f"model.net: {err}") from err
+        try:
+            built.materialise(device)
+        except ValueError as err:  # (its init_block's contract: one line, as a config's)
+            raise ConfigError(f"model.net: {err}") from err
     return instantiate_config(model, net=built, _convert_=convert)
-
-
-def _shares_tensors(net: torch.nn.Module) -> bool:
-    """Whether a parameter or buffer of ``net`` is held under two names (tied weights)."""
-    named = [
-        *net.named_parameters(remove_duplicate=False),
-        *net.named_buffers(remove_duplicate=False),
-    ]
-    return len({id(t) for _, t in named}) < len(named)
 
 
 def instantiate_config(config: DictConfig, **kwargs: Any) -> Any:

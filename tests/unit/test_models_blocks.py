@@ -8,11 +8,13 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from helpers import TiedBlocks
+import helpers
+from helpers import TiedInBlock
 from myproject.data import MNISTDataModule
 from myproject.models import MLP, ResNet50
 from trainkit.build import build_model
 from trainkit.errors import ConfigError
+from trainkit.models.blocks import tied_tensors
 from trainkit.parallel import capabilities
 
 
@@ -128,18 +130,33 @@ def built_net(cfg) -> nn.Module:
     return build_model(cfg, MNISTDataModule("unused"), capabilities(cfg.strategy)).net
 
 
-def test_a_net_with_tied_weights_is_built_as_it_builds_itself(compose) -> None:
-    """Given memory (``to_empty``), tied weights would come apart: such a net is built again on
-    the CPU, from the same random state, so its weights are the ones it builds itself."""
-    cfg = compose("model.net._target_=helpers.TiedBlocks")
+@pytest.mark.parametrize("target", ["TiedBlocks", "TiedInBlock"])
+def test_tied_tensors_stay_tied_with_the_weights_the_net_builds_itself(compose, target) -> None:
+    """Given memory, every name of a module gets a tensor of its own (``to_empty``): a tie across
+    blocks (the second block's weight the first's) and ties within a block (two layers' weight,
+    a buffer under two names) are made again, holding what the net built on the CPU holds (the
+    later block's draw, where it initialises a tensor an earlier block did)."""
     torch.manual_seed(3)
-    net = built_net(cfg)
-    after = torch.get_rng_state()
+    itself = getattr(helpers, target)()
     torch.manual_seed(3)
-    itself = TiedBlocks()
-    assert net[1].weight is net[0].weight
+    net = built_net(compose(f"model.net._target_=helpers.{target}"))
+    assert tied_tensors(net) == tied_tensors(itself) != []  # held by one tensor, name for name
     assert_equal_blocks(net, itself)
-    assert torch.equal(after, torch.get_rng_state())  # the same draws, once
+    assert not any(t.is_meta for t in net.state_dict().values())
+
+
+def test_a_block_materialised_alone_ties_its_own_tensors() -> None:
+    """As a pipeline stage holds only its blocks: block 1 given memory while block 0 stays on
+    the meta device, its two layers still one weight, drawn as the whole net draws it."""
+    torch.manual_seed(3)
+    itself = TiedInBlock()
+    torch.manual_seed(3)
+    with torch.device("meta"):
+        net = TiedInBlock()
+    net.materialise_block(1, "cpu")
+    inner, _, outer, _ = net[1]
+    assert inner.weight is outer.weight and not inner.weight.is_meta and net[0][1].weight.is_meta
+    assert_equal_blocks(net[1], itself[1])
 
 
 def test_a_tensor_init_block_leaves_unset_is_refused_by_name(compose) -> None:

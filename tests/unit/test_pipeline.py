@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import TiedBlocks
 from myproject.models import MLP
 from myproject.tasks import ImageClassifier
 from trainkit.errors import ConfigError
@@ -74,8 +75,9 @@ def mlp(hidden: tuple[int, ...] = (512, 256)) -> ImageClassifier:
 
 def test_stage_starts_balanced_by_parameter_count() -> None:
     # blocks of 784*64+64, 64*48+48, 48*32+32, 32*10+10 parameters: the first block is a stage
-    assert PipelineStrategy(stages=2).stage_starts(mlp((64, 48, 32))) == [0, 1]
-    assert PipelineStrategy(stages=4).stage_starts(mlp((64, 48, 32))) == [0, 1, 2, 3]
+    model = mlp((64, 48, 32))
+    assert PipelineStrategy(stages=2, balance="params").stage_starts(model) == [0, 1]
+    assert PipelineStrategy(stages=4, balance="params").stage_starts(model) == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize(("points", "starts"), [([1], [0, 1]), ([2], [0, 2])])
@@ -121,6 +123,20 @@ def test_bad_split_points_are_refused(stages: int, points: list[int]) -> None:
 def test_bad_options_are_refused_when_built(kwargs: dict, message: str) -> None:
     with pytest.raises(PipelineConfigError, match=message):
         PipelineStrategy(**kwargs)
+
+
+def test_a_tie_across_stages_is_refused_and_one_within_a_stage_runs() -> None:
+    """A weight tied across blocks that two stages hold would be two weights, each trained by
+    its stage: refused before any process starts, naming the blocks' cut and the fix, which
+    passes."""
+    tied = task(TiedBlocks(blocks=3))
+    with pytest.raises(ConfigError, match=(
+        r"^strategy=pipeline: net ties 0\.weight and 1\.weight, which stages 0 and 1 would each "
+        r"hold .*set strategy\.split_points so that those blocks share a stage \(the cut now "
+        r"starts stages at blocks \[0, 1\]\), or untie them$"
+    )):  # fmt: skip
+        PipelineStrategy(split_points=[1]).check_run(tied, 2, 64, 1)
+    PipelineStrategy(split_points=[2]).check_run(tied, 2, 64, 1)
 
 
 @pytest.mark.parametrize(

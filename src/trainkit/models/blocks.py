@@ -16,6 +16,19 @@ import torch
 from torch import nn
 
 
+def tied_tensors(module: nn.Module) -> list[tuple[str, ...]]:
+    """The names of each parameter or buffer ``module`` holds under more than one name (tied
+    weights, as a language model's embedding and output layer), in the module's order."""
+    groups: dict[int, list[str]] = {}
+    for names in (
+        module.named_parameters(remove_duplicate=False),
+        module.named_buffers(remove_duplicate=False),
+    ):
+        for name, tensor in names:
+            groups.setdefault(id(tensor), []).append(name)
+    return [tuple(names) for names in groups.values() if len(names) > 1]
+
+
 def draw_init_seed() -> int:
     """A model's ``init_seed``, from torch's global generator: it follows the run's ``seed`` (the
     same in every process of a seeded run). Drawn before any layer is built, so it does not depend
@@ -35,6 +48,7 @@ class BlockSequence(nn.Sequential):
     def __init__(self, *blocks: nn.Module, init_seed: int) -> None:
         super().__init__(*blocks)
         self.init_seed = init_seed
+        self.tied = tied_tensors(self)  # (materialise_block ties them again)
         self.reset_blocks()
 
     def init_block(self, block: nn.Module) -> None:
@@ -59,10 +73,16 @@ class BlockSequence(nn.Sequential):
         as the block built there is. A random draw fills memory in its order, so it is drawn in
         the default layout and then given the one the net chose (ResNet-50's channels-last). Its
         floating-point tensors start as NaN: one that ``init_block`` leaves unset is refused by
-        name, where it would train from whatever the memory held."""
+        name, where it would train from whatever the memory held. Tied tensors stay tied: to
+        one already given memory in an earlier block, or to this block's first name of them."""
         block = self[index]
-        block.to_empty(device=device)
-        tensors = dict(chain(block.named_parameters(), block.named_buffers()))
+        block.to_empty(device=device)  # (a new tensor for every name: ties come apart)
+        earlier = self._tie_again(index)
+        tensors = {
+            name: t
+            for name, t in chain(block.named_parameters(), block.named_buffers())
+            if f"{index}.{name}" not in earlier
+        }
         laid_out = {name: t.stride() for name, t in tensors.items() if not t.is_contiguous()}
         with torch.no_grad():
             for name, tensor in tensors.items():
@@ -83,6 +103,28 @@ class BlockSequence(nn.Sequential):
                 "BlockSequence's init_block must set every parameter and buffer of a block "
                 "(its net is built on the meta device, then each block initialised by it)"
             )
+
+    def _tie_again(self, index: int) -> set[str]:
+        """Each tied name of block ``index`` given its tie's one tensor (``self.tied``): the one
+        an earlier block materialised, else this block's first. Returns the names tied to an
+        earlier block's tensor, which this block neither draws nor checks."""
+        earlier = set()
+        for names in self.tied:
+            here = [n for n in names if n.split(".", 1)[0] == str(index)]
+            if not here:
+                continue
+            placed = [n for n in names if n not in here and not self._tensor(n).is_meta]
+            source = placed[0] if placed else here[0]
+            for name in here:
+                module, _, leaf = name.rpartition(".")
+                setattr(self.get_submodule(module), leaf, self._tensor(source))
+            earlier.update(here if placed else ())
+        return earlier
+
+    def _tensor(self, name: str) -> torch.Tensor:
+        """The parameter or buffer held under ``name`` (a dotted path)."""
+        module, _, leaf = name.rpartition(".")
+        return getattr(self.get_submodule(module), leaf)
 
     def materialise(self, device: torch.device | str) -> None:
         """The whole net, built on the meta device, given memory on ``device`` and initialised

@@ -78,6 +78,7 @@ from trainkit.checkpoint_io import (
     read_sharded,
 )
 from trainkit.errors import ConfigError
+from trainkit.models.blocks import tied_tensors
 from trainkit.parallel import LIGHTNING, device_mesh
 from trainkit.strategies.ddp import DDPStrategy, trainable
 from trainkit.strategies.pipeline_task import check_pipeline_task
@@ -346,7 +347,10 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
         return list(seq.children())
 
     def stage_starts(self, lightning_module: nn.Module) -> list[int]:
-        """The first block of each chunk (of each stage, when one chunk per stage)."""
+        """The first block of each chunk (of each stage, when one chunk per stage): at the
+        ``split_points``, else balanced by FLOPs on one sample of the task's ``input_shape`` (on
+        the meta device when the net was built there: they grow with the batch in proportion,
+        so the cut is the one a micro-batch gives), or by parameters where the shape is unset."""
         blocks = self.blocks(lightning_module)
         if self.chunks > len(blocks):
             chunks = f"stages x virtual_stages = {self.chunks}"
@@ -366,14 +370,29 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
                     f"increasing block indices between 1 and {len(blocks) - 1}"
                 )
             return starts
-        return balanced_split(balance_costs(blocks, "params", None), self.chunks)
+        shape = getattr(lightning_module, "input_shape", None)  # check_run refuses None for flops
+        return balanced_split(balance_costs(blocks, self.balance, shape), self.chunks)
+
+    def _check_ties(self, lightning_module: nn.Module, starts: list[int]) -> None:
+        """Refuses a tensor tied across blocks that different stages would hold: each stage would
+        train its own copy (where one device trains one tensor), and nothing would tell."""
+        net = getattr(lightning_module, self.module_name)
+        index = {name: i for i, (name, _) in enumerate(net.named_children())}  # (OrderedDict's)
+        for names in tied_tensors(net):
+            stages = {self._owner(index[name.split(".", 1)[0]], starts) for name in names}
+            if len(stages) > 1:
+                raise PipelineConfigError(
+                    f"strategy=pipeline: {self.module_name} ties {' and '.join(names)}, which "
+                    f"stages {' and '.join(map(str, sorted(stages)))} would each hold and train "
+                    f"as a copy of their own: set strategy.split_points so that those blocks "
+                    f"share a stage (the cut now starts stages at blocks {starts}), or untie them"
+                )
 
     def check_run(
         self, lightning_module: nn.Module, devices: int, batch_size: int | None, num_nodes: int = 1
     ) -> None:
         """Everything that would fail after the processes start, said before they do."""
         check_pipeline_task(lightning_module, self.module_name)
-        self.stage_starts(lightning_module)
         balance_by_flops = self.split_points is None and self.balance == "flops"
         if balance_by_flops and lightning_module.input_shape is None:
             raise PipelineConfigError(
@@ -381,6 +400,7 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
                 "input_shape, which is unset: give the datamodule an input_shape attribute (or set "
                 "model.input_shape=[C,H,W]), or use strategy.balance=params"
             )
+        self._check_ties(lightning_module, self.stage_starts(lightning_module))
         if (devices * num_nodes) % self.stages:
             raise PipelineConfigError(
                 f"strategy=pipeline with stages={self.stages} runs one process per stage and "
@@ -528,17 +548,11 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
                 self._grouped_metrics.append(metric)
 
     def _cut(self) -> None:
-        """Cut the model into chunks, make the process groups, and hold this process's blocks only.
-        FLOPs are measured on one sample of the task's ``input_shape`` (on the meta device when
-        the net was built there): they grow with the batch in proportion, so the cut is the one a
-        micro-batch gives."""
+        """Cut the model into chunks (``stage_starts``), make the process groups, and hold this
+        process's blocks only."""
         lm = self.lightning_module
         blocks = self.blocks(lm)
-        shape = getattr(lm, "input_shape", None)  # check_run refuses None for training by flops
-        if self.split_points is None and self.balance == "flops" and shape is not None:
-            self._starts = balanced_split(balance_costs(blocks, "flops", shape), self.chunks)
-        else:
-            self._starts = self.stage_starts(lm)
+        self._starts = self.stage_starts(lm)
         self._make_groups()
         self._hold_own_blocks()
         if self.global_rank == 0:
@@ -648,9 +662,11 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
             if self._owner(i) == self.stage:  # replica 0 of this stage is global rank `stage`
                 broadcast_block(block, src=self.stage, group=self._replica_group)
 
-    def _owner(self, block_index: int) -> int:
-        """The stage (process in the pipeline) that trains block ``block_index``."""
-        chunk = max(c for c, start in enumerate(self._starts) if start <= block_index)
+    def _owner(self, block_index: int, starts: list[int] | None = None) -> int:
+        """The stage (process in the pipeline) that trains block ``block_index``, where the
+        chunks start at ``starts`` (this run's cut by default)."""
+        starts = self._starts if starts is None else starts
+        chunk = max(c for c, start in enumerate(starts) if start <= block_index)
         return chunk % self.stages
 
     # --- the steps: the task's own, its self(x) answered by the stages ----------------------------
