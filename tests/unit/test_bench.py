@@ -164,7 +164,7 @@ def test_ratio_goals_and_failed_cells(tmp_path: Path) -> None:
     launch_rows = launches(cells, import_torch_s=2.5)  # the ddp pair failed: one row
     assert launch_rows == [
         {
-            **{"launch": "mlp, one process", "template_s": 6.0, "plain_s": 5.0},
+            **{"launch": "mlp, one process", "template_s": 6.0, "plain_s": 5.0, "goal": 2.0},
             **{"vs_plain": pytest.approx(1.2), "vs_import_torch": pytest.approx(2.4)},
         }
     ]

@@ -114,10 +114,13 @@ RATIOS: tuple[tuple[str, Cell, Cell, float | None], ...] = (
 )
 
 
-# (what, template cell, plain cell): seconds from launch to the first training step, side by side
-LAUNCHES: tuple[tuple[str, Cell, Cell], ...] = (
-    ("mlp, one process", MLP_TEMPLATE, Cell("mlp", "plain")),
-    ("mlp, ddp x2", Cell("mlp", "template", "ddp", 2), Cell("mlp", "plain", "ddp", 2)),
+# (what, template cell, plain cell, goal): seconds from launch to the first training step, side by
+# side; the goal, where one is set, on the template against `import torch`. ddp x2 has none: its
+# rank 1 starts only once rank 0 has imported everything and composed its config (Lightning's
+# launcher), so it is about twice one process's
+LAUNCHES: tuple[tuple[str, Cell, Cell, float | None], ...] = (
+    ("mlp, one process", MLP_TEMPLATE, Cell("mlp", "plain"), 2.0),
+    ("mlp, ddp x2", Cell("mlp", "template", "ddp", 2), Cell("mlp", "plain", "ddp", 2), None),
 )
 
 
@@ -126,12 +129,12 @@ def launches(cells: list[dict], import_torch_s: float) -> list[dict]:
     plain loop's and against ``python -c "import torch"`` timed in the same run (the floor)."""
     by_name = {c["cell"]: c for c in cells if "first_step_s" in c}
     found = []
-    for name, template, plain in LAUNCHES:
+    for name, template, plain, goal in LAUNCHES:
         if template.name in by_name and plain.name in by_name:
             t, p = by_name[template.name]["first_step_s"], by_name[plain.name]["first_step_s"]
             found.append(
                 {
-                    **{"launch": name, "template_s": t, "plain_s": p},
+                    **{"launch": name, "template_s": t, "plain_s": p, "goal": goal},
                     **{"vs_plain": t / p, "vs_import_torch": t / import_torch_s},
                 }
             )
@@ -343,9 +346,10 @@ def markdown(report: dict) -> str:
             "| --- | --- | --- | --- | --- |",
         ]
     for row in report["launches"]:
+        said = " (no goal)" if row["goal"] is None else f" (goal <= {row['goal']:.1f}x)"
         lines.append(
             f"| {row['launch']} | {row['template_s']:.2f} s | {row['plain_s']:.2f} s "
-            f"| {row['vs_plain']:.2f}x | **{row['vs_import_torch']:.2f}x** (goal <= 2.0x) |"
+            f"| {row['vs_plain']:.2f}x | **{row['vs_import_torch']:.2f}x**{said} |"
         )
     if report.get("phases"):
         lines += [
