@@ -724,20 +724,22 @@ class FSDPUnits(L.Callback):
 
 
 class TiedBlocks(BlockSequence):
-    """``blocks`` blocks, the second's weight the first's (tied, as a language model's embedding
-    and output layer); the task's other net arguments are ignored."""
+    """``blocks`` blocks of one layer, block ``tie[1]``'s weight block ``tie[0]``'s (tied, as a
+    language model's embedding and output layer); the task's other net arguments are ignored."""
 
-    def __init__(self, width: int = 8, blocks: int = 2, **_: object) -> None:
+    def __init__(
+        self, width: int = 8, blocks: int = 2, tie: tuple[int, int] = (0, 1), **_: object
+    ) -> None:
         init_seed = draw_init_seed()
         layers = [torch.nn.Linear(width, width) for _ in range(blocks)]
-        layers[1].weight = layers[0].weight
+        layers[tie[1]].weight = layers[tie[0]].weight
         super().__init__(*layers, init_seed=init_seed)
 
 
-class TiedInBlock(BlockSequence):
-    """An MLP whose middle block's two layers share one weight (and whose first layer holds a
-    buffer under two names), as a block that applies one layer twice; the task's other net
-    arguments are ignored."""
+class TiedMLP(BlockSequence):
+    """An MLP with ties of every kind: its second block applies one layer twice (two layers, one
+    weight), its third block's weight is that one too, and its first layer holds a buffer under
+    two names; the task's other net arguments are ignored."""
 
     def __init__(
         self, in_features: int = 784, num_classes: int = 10, width: int = 32, **_: object
@@ -746,11 +748,12 @@ class TiedInBlock(BlockSequence):
         first = torch.nn.Linear(in_features, width)
         first.register_buffer("scale", torch.ones(width))
         first.register_buffer("scale_again", first.scale)
-        inner, outer = torch.nn.Linear(width, width), torch.nn.Linear(width, width)
-        outer.weight = inner.weight
+        inner, outer, third = (torch.nn.Linear(width, width) for _ in range(3))
+        outer.weight = third.weight = inner.weight
         super().__init__(
             torch.nn.Sequential(torch.nn.Flatten(), first, torch.nn.ReLU()),
             torch.nn.Sequential(inner, torch.nn.ReLU(), outer, torch.nn.ReLU()),
+            torch.nn.Sequential(third, torch.nn.ReLU()),
             torch.nn.Linear(width, num_classes),
             init_seed=init_seed,
         )

@@ -328,20 +328,33 @@ def test_replicas_of_a_stage_train_the_same_weights_without_a_seed(
             assert torch.equal(replica0[key], replica1[key]), (stage, key)
 
 
-def test_a_weight_tied_within_a_block_trains_as_one_devices(
-    base: tuple[str, ...], run_here: Callable[..., Path], run_script: Callable[..., Path]
+@pytest.mark.parametrize(
+    "layout",
+    [(*PIPE2, "strategy.split_points=[1]"), ("strategy=fsdp", "devices=2", "data.batch_size=128")],
+    ids=["pipeline", "fsdp"],
+)
+def test_tied_weights_train_as_one_devices(
+    base: tuple[str, ...],
+    run_here: Callable[..., Path],
+    run_script: Callable[..., Path],
+    layout: tuple[str, ...],
 ) -> None:
-    """A stage gives its blocks memory from the meta device, which gives every name a tensor of
-    its own: a block applying one layer twice trained two (2 stages 0.35 away from one device
-    after an epoch, exit 0). The tie is made again: one device's weights, in plain SGD, and the
-    checkpoint's two names of it equal. (A tie across the stages is refused before any process
+    """helpers.TiedMLP: one weight in two layers of block 1 and in block 2, a buffer under two
+    names. A pipeline stage gives its blocks memory from the meta device, which gave every name
+    a tensor of its own (2 stages 0.35 away from one device after an epoch, exit 0); fsdp shards
+    each unit on its own, each block a unit, and refused the tie across blocks (a traceback
+    after the processes started: "shared with a parameter already managed by another FSDP
+    group"). Each
+    tie is kept (the pipeline's on stage 1, blocks 1-3): one device's weights, in plain SGD, and
+    each tie's names equal in the checkpoint. (A tie across stages is refused before any process
     starts: unit/test_pipeline.py.)"""
-    run = (*base, "trainer.max_epochs=1", "model.net._target_=helpers.TiedInBlock", *PLAIN_SGD)
+    run = (*base, "trainer.max_epochs=1", "model.net._target_=helpers.TiedMLP", *PLAIN_SGD)
     single = weights(run_here("train.py", *run, "threads=1"))
-    piped = weights(run_script("train.py", *run, *PIPE2, "strategy.checkpoint=full"))
-    assert max(max_diff(single, piped).values()) < WEIGHT_ATOL
-    assert torch.equal(piped["net.1.0.weight"], piped["net.1.2.weight"])
-    assert torch.equal(piped["net.0.1.scale"], piped["net.0.1.scale_again"])
+    trained = weights(run_script("train.py", *run, *layout, "strategy.checkpoint=full"))
+    assert max(max_diff(single, trained).values()) < WEIGHT_ATOL
+    assert torch.equal(trained["net.1.0.weight"], trained["net.1.2.weight"])
+    assert torch.equal(trained["net.1.0.weight"], trained["net.2.0.weight"])
+    assert torch.equal(trained["net.0.1.scale"], trained["net.0.1.scale_again"])
 
 
 # --- refused before any process starts --------------------------------------------------------

@@ -2,6 +2,8 @@
 only some blocks (materialised from the meta device) starts them as one device does."""
 
 import math
+from collections import OrderedDict
+from functools import partial
 
 import pytest
 import torch
@@ -9,12 +11,11 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 import helpers
-from helpers import TiedInBlock
+from helpers import TiedMLP
 from myproject.data import MNISTDataModule
 from myproject.models import MLP, ResNet50
 from trainkit.build import build_model
-from trainkit.errors import ConfigError
-from trainkit.models.blocks import tied_tensors
+from trainkit.models.blocks import BlockSequence, draw_init_seed, tied_tensors
 from trainkit.parallel import capabilities
 
 
@@ -75,7 +76,7 @@ def test_a_block_materialised_from_meta_equals_the_one_device_block(cls, kwargs,
         lazy = cls(**kwargs)
     assert all(p.is_meta for p in lazy.parameters())
     assert lazy.init_seed == whole.init_seed
-    lazy.materialise_block(index, "cpu")
+    lazy.materialise_block(index, "cpu", tied_tensors(lazy))
     assert_equal_blocks(lazy[index], whole[index])
     assert all(p.is_meta for i, b in enumerate(lazy) if i != index for p in b.parameters())
 
@@ -130,7 +131,7 @@ def built_net(cfg) -> nn.Module:
     return build_model(cfg, MNISTDataModule("unused"), capabilities(cfg.strategy)).net
 
 
-@pytest.mark.parametrize("target", ["TiedBlocks", "TiedInBlock"])
+@pytest.mark.parametrize("target", ["TiedBlocks", "TiedMLP"])
 def test_tied_tensors_stay_tied_with_the_weights_the_net_builds_itself(compose, target) -> None:
     """Given memory, every name of a module gets a tensor of its own (``to_empty``): a tie across
     blocks (the second block's weight the first's) and ties within a block (two layers' weight,
@@ -145,38 +146,65 @@ def test_tied_tensors_stay_tied_with_the_weights_the_net_builds_itself(compose, 
     assert not any(t.is_meta for t in net.state_dict().values())
 
 
-def test_a_block_materialised_alone_ties_its_own_tensors() -> None:
-    """As a pipeline stage holds only its blocks: block 1 given memory while block 0 stays on
-    the meta device, its two layers still one weight, drawn as the whole net draws it."""
+class NamedTiedConvs(BlockSequence):
+    """Blocks named by key (as ResNet-50's), the second's weight the first's, laid out as the
+    net chooses after it is built (ResNet-50's channels-last)."""
+
+    def __init__(self, channels_last: bool = False) -> None:
+        init_seed = draw_init_seed()
+        a, b, c = (nn.Conv2d(4, 4, 3) for _ in range(3))
+        b.weight = a.weight
+        super().__init__(OrderedDict(a=a, b=b, c=c), init_seed=init_seed)
+        if channels_last:
+            self.to(memory_format=torch.channels_last)
+
+
+class RepeatedBlock(BlockSequence):
+    """One block applied twice (``nn.Sequential(b, b)``), then one of its own."""
+
+    def __init__(self) -> None:
+        init_seed = draw_init_seed()
+        twice = nn.Linear(8, 8)
+        super().__init__(twice, twice, nn.Linear(8, 8), init_seed=init_seed)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [NamedTiedConvs, partial(NamedTiedConvs, channels_last=True), RepeatedBlock],
+    ids=["named", "named-channels-last", "repeated"],
+)
+def test_a_net_materialised_block_by_block_is_the_net_built_whole(build) -> None:
+    """Built on the meta device and given memory block by block (``materialise``): the net built
+    on the CPU, tensor for tensor, each tie and each layout kept (a tied tensor in channels-last
+    memory drawn as the contiguous net draws it; the repeated block drawn by its second place,
+    as the whole net's second initialisation draws it)."""
     torch.manual_seed(3)
-    itself = TiedInBlock()
+    whole = build()
     torch.manual_seed(3)
     with torch.device("meta"):
-        net = TiedInBlock()
-    net.materialise_block(1, "cpu")
+        net = build()
+    net.materialise("cpu")
+    assert tied_tensors(net) == tied_tensors(whole) != []
+    assert_equal_blocks(net, whole)
+    theirs = whole.state_dict()
+    for name, mine in net.state_dict().items():
+        assert mine.stride() == theirs[name].stride(), name
+
+
+def test_the_blocks_of_a_stage_materialised_alone_keep_their_ties() -> None:
+    """As a pipeline stage holds only its blocks: blocks 1 and 2 given memory while blocks 0 and
+    3 stay on the meta device, block 1's two layers and block 2's one weight, drawn as the whole
+    net draws it (by block 2, the last to initialise it)."""
+    torch.manual_seed(3)
+    itself = TiedMLP()
+    torch.manual_seed(3)
+    with torch.device("meta"):
+        net = TiedMLP()
+    ties = tied_tensors(net)
+    net.materialise_block(1, "cpu", ties)
+    net.materialise_block(2, "cpu", ties)
     inner, _, outer, _ = net[1]
-    assert inner.weight is outer.weight and not inner.weight.is_meta and net[0][1].weight.is_meta
+    assert inner.weight is outer.weight is net[2][0].weight and not inner.weight.is_meta
+    assert net[0][1].weight.is_meta and net[3].weight.is_meta
     assert_equal_blocks(net[1], itself[1])
-
-
-def test_a_tensor_init_block_leaves_unset_is_refused_by_name(compose) -> None:
-    """A buffer computed as the net is built is lost with the meta device: refused, naming it
-    and the rule, not trained from whatever memory ``to_empty`` gave it."""
-    cfg = compose("model.net._target_=helpers.UnsetBuffer")
-    with pytest.raises(
-        ConfigError, match=r"model\.net: UnsetBuffer\.init_block leaves 0\.scale unset: "
-    ):
-        built_net(cfg)
-
-
-def test_a_built_resnet_equals_the_resnet_it_builds_itself(compose) -> None:
-    """Given memory after the meta device: BatchNorm's statistics too, and the channels-last
-    layout ResNet-50 takes as it is built."""
-    cfg = compose("model=resnet50", "model.net.channels_last=true")
-    torch.manual_seed(3)
-    net = built_net(cfg)
-    torch.manual_seed(3)
-    itself = ResNet50(num_classes=10, channels_last=True)
-    assert_equal_blocks(net, itself)
-    conv = net.layer1[0].conv2.weight  # (3x3: a 1x1 is contiguous either way)
-    assert conv.is_contiguous(memory_format=torch.channels_last) and not conv.is_contiguous()
+    assert_equal_blocks(net[2], itself[2])

@@ -137,6 +137,16 @@ def test_a_tie_across_stages_is_refused_and_one_within_a_stage_runs() -> None:
     )):  # fmt: skip
         PipelineStrategy(split_points=[1]).check_run(tied, 2, 64, 1)
     PipelineStrategy(split_points=[2]).check_run(tied, 2, 64, 1)
+    # interleaved: blocks 0 and 2 are chunks 0 and 2, both stage 0's; sharded, each chunk is an
+    # FSDP unit of its own, and FSDP ties no weight across units
+    tied = task(TiedBlocks(blocks=4, tie=(0, 2)))
+    interleaved = {"schedule": "interleaved", "split_points": [1, 2, 3], "microbatches": 4}
+    PipelineStrategy(**interleaved).check_run(tied, 2, 64, 1)
+    with pytest.raises(ConfigError, match=(
+        r"^strategy\.shard=true: net ties 0\.weight and 2\.weight across chunks 0 and 2 of "
+        r"stage 0, which FSDP shards apart and cannot tie: set strategy\.split_points"
+    )):  # fmt: skip
+        PipelineStrategy(**interleaved, shard=True).check_run(tied, 4, 64, 1)
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@ any process starts, and two steps under each precision on CPU. Real multi-proces
 e2e/test_strategies.py."""
 
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,8 @@ import torch
 from hydra.utils import instantiate
 
 import lightning_examples
+from helpers import TiedBlocks
+from myproject.tasks import ImageClassifier
 from trainkit.build import build_strategy, instantiate_config
 from trainkit.config import compose_config
 from trainkit.errors import ConfigError
@@ -143,6 +146,16 @@ def test_fsdp_shards_the_repeated_blocks_of_any_module(compose) -> None:
         "model.embedding",
         "model",
     ]
+
+
+def test_fsdp_shards_a_tied_weight_in_one_unit() -> None:
+    """FSDP shards each unit's parameters on their own, and refuses a weight two units hold
+    (each block is a unit by default). A block tied to one outside it is no unit; the net
+    holding both is."""
+    model = ImageClassifier(
+        TiedBlocks(blocks=4, tie=(1, 2)), optimizer=partial(torch.optim.SGD), num_classes=10
+    )
+    assert unit_names(model) == ["net.0", "net.3", "net"]
 
 
 @pytest.mark.parametrize(

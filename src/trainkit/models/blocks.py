@@ -10,23 +10,39 @@ building the whole model does.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from itertools import chain
 
 import torch
 from torch import nn
 
 
+def _named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer of ``module`` under every name it has."""
+    yield from module.named_parameters(remove_duplicate=False)
+    yield from module.named_buffers(remove_duplicate=False)
+
+
 def tied_tensors(module: nn.Module) -> list[tuple[str, ...]]:
     """The names of each parameter or buffer ``module`` holds under more than one name (tied
     weights, as a language model's embedding and output layer), in the module's order."""
     groups: dict[int, list[str]] = {}
-    for names in (
-        module.named_parameters(remove_duplicate=False),
-        module.named_buffers(remove_duplicate=False),
-    ):
-        for name, tensor in names:
-            groups.setdefault(id(tensor), []).append(name)
+    for name, tensor in _named_tensors(module):
+        groups.setdefault(id(tensor), []).append(name)
     return [tuple(names) for names in groups.values() if len(names) > 1]
+
+
+def tied_outside(part: nn.Module, whole: nn.Module) -> bool:
+    """Whether a module of ``whole`` outside ``part`` holds a parameter of ``part`` too (a weight
+    tied across them): FSDP shards such a weight only in a unit that holds both."""
+    inside = {id(m) for m in part.modules()}
+    held = {id(p) for p in part.parameters()}
+    return any(
+        id(p) in held
+        for m in whole.modules()
+        if id(m) not in inside
+        for p in m.parameters(recurse=False)
+    )
 
 
 def draw_init_seed() -> int:
@@ -48,7 +64,6 @@ class BlockSequence(nn.Sequential):
     def __init__(self, *blocks: nn.Module, init_seed: int) -> None:
         super().__init__(*blocks)
         self.init_seed = init_seed
-        self.tied = tied_tensors(self)  # (materialise_block ties them again)
         self.reset_blocks()
 
     def init_block(self, block: nn.Module) -> None:
@@ -68,34 +83,49 @@ class BlockSequence(nn.Sequential):
         for index in range(len(self)):
             self.reset_block(index)
 
-    def materialise_block(self, index: int, device: torch.device | str) -> None:
+    def materialise_block(
+        self, index: int, device: torch.device | str, ties: list[tuple[str, ...]]
+    ) -> None:
         """Block ``index``, built on the meta device, given memory on ``device`` and initialised
-        as the block built there is. A random draw fills memory in its order, so it is drawn in
-        the default layout and then given the one the net chose (ResNet-50's channels-last). Its
-        floating-point tensors start as NaN: one that ``init_block`` leaves unset is refused by
-        name, where it would train from whatever the memory held. Tied tensors stay tied: to
-        one already given memory in an earlier block, or to this block's first name of them."""
-        block = self[index]
-        block.to_empty(device=device)  # (a new tensor for every name: ties come apart)
-        earlier = self._tie_again(index)
-        tensors = {
-            name: t
-            for name, t in chain(block.named_parameters(), block.named_buffers())
-            if f"{index}.{name}" not in earlier
-        }
+        as the net built there initialises it. ``ties``: the net's ``tied_tensors``, taken before
+        any block was given memory, which unties them (a new tensor for each name): each tie is
+        made again, to the tensor an earlier block was given, else to this block's own.
+
+        A random draw fills memory in its order, so a tensor is drawn in the default layout and
+        then given the one the net chose (ResNet-50's channels-last). What this block is the
+        first to hold starts as NaN: a floating-point tensor its ``init_block`` leaves unset is
+        refused by name, where it would train from whatever the memory held."""
+        block, prefix = self[index], f"{list(self._modules)[index]}."
+        placed = {n for names in ties for n in names if not self._tensor(n).is_meta}
+        was_meta = {n for n, t in _named_tensors(block) if t.is_meta}
+        # memory for meta tensors only: one an earlier block holds too (a layer two blocks
+        # share, nn.Sequential(b, b)) keeps its memory and values
+        block._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+        earlier = set()
+        for names in ties:
+            here = [n for n in names if n.startswith(prefix)]
+            given = [n for n in names if n in placed]
+            for name in here:
+                module, _, leaf = name.rpartition(".")
+                setattr(self.get_submodule(module), leaf, self._tensor((given or here)[0]))
+            earlier.update(n.removeprefix(prefix) for n in here if given)
+        fresh = was_meta - earlier
+        tensors = dict(chain(block.named_parameters(), block.named_buffers()))
         laid_out = {name: t.stride() for name, t in tensors.items() if not t.is_contiguous()}
         with torch.no_grad():
             for name, tensor in tensors.items():
-                if name in laid_out:
-                    tensor.data = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-                if tensor.is_floating_point():
+                if name in laid_out:  # (an earlier block's values kept)
+                    tensor.data = tensor.data.contiguous()
+                if name in fresh and tensor.is_floating_point():
                     tensor.fill_(math.nan)
             self.reset_block(index)
             for name, stride in laid_out.items():
                 tensor = tensors[name]
                 tensor.data = tensor.new_empty_strided(tensor.shape, stride).copy_(tensor)
         unset = [
-            f"{index}.{n}" for n, t in tensors.items() if t.is_floating_point() and t.isnan().any()
+            prefix + n
+            for n, t in tensors.items()
+            if n in fresh and t.is_floating_point() and t.isnan().any()
         ]
         if unset:
             raise ValueError(
@@ -103,23 +133,6 @@ class BlockSequence(nn.Sequential):
                 "BlockSequence's init_block must set every parameter and buffer of a block "
                 "(its net is built on the meta device, then each block initialised by it)"
             )
-
-    def _tie_again(self, index: int) -> set[str]:
-        """Each tied name of block ``index`` given its tie's one tensor (``self.tied``): the one
-        an earlier block materialised, else this block's first. Returns the names tied to an
-        earlier block's tensor, which this block neither draws nor checks."""
-        earlier = set()
-        for names in self.tied:
-            here = [n for n in names if n.split(".", 1)[0] == str(index)]
-            if not here:
-                continue
-            placed = [n for n in names if n not in here and not self._tensor(n).is_meta]
-            source = placed[0] if placed else here[0]
-            for name in here:
-                module, _, leaf = name.rpartition(".")
-                setattr(self.get_submodule(module), leaf, self._tensor(source))
-            earlier.update(here if placed else ())
-        return earlier
 
     def _tensor(self, name: str) -> torch.Tensor:
         """The parameter or buffer held under ``name`` (a dotted path)."""
@@ -129,8 +142,9 @@ class BlockSequence(nn.Sequential):
     def materialise(self, device: torch.device | str) -> None:
         """The whole net, built on the meta device, given memory on ``device`` and initialised
         block by block (``materialise_block``); a tensor outside the blocks is refused."""
+        ties = tied_tensors(self)
         for index in range(len(self)):
-            self.materialise_block(index, device)
+            self.materialise_block(index, device, ties)
         outside = [n for n, t in chain(self.named_parameters(), self.named_buffers()) if t.is_meta]
         if outside:
             raise ValueError(

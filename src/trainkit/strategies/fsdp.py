@@ -48,7 +48,7 @@ from trainkit.checkpoint_io import (
 )
 from trainkit.errors import ConfigError
 from trainkit.launch import JobScriptLauncher
-from trainkit.models.blocks import BlockSequence
+from trainkit.models.blocks import BlockSequence, tied_outside
 from trainkit.parallel import LIGHTNING, device_mesh
 from trainkit.strategies.ddp import ExactMeanReduce
 
@@ -135,11 +135,14 @@ class FSDPStrategy(ShardedSave, ExactMeanReduce, ModelParallelStrategy):
         """The modules sharded as units of their own, innermost first: the blocks ``wrap`` names
         or, by default, the repeated blocks; then each child of ``model`` with parameters left,
         so that a step may call any child directly (a GAN's ``self.discriminator(x)``) and find
-        it gathered. The root, ``model`` itself, takes its own parameters."""
-        blocks = self.blocks(model)
+        it gathered. The root, ``model`` itself, takes its own parameters. A module holding a
+        weight tied to one outside it (a language model's embedding and output layer) is no unit:
+        FSDP refuses a weight two units hold; the unit holding both, or the root, shards it
+        once."""
+        blocks = [b for b in self.blocks(model) if not tied_outside(b, model)]
         covered = {id(p) for block in blocks for p in block.parameters()}
         rest = [c for c in model.children() if any(id(p) not in covered for p in c.parameters())]
-        return [*blocks, *rest]
+        return [*blocks, *(c for c in rest if not tied_outside(c, model))]
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         """The units the policy picks, innermost first: ``wrap``'s, or ``repeated_blocks``."""

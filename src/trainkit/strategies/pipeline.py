@@ -78,7 +78,7 @@ from trainkit.checkpoint_io import (
     read_sharded,
 )
 from trainkit.errors import ConfigError
-from trainkit.models.blocks import tied_tensors
+from trainkit.models.blocks import tied_outside, tied_tensors
 from trainkit.parallel import LIGHTNING, device_mesh
 from trainkit.strategies.ddp import DDPStrategy, trainable
 from trainkit.strategies.pipeline_task import check_pipeline_task
@@ -375,17 +375,28 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
 
     def _check_ties(self, lightning_module: nn.Module, starts: list[int]) -> None:
         """Refuses a tensor tied across blocks that different stages would hold: each stage would
-        train its own copy (where one device trains one tensor), and nothing would tell."""
+        train its own copy (where one device trains one tensor), and nothing would tell. Sharded
+        (``shard=true``), each chunk is a unit of FSDP's, which shards a tied weight only within
+        one: a tie across two chunks of a stage is refused too."""
         net = getattr(lightning_module, self.module_name)
-        index = {name: i for i, (name, _) in enumerate(net.named_children())}  # (OrderedDict's)
+        index = {name: i for i, name in enumerate(net._modules)}  # (named_children skips repeats)
         for names in tied_tensors(net):
-            stages = {self._owner(index[name.split(".", 1)[0]], starts) for name in names}
+            blocks = {index[name.split(".", 1)[0]] for name in names}
+            stages = {self._owner(b, starts) for b in blocks}
+            chunks = {max(c for c, start in enumerate(starts) if start <= b) for b in blocks}
             if len(stages) > 1:
                 raise PipelineConfigError(
                     f"strategy=pipeline: {self.module_name} ties {' and '.join(names)}, which "
                     f"stages {' and '.join(map(str, sorted(stages)))} would each hold and train "
                     f"as a copy of their own: set strategy.split_points so that those blocks "
                     f"share a stage (the cut now starts stages at blocks {starts}), or untie them"
+                )
+            if self.shard and len(chunks) > 1:
+                raise PipelineConfigError(
+                    f"strategy.shard=true: {self.module_name} ties {' and '.join(names)} across "
+                    f"chunks {' and '.join(map(str, sorted(chunks)))} of stage {stages.pop()}, "
+                    f"which FSDP shards apart and cannot tie: set strategy.split_points so that "
+                    f"those blocks share a chunk (now cut at blocks {starts}), or untie them"
                 )
 
     def check_run(
@@ -532,7 +543,8 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
         mesh = self._mesh["data_parallel"]
         for chunk in self._chunks.values():
             for block in chunk:
-                fully_shard(block, mesh=mesh)
+                if not tied_outside(block, chunk):  # (a tied weight: the chunk's, sharded once)
+                    fully_shard(block, mesh=mesh)
             fully_shard(chunk, mesh=mesh)
 
     def _sync_metrics_over_replicas(self) -> None:
@@ -570,11 +582,12 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
         memory. A net that was not built on meta (not a BlockSequence) was built whole: the
         others' go."""
         net = getattr(self.lightning_module, self.module_name)
+        ties = tied_tensors(net)  # (before any block is given memory, which unties them)
         for i, block in enumerate(net.children()):
             on_meta = any(t.is_meta for t in chain(block.parameters(), block.buffers()))
             if self._owner(i) == self.stage and on_meta:
                 try:
-                    net.materialise_block(i, "cpu")
+                    net.materialise_block(i, "cpu", ties)
                 except ValueError as err:  # (its init_block's contract: one line, as a config's)
                     raise ConfigError(f"{self.module_name}: {err}") from err
             elif self._owner(i) != self.stage and not on_meta:
