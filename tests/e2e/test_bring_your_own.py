@@ -146,8 +146,11 @@ def test_standard_lightning_code_trains_and_tests_right(
     run_here: Callable[..., Path],
 ) -> None:
     data_root = odd_mnist if odd else mnist_root
-    timeout = () if strategy == "auto" else ("strategy.timeout.seconds=60",)  # a hang fails soon
-    run_dir = run_script(
+    # one device in this process; a hang of several fails soon
+    run, timeout = (
+        (run_here, ()) if devices == 1 else (run_script, ("strategy.timeout.seconds=60",))
+    )
+    run_dir = run(
         "train.py",
         *user_run(user_conf, data_root, f"strategy={strategy}", f"devices={devices}"),
         f"data.train_fraction={fraction}",
@@ -365,17 +368,20 @@ def test_the_stages_of_a_pipeline_read_the_same_batches_of_user_data(
 
 
 def test_a_pipelined_modules_torchmetrics_equal_one_devices(
-    user_conf: Path, mnist_root: Path, run_script: Callable[..., Path]
+    user_conf: Path,
+    mnist_root: Path,
+    run_script: Callable[..., Path],
+    run_here: Callable[..., Path],
 ) -> None:
     """The logits stay on the last stage, and what the step made of them reaches rank 0's logs:
     an AUROC over every validation prediction (a list state, sent batch by batch) and the count
     of samples a SumMetric saw (each once, not once per stage) equal one device's. One device as
-    one ddp process: the user's shuffled loader then reads the pipeline's order."""
+    one ddp process (in this one): the user's shuffled loader then reads the pipeline's order."""
     run = user_run(
         user_conf, mnist_root, "monitor=val_auroc", "trainer.limit_train_batches=4",
         data="drop_last", model="pipelined",
     )  # fmt: skip
-    one = run_script("train.py", *run, "strategy=ddp", "devices=1")
+    one = run_here("train.py", *run, "strategy=ddp", "devices=1")
     pipelined = run_script(
         "train.py", *run, "strategy=pipeline", "devices=2", "strategy.balance=params"
     )

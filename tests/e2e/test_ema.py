@@ -50,13 +50,13 @@ def runs(run_here: Callable[..., Path], run_script: Callable[..., Path], base) -
     with each stage sharded over 2 ranks (each rank its shards of its stage), global batch 48.
     fsdp's and the pipeline's checkpoints are sharded. dp x2 on CPU trains in one process on one
     device (torch's DataParallel splits batches across GPUs only): its strategy's path, the
-    average beside the module it would replicate."""
+    average beside the module it would replicate; one process, so in this one."""
     two, three = ("devices=2", "data.batch_size=24"), ("devices=3", "data.batch_size=16")
     return {
         "single": run_here("train.py", *base, "data.batch_size=48"),
         "ddp": run_script("train.py", *base, "strategy=ddp", *two),
         "ddp_spawn": run_script("train.py", *base, "strategy=ddp_spawn", *two),
-        "dp": run_script("train.py", *base, "strategy=dp", "devices=2", "data.batch_size=48"),
+        "dp": run_here("train.py", *base, "strategy=dp", "devices=2", "data.batch_size=48"),
         "fsdp": run_script("train.py", *base, "strategy=fsdp", *two),
         "fsdp_x3": run_script("train.py", *base, "strategy=fsdp", *three),
         "pipeline": run_script(

@@ -594,7 +594,7 @@ def test_the_profiler_example_runs_where_its_profiler_does_and_its_fix_everywher
 
 @pytest.mark.xdist_group(name="lit_imagenet")
 def test_the_imagenet_example_trains_on_its_own_loaders_under_every_strategy(
-    user_conf: Path, tmp_path: Path
+    user_conf: Path, tmp_path: Path, run_here: Callable[..., Path]
 ) -> None:
     """``examples/pytorch/domain_templates/imagenet.py``: a ResNet-18 of 1,000 classes whose
     module builds its ImageFolder datasets in ``setup`` and defines its own loaders, with no
@@ -623,19 +623,12 @@ def test_the_imagenet_example_trains_on_its_own_loaders_under_every_strategy(
     )  # fmt: skip
     assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
     (run,) = (tmp_path / "logs" / "train" / "runs").iterdir()
-    evaluated = run_python("eval.py", f"ckpt_path={best(run)}", CPU, log_dir=tmp_path / "logs")
-    assert evaluated.returncode == 0, evaluated.stdout[-3000:] + evaluated.stderr[-3000:]
-    (eval_run,) = (tmp_path / "logs" / "eval" / "runs").iterdir()
+    eval_run = run_here("eval.py", f"ckpt_path={best(run)}", CPU)  # (one device: in-process)
     test, again = metrics(run)["test"], metrics(eval_run)["test"]
     assert set(test) == {"test_loss", "test_acc1", "test_acc5"}, test
     assert again == pytest.approx(test, rel=1e-5)
     moved = images.rename(tmp_path / "moved")  # its model config's data_path follows
-    moved_eval = run_python(
-        "eval.py", f"ckpt_path={best(run)}", CPU, f"paths.data_dir={moved}",
-        log_dir=tmp_path / "moved_logs",
-    )  # fmt: skip
-    assert moved_eval.returncode == 0, moved_eval.stderr[-3000:]
-    (eval_run,) = (tmp_path / "moved_logs" / "eval" / "runs").iterdir()
+    eval_run = run_here("eval.py", f"ckpt_path={best(run)}", CPU, f"paths.data_dir={moved}")
     assert metrics(eval_run)["test"] == pytest.approx(test, rel=1e-5)
     refused = run_python("eval.py", f"ckpt_path={best(run)}", CPU, "data.batch_size=8")
     assert refused.returncode == 1

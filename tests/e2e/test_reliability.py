@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -311,6 +312,10 @@ def seen_in(run_dir: Path, epoch: int) -> tuple[list[str], list[dict]]:
     return [sample for entry in records for sample in entry["samples"]], records
 
 
+# The tests that resume the stopped run: one worker makes it
+shares_stopped_run = pytest.mark.xdist_group(name="reliability_stopped_on_two_ranks")
+
+
 @pytest.fixture(scope="module")
 def stopped_on_two_ranks(base, tmp_path_factory) -> Path:
     """ddp x2 in batches of 16 (25 steps an epoch), stopped by SIGTERM 5 steps into epoch 1."""
@@ -323,6 +328,7 @@ def stopped_on_two_ranks(base, tmp_path_factory) -> Path:
     return runs(log_dir)[0]
 
 
+@shares_stopped_run
 @pytest.mark.parametrize(
     ("change", "steps_left"),
     [
@@ -355,6 +361,7 @@ def test_a_mid_epoch_resume_with_other_ranks_or_batches_trains_each_sample_once(
         assert "model.optimizer.lr=0.0005 (was 0.001)" in output
 
 
+@shares_stopped_run
 @pytest.mark.parametrize(
     ("change", "message"),
     [
@@ -639,16 +646,17 @@ def test_a_validation_split_larger_than_the_data_is_one_line(overrides, tmp_path
     ) in proc.stderr
 
 
-def test_eval_of_a_checkpoint_whose_data_moved_away_is_one_line(tmp_path: Path) -> None:
+def test_eval_of_a_checkpoint_whose_data_moved_away_is_one_line(
+    tmp_path: Path, run_here: Callable[..., Path]
+) -> None:
     """Offline, the checkpoint's MNIST gone: one line naming where it looked, no traceback, and
     no eval directory left."""
     data = write_mnist(tmp_path / "mnist", 300, 100)
-    proc = train(
-        tmp_path, f"data.root={data}", "data.val_size=100", "trainer.max_epochs=1",
-        "trainer.limit_train_batches=2", "accelerator=cpu", "logger=none",
+    run = run_here(
+        "train.py", f"data.root={data}", "data.val_size=100", "trainer.max_epochs=1",
+        "trainer.limit_train_batches=2", "accelerator=cpu", "logger=none", log_dir=tmp_path,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (best,) = tmp_path.glob("train/runs/*/checkpoints/best.ckpt")
+    best = run / "checkpoints" / "best.ckpt"
     shutil.rmtree(data)
     proc = run_python("eval.py", f"ckpt_path={best}", log_dir=tmp_path, env=OFFLINE_ENV)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]

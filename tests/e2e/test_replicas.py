@@ -96,8 +96,10 @@ def runs(
     runs["single"] = run_here("train.py", *single)
     for name, layout in LAYOUTS.items():
         weights = (WEIGHTS, f"+callbacks.weights.out={out}/{name}")
-        timeout = () if name == "dp2" else (TIMEOUT,)  # (one process: no collective to wait on)
-        runs[name] = run_script("train.py", *finetuning(*layout, *weights, *timeout))
+        if name == "dp2":  # one process on CPU (DataParallel replicates on GPUs): in this one
+            runs[name] = run_here("train.py", *finetuning(*layout, *weights))
+        else:
+            runs[name] = run_script("train.py", *finetuning(*layout, *weights, TIMEOUT))
     return runs
 
 
