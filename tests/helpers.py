@@ -725,14 +725,16 @@ class FSDPUnits(L.Callback):
 
 class TiedBlocks(BlockSequence):
     """``blocks`` blocks of one layer, block ``tie[1]``'s weight block ``tie[0]``'s (tied, as a
-    language model's embedding and output layer); the task's other net arguments are ignored."""
+    language model's embedding and output layer; None: none); the task's other net arguments are
+    ignored."""
 
     def __init__(
-        self, width: int = 8, blocks: int = 2, tie: tuple[int, int] = (0, 1), **_: object
+        self, width: int = 8, blocks: int = 2, tie: tuple[int, int] | None = (0, 1), **_: object
     ) -> None:
         init_seed = draw_init_seed()
         layers = [torch.nn.Linear(width, width) for _ in range(blocks)]
-        layers[tie[1]].weight = layers[tie[0]].weight
+        if tie is not None:
+            layers[tie[1]].weight = layers[tie[0]].weight
         super().__init__(*layers, init_seed=init_seed)
 
 

@@ -377,7 +377,7 @@ def _block_sequence(model: nn.Module, cfg: DictConfig) -> list[nn.Module]:
     an ``nn.Sequential``; none otherwise."""
     name = OmegaConf.select(cfg, "strategy.module", default=None) or "net"
     seq = getattr(model, name, None)
-    return list(seq.children()) if isinstance(seq, nn.Sequential) else []
+    return list(seq) if isinstance(seq, nn.Sequential) else []  # (as the pipeline: repeats kept)
 
 
 def _block_costs(blocks: list[nn.Module], shape: tuple | None, cfg: DictConfig) -> list[int]:

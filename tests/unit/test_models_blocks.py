@@ -15,6 +15,7 @@ from helpers import TiedMLP
 from myproject.data import MNISTDataModule
 from myproject.models import MLP, ResNet50
 from trainkit.build import build_model
+from trainkit.errors import ConfigError
 from trainkit.models.blocks import BlockSequence, draw_init_seed, tied_tensors
 from trainkit.parallel import capabilities
 
@@ -147,37 +148,74 @@ def test_tied_tensors_stay_tied_with_the_weights_the_net_builds_itself(compose, 
 
 
 class NamedTiedConvs(BlockSequence):
-    """Blocks named by key (as ResNet-50's), the second's weight the first's, laid out as the
-    net chooses after it is built (ResNet-50's channels-last)."""
+    """Blocks named by key (as ResNet-50's), the second's weight the first's, tied before the
+    blocks are initialised (or after, as a ``tie_weights`` step would), each drawn from a normal
+    (whose draws land in memory order), laid out as the net chooses after it is built
+    (ResNet-50's channels-last)."""
 
-    def __init__(self, channels_last: bool = False) -> None:
+    def __init__(self, channels_last: bool = False, tie_after: bool = False) -> None:
         init_seed = draw_init_seed()
         a, b, c = (nn.Conv2d(4, 4, 3) for _ in range(3))
-        b.weight = a.weight
+        if not tie_after:
+            b.weight = a.weight
         super().__init__(OrderedDict(a=a, b=b, c=c), init_seed=init_seed)
+        if tie_after:
+            self.b.weight = self.a.weight
         if channels_last:
             self.to(memory_format=torch.channels_last)
 
+    def init_block(self, block: nn.Module) -> None:
+        nn.init.normal_(block.weight)
+        nn.init.zeros_(block.bias)
 
-class RepeatedBlock(BlockSequence):
-    """One block applied twice (``nn.Sequential(b, b)``), then one of its own."""
+
+class SharedLayer(BlockSequence):
+    """A layer held by two blocks (one block applied twice, ``nn.Sequential(b, b)``, and a layer
+    in two blocks), each block's rule setting its last layer only: the shared layer keeps what
+    its first block drew."""
 
     def __init__(self) -> None:
         init_seed = draw_init_seed()
-        twice = nn.Linear(8, 8)
-        super().__init__(twice, twice, nn.Linear(8, 8), init_seed=init_seed)
+        twice, shared = nn.Linear(8, 8), nn.Linear(8, 8)
+        blocks = (twice, twice, nn.Sequential(shared), nn.Sequential(shared, nn.Linear(8, 8)))
+        super().__init__(*blocks, init_seed=init_seed)
+
+    def init_block(self, block: nn.Module) -> None:
+        last = block[-1] if isinstance(block, nn.Sequential) else block
+        last.reset_parameters()
+
+
+class LaterSets(BlockSequence):
+    """A weight tied across two blocks that only the second block's rule sets."""
+
+    def __init__(self) -> None:
+        init_seed = draw_init_seed()
+        a, b = nn.Linear(8, 8), nn.Linear(8, 8)
+        b.weight = a.weight
+        super().__init__(a, b, init_seed=init_seed)
+
+    def init_block(self, block: nn.Module) -> None:
+        if block is self[0]:
+            nn.init.zeros_(block.bias)
+        else:
+            block.reset_parameters()
 
 
 @pytest.mark.parametrize(
     "build",
-    [NamedTiedConvs, partial(NamedTiedConvs, channels_last=True), RepeatedBlock],
-    ids=["named", "named-channels-last", "repeated"],
+    [
+        NamedTiedConvs,
+        partial(NamedTiedConvs, channels_last=True),
+        SharedLayer,
+        LaterSets,
+    ],
+    ids=["named", "named-channels-last", "shared-layer", "later-sets"],
 )
 def test_a_net_materialised_block_by_block_is_the_net_built_whole(build) -> None:
     """Built on the meta device and given memory block by block (``materialise``): the net built
     on the CPU, tensor for tensor, each tie and each layout kept (a tied tensor in channels-last
-    memory drawn as the contiguous net draws it; the repeated block drawn by its second place,
-    as the whole net's second initialisation draws it)."""
+    memory drawn as the contiguous net draws it; a shared layer keeping its first block's draw;
+    a tied weight that only its second block sets, not refused as unset by the first)."""
     torch.manual_seed(3)
     whole = build()
     torch.manual_seed(3)
@@ -189,6 +227,37 @@ def test_a_net_materialised_block_by_block_is_the_net_built_whole(build) -> None
     theirs = whole.state_dict()
     for name, mine in net.state_dict().items():
         assert mine.stride() == theirs[name].stride(), name
+
+
+def test_a_tie_made_after_the_blocks_are_built_is_kept() -> None:
+    """Found when the net is given memory, not as it is built: tied, as the net that ties before
+    its blocks are initialised (each draws it; the later block's draw stays)."""
+    torch.manual_seed(3)
+    tied_first = NamedTiedConvs()
+    torch.manual_seed(3)
+    with torch.device("meta"):
+        net = NamedTiedConvs(tie_after=True)
+    net.materialise("cpu")
+    assert net.b.weight is net.a.weight
+    assert_equal_blocks(net, tied_first)
+
+
+class UnsetTiedBuffer(BlockSequence):
+    """A buffer two blocks hold, which neither block's rule sets."""
+
+    def __init__(self) -> None:
+        init_seed = draw_init_seed()
+        a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+        a.register_buffer("scale", torch.ones(4))
+        b.register_buffer("scale", a.scale)
+        super().__init__(a, b, init_seed=init_seed)
+
+
+def test_a_tied_tensor_no_block_sets_is_refused_by_its_last_block() -> None:
+    with torch.device("meta"):
+        net = UnsetTiedBuffer()
+    with pytest.raises(ValueError, match=r"UnsetTiedBuffer\.init_block leaves 1\.scale unset"):
+        net.materialise("cpu")
 
 
 def test_the_blocks_of_a_stage_materialised_alone_keep_their_ties() -> None:
@@ -208,3 +277,26 @@ def test_the_blocks_of_a_stage_materialised_alone_keep_their_ties() -> None:
     assert net[0][1].weight.is_meta and net[3].weight.is_meta
     assert_equal_blocks(net[1], itself[1])
     assert_equal_blocks(net[2], itself[2])
+
+
+def test_a_tensor_init_block_leaves_unset_is_refused_by_name(compose) -> None:
+    """A buffer computed as the net is built is lost with the meta device: refused, naming it
+    and the rule, not trained from whatever memory ``to_empty`` gave it."""
+    cfg = compose("model.net._target_=helpers.UnsetBuffer")
+    with pytest.raises(
+        ConfigError, match=r"model\.net: UnsetBuffer\.init_block leaves 0\.scale unset: "
+    ):
+        built_net(cfg)
+
+
+def test_a_built_resnet_equals_the_resnet_it_builds_itself(compose) -> None:
+    """Given memory after the meta device: BatchNorm's statistics too, and the channels-last
+    layout ResNet-50 takes as it is built."""
+    cfg = compose("model=resnet50", "model.net.channels_last=true")
+    torch.manual_seed(3)
+    net = built_net(cfg)
+    torch.manual_seed(3)
+    itself = ResNet50(num_classes=10, channels_last=True)
+    assert_equal_blocks(net, itself)
+    conv = net.layer1[0].conv2.weight  # (3x3: a 1x1 is contiguous either way)
+    assert conv.is_contiguous(memory_format=torch.channels_last) and not conv.is_contiguous()

@@ -137,6 +137,14 @@ def test_a_tie_across_stages_is_refused_and_one_within_a_stage_runs() -> None:
     )):  # fmt: skip
         PipelineStrategy(split_points=[1]).check_run(tied, 2, 64, 1)
     PipelineStrategy(split_points=[2]).check_run(tied, 2, 64, 1)
+    # a block held twice (applied twice) is two blocks, and two places of one weight
+    net = TiedBlocks(blocks=3, tie=None)
+    net[2] = net[1]
+    with pytest.raises(
+        ConfigError, match=r"net ties 1\.weight and 2\.weight, which stages 0 and 1"
+    ):
+        PipelineStrategy(split_points=[2]).check_run(task(net), 2, 64, 1)
+    PipelineStrategy(split_points=[1]).check_run(task(net), 2, 64, 1)
     # interleaved: blocks 0 and 2 are chunks 0 and 2, both stage 0's; sharded, each chunk is an
     # FSDP unit of its own, and FSDP ties no weight across units
     tied = task(TiedBlocks(blocks=4, tie=(0, 2)))

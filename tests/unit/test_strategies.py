@@ -156,6 +156,12 @@ def test_fsdp_shards_a_tied_weight_in_one_unit() -> None:
         TiedBlocks(blocks=4, tie=(1, 2)), optimizer=partial(torch.optim.SGD), num_classes=10
     )
     assert unit_names(model) == ["net.0", "net.3", "net"]
+    # a layer two blocks hold: two places of one module, not one block's only
+    shared = torch.nn.Linear(8, 8)
+    net = TiedBlocks(blocks=4, tie=None)
+    net[1], net[2] = torch.nn.Sequential(shared), torch.nn.Sequential(shared, torch.nn.ReLU())
+    model = ImageClassifier(net, optimizer=partial(torch.optim.SGD), num_classes=10)
+    assert unit_names(model) == ["net.0", "net.3", "net"]
 
 
 @pytest.mark.parametrize(

@@ -33,14 +33,15 @@ def tied_tensors(module: nn.Module) -> list[tuple[str, ...]]:
 
 
 def tied_outside(part: nn.Module, whole: nn.Module) -> bool:
-    """Whether a module of ``whole`` outside ``part`` holds a parameter of ``part`` too (a weight
-    tied across them): FSDP shards such a weight only in a unit that holds both."""
-    inside = {id(m) for m in part.modules()}
+    """Whether ``whole`` holds a parameter of ``part`` at a place outside ``part`` too (a weight
+    tied across them, or a layer both hold): FSDP shards such a weight only in a unit that holds
+    every place of it. Places are paths: a module held twice is two places."""
+    own = [path for path, m in whole.named_modules(remove_duplicate=False) if m is part]
     held = {id(p) for p in part.parameters()}
     return any(
         id(p) in held
-        for m in whole.modules()
-        if id(m) not in inside
+        for path, m in whole.named_modules(remove_duplicate=False)
+        if not any(path == o or path.startswith(f"{o}.") for o in own)
         for p in m.parameters(recurse=False)
     )
 
@@ -93,15 +94,18 @@ class BlockSequence(nn.Sequential):
 
         A random draw fills memory in its order, so a tensor is drawn in the default layout and
         then given the one the net chose (ResNet-50's channels-last). What this block is the
-        first to hold starts as NaN: a floating-point tensor its ``init_block`` leaves unset is
-        refused by name, where it would train from whatever the memory held."""
-        block, prefix = self[index], f"{list(self._modules)[index]}."
+        first to hold starts as NaN: a floating-point tensor that no ``init_block`` of a block
+        holding it sets is refused by name (by the last of them), where it would train from
+        whatever the memory held."""
+        keys = list(self._modules)  # (named_children() skips a block held twice)
+        block, prefix = self[index], f"{keys[index]}."
+        position = {key: i for i, key in enumerate(keys)}
         placed = {n for names in ties for n in names if not self._tensor(n).is_meta}
         was_meta = {n for n, t in _named_tensors(block) if t.is_meta}
         # memory for meta tensors only: one an earlier block holds too (a layer two blocks
         # share, nn.Sequential(b, b)) keeps its memory and values
         block._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
-        earlier = set()
+        earlier, later = set(), set()
         for names in ties:
             here = [n for n in names if n.startswith(prefix)]
             given = [n for n in names if n in placed]
@@ -109,6 +113,8 @@ class BlockSequence(nn.Sequential):
                 module, _, leaf = name.rpartition(".")
                 setattr(self.get_submodule(module), leaf, self._tensor((given or here)[0]))
             earlier.update(n.removeprefix(prefix) for n in here if given)
+            if any(position[n.split(".", 1)[0]] > index for n in names):
+                later.update(n.removeprefix(prefix) for n in here)
         fresh = was_meta - earlier
         tensors = dict(chain(block.named_parameters(), block.named_buffers()))
         laid_out = {name: t.stride() for name, t in tensors.items() if not t.is_contiguous()}
@@ -122,10 +128,10 @@ class BlockSequence(nn.Sequential):
             for name, stride in laid_out.items():
                 tensor = tensors[name]
                 tensor.data = tensor.new_empty_strided(tensor.shape, stride).copy_(tensor)
-        unset = [
+        unset = [  # (a tied tensor is checked by the last block holding it, which may set it)
             prefix + n
             for n, t in tensors.items()
-            if n in fresh and t.is_floating_point() and t.isnan().any()
+            if n not in later and t.is_floating_point() and t.isnan().any()
         ]
         if unset:
             raise ValueError(

@@ -344,7 +344,7 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
                 f"`{self.module_name}` at block boundaries, "
                 f"so it must be an nn.Sequential of blocks; got {type(seq).__name__}"
             )
-        return list(seq.children())
+        return list(seq)  # (children() would skip a block held twice)
 
     def stage_starts(self, lightning_module: nn.Module) -> list[int]:
         """The first block of each chunk (of each stage, when one chunk per stage): at the
@@ -542,9 +542,9 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
         post-backward after the last micro-batch)."""
         mesh = self._mesh["data_parallel"]
         for chunk in self._chunks.values():
-            for block in chunk:
-                if not tied_outside(block, chunk):  # (a tied weight: the chunk's, sharded once)
-                    fully_shard(block, mesh=mesh)
+            # (a weight tied across blocks, a block held twice: the chunk's, sharded once)
+            for block in {id(b): b for b in chunk if not tied_outside(b, chunk)}.values():
+                fully_shard(block, mesh=mesh)
             fully_shard(chunk, mesh=mesh)
 
     def _sync_metrics_over_replicas(self) -> None:
@@ -583,7 +583,7 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
         others' go."""
         net = getattr(self.lightning_module, self.module_name)
         ties = tied_tensors(net)  # (before any block is given memory, which unties them)
-        for i, block in enumerate(net.children()):
+        for i, block in enumerate(net):
             on_meta = any(t.is_meta for t in chain(block.parameters(), block.buffers()))
             if self._owner(i) == self.stage and on_meta:
                 try:
