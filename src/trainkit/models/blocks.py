@@ -120,7 +120,9 @@ class BlockSequence(nn.Sequential):
         laid_out = {name: t.stride() for name, t in tensors.items() if not t.is_contiguous()}
         with torch.no_grad():
             for name, tensor in tensors.items():
-                if name in laid_out:  # (an earlier block's values kept)
+                if name in laid_out and name in fresh:
+                    tensor.data = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+                elif name in laid_out:  # (an earlier block's values kept)
                     tensor.data = tensor.data.contiguous()
                 if name in fresh and tensor.is_floating_point():
                     tensor.fill_(math.nan)

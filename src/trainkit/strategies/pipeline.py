@@ -382,8 +382,8 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
         index = {name: i for i, name in enumerate(net._modules)}  # (named_children skips repeats)
         for names in tied_tensors(net):
             blocks = {index[name.split(".", 1)[0]] for name in names}
-            stages = {self._owner(b, starts) for b in blocks}
-            chunks = {max(c for c, start in enumerate(starts) if start <= b) for b in blocks}
+            chunks = {self._chunk(b, starts) for b in blocks}
+            stages = {c % self.stages for c in chunks}
             if len(stages) > 1:
                 raise PipelineConfigError(
                     f"strategy=pipeline: {self.module_name} ties {' and '.join(names)}, which "
@@ -583,9 +583,11 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
         others' go."""
         net = getattr(self.lightning_module, self.module_name)
         ties = tied_tensors(net)  # (before any block is given memory, which unties them)
+        built_on_meta = any(t.is_meta for t in chain(net.parameters(), net.buffers()))
         for i, block in enumerate(net):
             on_meta = any(t.is_meta for t in chain(block.parameters(), block.buffers()))
-            if self._owner(i) == self.stage and on_meta:
+            # (every own block, one held twice too: initialised at each place, as one device)
+            if self._owner(i) == self.stage and built_on_meta:
                 try:
                     net.materialise_block(i, "cpu", ties)
                 except ValueError as err:  # (its init_block's contract: one line, as a config's)
@@ -675,12 +677,14 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
             if self._owner(i) == self.stage:  # replica 0 of this stage is global rank `stage`
                 broadcast_block(block, src=self.stage, group=self._replica_group)
 
-    def _owner(self, block_index: int, starts: list[int] | None = None) -> int:
-        """The stage (process in the pipeline) that trains block ``block_index``, where the
-        chunks start at ``starts`` (this run's cut by default)."""
-        starts = self._starts if starts is None else starts
-        chunk = max(c for c, start in enumerate(starts) if start <= block_index)
-        return chunk % self.stages
+    def _owner(self, block_index: int) -> int:
+        """The stage (process in the pipeline) that trains block ``block_index``."""
+        return self._chunk(block_index, self._starts) % self.stages
+
+    @staticmethod
+    def _chunk(block_index: int, starts: list[int]) -> int:
+        """The chunk that holds block ``block_index``, where the chunks start at ``starts``."""
+        return max(c for c, start in enumerate(starts) if start <= block_index)
 
     # --- the steps: the task's own, its self(x) answered by the stages ----------------------------
 
