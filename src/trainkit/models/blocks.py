@@ -46,6 +46,13 @@ def tied_outside(part: nn.Module, whole: nn.Module) -> bool:
     )
 
 
+def blocks_holding(seq: nn.Sequential, names: tuple[str, ...]) -> set[int]:
+    """The indices of the blocks of ``seq`` that hold ``names`` (dotted paths in ``seq``); a
+    block held twice is two blocks (``named_children()`` would skip the second)."""
+    index = {key: i for i, key in enumerate(seq._modules)}
+    return {index[name.split(".", 1)[0]] for name in names}
+
+
 def draw_init_seed() -> int:
     """A model's ``init_seed``, from torch's global generator: it follows the run's ``seed`` (the
     same in every process of a seeded run). Drawn before any layer is built, so it does not depend
@@ -97,9 +104,7 @@ class BlockSequence(nn.Sequential):
         first to hold starts as NaN: a floating-point tensor that no ``init_block`` of a block
         holding it sets is refused by name (by the last of them), where it would train from
         whatever the memory held."""
-        keys = list(self._modules)  # (named_children() skips a block held twice)
-        block, prefix = self[index], f"{keys[index]}."
-        position = {key: i for i, key in enumerate(keys)}
+        block, prefix = self[index], f"{list(self._modules)[index]}."
         placed = {n for names in ties for n in names if not self._tensor(n).is_meta}
         was_meta = {n for n, t in _named_tensors(block) if t.is_meta}
         # memory for meta tensors only: one an earlier block holds too (a layer two blocks
@@ -113,7 +118,7 @@ class BlockSequence(nn.Sequential):
                 module, _, leaf = name.rpartition(".")
                 setattr(self.get_submodule(module), leaf, self._tensor((given or here)[0]))
             earlier.update(n.removeprefix(prefix) for n in here if given)
-            if any(position[n.split(".", 1)[0]] > index for n in names):
+            if max(blocks_holding(self, names)) > index:
                 later.update(n.removeprefix(prefix) for n in here)
         fresh = was_meta - earlier
         tensors = dict(chain(block.named_parameters(), block.named_buffers()))

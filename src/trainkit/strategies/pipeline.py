@@ -78,7 +78,7 @@ from trainkit.checkpoint_io import (
     read_sharded,
 )
 from trainkit.errors import ConfigError
-from trainkit.models.blocks import tied_outside, tied_tensors
+from trainkit.models.blocks import blocks_holding, tied_outside, tied_tensors
 from trainkit.parallel import LIGHTNING, device_mesh
 from trainkit.strategies.ddp import DDPStrategy, trainable
 from trainkit.strategies.pipeline_task import check_pipeline_task
@@ -379,10 +379,8 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
         (``shard=true``), each chunk is a unit of FSDP's, which shards a tied weight only within
         one: a tie across two chunks of a stage is refused too."""
         net = getattr(lightning_module, self.module_name)
-        index = {name: i for i, name in enumerate(net._modules)}  # (named_children skips repeats)
         for names in tied_tensors(net):
-            blocks = {index[name.split(".", 1)[0]] for name in names}
-            chunks = {self._chunk(b, starts) for b in blocks}
+            chunks = {self._chunk(b, starts) for b in blocks_holding(net, names)}
             stages = {c % self.stages for c in chunks}
             if len(stages) > 1:
                 raise PipelineConfigError(
