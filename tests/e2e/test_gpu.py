@@ -13,8 +13,9 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from helpers import load_checkpoint, run_python, write_tree
+from helpers import load_checkpoint, max_diff, run_python, write_tree
 from myproject.data.imagefolder import ImageFolderDataModule
+from trainkit.checkpoint_io import is_sharded
 from trainkit.data.synthetic import write_cifar10
 
 pytestmark = [
@@ -55,6 +56,36 @@ def gpu_runs(run_script: Callable[..., Path], overrides: tuple[str, ...], tmp_pa
     return runs
 
 
+SGD = ("model.optimizer._target_=torch.optim.SGD", "model.optimizer.lr=0.1",
+       "+model.optimizer.momentum=0.9")  # fmt: skip
+SHARDED = "sharded_gpu_runs"
+
+
+@pytest.fixture(scope="module")
+def sharded_gpu_runs(
+    run_script: Callable[..., Path], overrides: tuple[str, ...], tmp_path_factory
+) -> dict:
+    """fsdp's sharded checkpoint (its default form) written on the GPU over NCCL, blocking and in
+    the background, then resumed for a second epoch on the GPU and on the CPU; an uninterrupted
+    2-epoch GPU run is the reference. SGD with momentum: a lost optimizer state shows."""
+    base = (*(o for o in overrides if not o.startswith("accelerator=")), *SGD, "seed=0")
+    gpu = (*base, "accelerator=gpu", "devices=1", "strategy=fsdp")
+    log_dir = tmp_path_factory.mktemp("gpu-sharded-logs")
+    out = {
+        "epoch1": run_script("train.py", *gpu, "trainer.max_epochs=1", log_dir=log_dir),
+        "async": run_script(
+            "train.py", *gpu, "strategy.async_save=true", "trainer.max_epochs=1", log_dir=log_dir
+        ),
+        "epoch2": run_script("train.py", *gpu, "trainer.max_epochs=2", log_dir=log_dir),
+    }
+    resume = (f"ckpt_path={out['epoch1'] / 'checkpoints' / 'last.ckpt'}", "trainer.max_epochs=2")
+    out["resumed"] = run_script("train.py", *gpu, *resume, log_dir=log_dir)
+    out["on_cpu"] = run_script(
+        "train.py", *base, "accelerator=cpu", "strategy=auto", *resume, log_dir=log_dir
+    )
+    return out
+
+
 def metrics(run_dir: Path) -> dict:
     return json.loads((run_dir / "metrics.json").read_text())
 
@@ -88,6 +119,43 @@ def test_a_sharded_save_on_the_gpu_keeps_a_float32_average_of_bfloat16_weights(
     assert {t.dtype for t in raw.values() if t.is_floating_point()} == {torch.bfloat16}
     assert {t.dtype for t in average.values() if t.is_floating_point()} == {torch.float32}
     assert any(not torch.equal(t, t.bfloat16().float()) for t in average.values())
+
+
+@pytest.mark.xdist_group(name=SHARDED)
+def test_a_sharded_checkpoint_saved_on_the_gpu_resumes_on_the_gpu_and_the_cpu(
+    sharded_gpu_runs: dict,
+) -> None:
+    """Each part written from CUDA memory; read back into CUDA (the weights of the uninterrupted
+    run, to float noise) and into CPU memory (the same run, to the drift of CPU arithmetic over
+    an epoch; a lost momentum or a wrong layout is far larger)."""
+    runs = sharded_gpu_runs
+    assert is_sharded(runs["epoch1"] / "checkpoints" / "last.ckpt")
+    reference = checkpoint(runs["epoch2"])
+    for name, atol in (("resumed", 1e-5), ("on_cpu", 1e-3)):
+        resumed = checkpoint(runs[name])
+        assert resumed["global_step"] == reference["global_step"], name
+        assert max_diff(resumed["state_dict"], reference["state_dict"]) < atol, name
+    first = checkpoint(runs["epoch1"])["state_dict"]
+    assert max_diff(first, reference["state_dict"]) > 1e-2  # the second epoch moved the weights
+
+
+@pytest.mark.xdist_group(name=SHARDED)
+def test_a_save_in_the_background_on_the_gpu_writes_the_same_checkpoints(
+    sharded_gpu_runs: dict,
+) -> None:
+    """``strategy.async_save=true`` on CUDA tensors (DCP stages them to the host first): best and
+    last hold what the blocking save wrote."""
+    for name in ("best.ckpt", "last.ckpt"):
+        background, blocking = (
+            load_checkpoint(sharded_gpu_runs[run] / "checkpoints" / name)
+            for run in ("async", "epoch1")
+        )
+        assert is_sharded(sharded_gpu_runs["async"] / "checkpoints" / name)
+        assert background["global_step"] == blocking["global_step"] > 0
+        # two runs of the same kernels: equal but for cuBLAS's choice of algorithm
+        assert max_diff(background["state_dict"], blocking["state_dict"]) < 1e-6
+        (ours,), (theirs,) = background["optimizer_states"], blocking["optimizer_states"]
+        assert ours["state"].keys() == theirs["state"].keys() and theirs["state"]
 
 
 @shares_runs
