@@ -29,6 +29,7 @@ from helpers import (
     readme_run,
     run_python,
 )
+from trainkit.checkpoint_io import is_sharded
 from trainkit.config import compose_config
 from trainkit.data.synthetic import write_mnist
 from trainkit.parallel import ParallelDims
@@ -346,15 +347,26 @@ def test_tied_weights_train_as_one_devices(
     after the processes started: "shared with a parameter already managed by another FSDP
     group"). Each
     tie is kept (the pipeline's on stage 1, blocks 1-3): one device's weights, in plain SGD, and
-    each tie's names equal in the checkpoint. (A tie across stages is refused before any process
+    each tie's names equal in the checkpoint; the sharded checkpoint resumed on one device gives
+    one device's second epoch, its ties kept. (A tie across stages is refused before any process
     starts: unit/test_pipeline.py.)"""
-    run = (*base, "trainer.max_epochs=1", "model.net._target_=helpers.TiedMLP", *PLAIN_SGD)
-    single = weights(run_here("train.py", *run, "threads=1"))
-    trained = weights(run_script("train.py", *run, *layout, "strategy.checkpoint=full"))
+    run = (*base, "model.net._target_=helpers.TiedMLP", *PLAIN_SGD)
+    single = weights(run_here("train.py", *run, "trainer.max_epochs=1", "threads=1"))
+    trained_dir = run_script("train.py", *run, "trainer.max_epochs=1", *layout)
+    trained = weights(trained_dir)
     assert max(max_diff(single, trained).values()) < WEIGHT_ATOL
-    assert torch.equal(trained["net.1.0.weight"], trained["net.1.2.weight"])
-    assert torch.equal(trained["net.1.0.weight"], trained["net.2.0.weight"])
-    assert torch.equal(trained["net.0.1.scale"], trained["net.0.1.scale_again"])
+    one_device = ("strategy=auto", "devices=1", "data.batch_size=256", "threads=1")
+    single2 = weights(run_here("train.py", *run, "trainer.max_epochs=2", "threads=1"))
+    last = trained_dir / "checkpoints" / "last.ckpt"
+    assert is_sharded(last)
+    resumed = weights(
+        run_here("train.py", *run, f"ckpt_path={last}", "trainer.max_epochs=2", *one_device)
+    )
+    assert max(max_diff(single2, resumed).values()) < WEIGHT_ATOL
+    for held in (trained, resumed):
+        assert torch.equal(held["net.1.0.weight"], held["net.1.2.weight"])
+        assert torch.equal(held["net.1.0.weight"], held["net.2.0.weight"])
+        assert torch.equal(held["net.0.1.scale"], held["net.0.1.scale_again"])
 
 
 # --- refused before any process starts --------------------------------------------------------
@@ -389,6 +401,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
+from trainkit.checkpoint_io import is_sharded
 from trainkit.config import compose_config
 from trainkit.run_plan import training_plan
 from trainkit.train import build
