@@ -31,6 +31,7 @@ from omegaconf import DictConfig
 from torch.utils.data import RandomSampler
 
 from trainkit.errors import ConfigError
+from trainkit.launch import override_key
 from trainkit.parallel import capabilities, device_count
 from trainkit.resume import job_overrides
 from trainkit.run_files import as_floats
@@ -116,7 +117,7 @@ def run_check(cfg: DictConfig) -> int:
     started = time.perf_counter()
     steps = int(cfg.check.steps)
     typed = job_overrides()
-    base = [o for o in typed if top_key(o) not in LAYOUT_KEYS]
+    base = [o for o in typed if override_key(o).split(".")[0] not in LAYOUT_KEYS]
     searchpath = [o for o in HydraConfig.get().overrides.hydra if o.startswith("hydra.searchpath=")]
     configured, own, own_replicas = configured_layout(cfg)
     chosen = chosen_strategies(cfg)
@@ -184,11 +185,6 @@ def chosen_strategies(cfg: DictConfig) -> list[str] | None:
     return list(chosen)
 
 
-def top_key(override: str) -> str:
-    """``strategy`` for ``strategy.stages=2``, ``+callbacks.x=1``'s ``callbacks``."""
-    return override.split("=")[0].lstrip("+~").split(".")[0]
-
-
 def configured_layout(cfg: DictConfig) -> tuple[str, tuple[str, ...], int]:
     """The run's own layout as CPU processes on this machine: its name, its overrides (the
     strategy with the options typed for it, every node's devices as processes here) and its
@@ -201,7 +197,7 @@ def configured_layout(cfg: DictConfig) -> tuple[str, tuple[str, ...], int]:
     replicas = 1 if capabilities(cfg.strategy).single_process else max(1, processes // stages)
     if strategy == "auto" and processes == 1:
         return "one device", LAYOUTS["one device"], 1
-    options = [o for o in job_overrides() if top_key(o) == "strategy" and "." in o.split("=")[0]]
+    options = [o for o in job_overrides() if override_key(o).startswith("strategy.")]
     timed = "timeout" in cfg.strategy and not any("strategy.timeout" in o for o in options)
     overrides = (f"strategy={strategy}", *options, f"devices={processes}", "num_nodes=1")
     return f"{strategy} x{processes}", (*overrides, *((HUNG,) if timed else ())), replicas

@@ -61,8 +61,10 @@ def in_multirun() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
-def _key(override: str) -> str:
-    return override.lstrip("+~").split("=", 1)[0]
+def override_key(override: str) -> str:
+    """The key a command-line override sets: ``a.b`` for ``a.b=1``, ``+a.b=1``, ``~a.b`` and a
+    group's ``a.b@pkg=x`` (the one reading of an override's key, for every module)."""
+    return override.lstrip("+~").split("=", 1)[0].split("@", 1)[0]
 
 
 def _quoted(path: str) -> str:
@@ -101,7 +103,8 @@ def job_command(local_rank: int) -> list[str]:
         elif source.provider == "command-line" and source.schema == "file":
             command += ["--config-dir", source.path]
     command += [o for o in hc.overrides.hydra if not o.lstrip("+~").startswith(_SWEEP_ONLY)]
-    command += [o for o in hc.overrides.task if not (_job_ckpt_path and _key(o) == "ckpt_path")]
+    kept = [o for o in hc.overrides.task if not _job_ckpt_path or override_key(o) != "ckpt_path"]
+    command += kept
     if _job_ckpt_path:
         command.append(f"ckpt_path={_quoted(_job_ckpt_path)}")
     return [

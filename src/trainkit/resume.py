@@ -29,7 +29,7 @@ from trainkit.checkpoint_io import (
 )
 from trainkit.config import expand_shorthands, settle, with_library_defaults
 from trainkit.errors import ConfigError
-from trainkit.launch import launcher_run_id
+from trainkit.launch import launcher_run_id, override_key
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ def resumed_config(cfg: DictConfig, path: Path, checkpoint: dict) -> DictConfig:
     here, there = str(cfg.paths.output_dir), str(trained["paths"]["output_dir"])
     kept = {k: _moved(v, there, here) for k, v in _leaves(trained).items()}
     rebuilt = _resolved_leaves(compose(name, overrides=saved))
-    own = {_typed_key(o) for o in typed} | {"paths", "ckpt_path"}
+    own = {override_key(o) for o in typed} | {"paths", "ckpt_path"}
     drifted = {
         key: value
         for key, value in rebuilt.items()
@@ -215,10 +215,6 @@ def _saved_overrides(path: Path, checkpoint: dict) -> list[str]:
     return []
 
 
-def _typed_key(override: str) -> str:
-    return override.lstrip("+~").split("=", 1)[0].split("@", 1)[0]
-
-
 def _under(key: str, roots: set[str]) -> bool:
     return any(key == root or key.startswith(root + ".") for root in roots)
 
@@ -257,7 +253,7 @@ def _changed(typed: list[str], resumed: DictConfig, trained: dict) -> list[str]:
     now = _nested(_resolved_leaves(resumed))
     lines = []
     for override in typed:
-        key = _typed_key(override)
+        key = override_key(override)
         if key == "ckpt_path" or key.startswith("hydra."):
             continue
         new, old = _select(now, key), _select(trained, key)

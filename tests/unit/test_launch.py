@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from trainkit.launch import override_key
+
 ENDING = """
 import atexit, logging, sys
 from trainkit.launch import end_process
@@ -92,3 +94,18 @@ def test_a_failed_rank_kills_the_first_process_only_while_its_job_is_at_work(
     )
     assert proc.returncode == code, proc.stderr[-2000:]
     assert "the job went on" not in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("strategy.stages=2", "strategy.stages"),
+        ("+callbacks.probe._target_=a.B", "callbacks.probe._target_"),
+        ("++trainer.max_epochs=3", "trainer.max_epochs"),
+        ("~logger", "logger"),
+        ("model@model.net=resnet50", "model"),
+        ('data.root="/x/a=b"', "data.root"),  # an '=' in the value
+    ],
+)
+def test_override_key_reads_the_key_an_override_sets(override: str, key: str) -> None:
+    assert override_key(override) == key
