@@ -7,6 +7,8 @@ The stopped and continued Optuna sweep itself is in e2e/test_sweep.py."""
 
 import json
 import pickle
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -167,3 +169,29 @@ def test_the_folds_that_never_run(study) -> None:
     assert unrun_folds(study, 3, seen) == [5, 7, 8]
     fail_and_retry(study, study.trials[3])  # job 3 left running by a stopped sweep: retried
     assert unrun_folds(study, 3, seen) == [5, 7, 8]
+
+
+PLUGINS_WITHOUT_OPTUNA = """
+import sys, warnings
+sys.modules["hydra_plugins.hydra_optuna_sweeper"] = None  # as if not installed
+from hydra.core.plugins import Plugins
+from hydra.plugins.sweeper import Sweeper
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    sweepers = [c.__module__ for c in Plugins.instance().discover(Sweeper)]
+print("sweepers", sorted(sweepers))
+print("warned", [str(w.message) for w in caught if "trainkit_sweeper" in str(w.message)])
+"""
+
+
+@pytest.mark.slow  # a process: the full suite's, not make test-fast's
+def test_without_hydra_optuna_sweeper_hydra_finds_no_broken_plugin() -> None:
+    """A Python without hydra-optuna-sweeper (no Optuna sweeps) imports the plugin package
+    quietly: Hydra warned "Error importing 'hydra_plugins.trainkit_sweeper' ... Plugin is
+    incompatible" at every start."""
+    proc = subprocess.run(
+        [sys.executable, "-c", PLUGINS_WITHOUT_OPTUNA], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "warned []" in proc.stdout, proc.stdout
+    assert "trainkit_sweeper" not in proc.stdout.split("warned")[0]  # and it offers no sweeper

@@ -4,14 +4,20 @@ only, and imports every module of it at each start: Optuna is imported once the 
 
 from typing import Any
 
-from hydra_plugins.hydra_optuna_sweeper.optuna_sweeper import OptunaSweeper
+try:
+    from hydra_plugins.hydra_optuna_sweeper.optuna_sweeper import OptunaSweeper
+except ImportError:  # not installed: no Optuna sweeps (Hydra then refuses hparams_search, naming
+    # hydra/sweeper=optuna), and no "Error importing ... Plugin is incompatible" at every start
+    OptunaSweeper = None
 
+if OptunaSweeper is not None:
 
-class StoredOptunaSweeper(OptunaSweeper):
-    """The plugin's ``OptunaSweeper``, its study in ``<sweep dir>/optuna.db`` (or ``storage``),
-    ``n_trials`` the study's total, a stopped trial resumed in its own job (trainkit.study)."""
+    class StoredOptunaSweeper(OptunaSweeper):
+        """The plugin's ``OptunaSweeper``, its study in ``<sweep dir>/optuna.db`` (or
+        ``storage``), ``n_trials`` the study's total, a stopped trial resumed in its own job
+        (trainkit.study)."""
 
-    def __init__(self, **settings: Any) -> None:
-        from trainkit.study import StoredStudySweep
+        def __init__(self, **settings: Any) -> None:
+            from trainkit.study import StoredStudySweep
 
-        self.sweeper = StoredStudySweep(**settings)
+            self.sweeper = StoredStudySweep(**settings)
