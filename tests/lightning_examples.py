@@ -35,9 +35,14 @@ trainkit in them: the code a new user brings. Tests plug them in through config 
 """
 
 import math
+import random
+from collections import OrderedDict, deque, namedtuple
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import gymnasium as gym
 import lightning as L
+import numpy as np
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks.finetuning import BaseFinetuning
@@ -46,8 +51,10 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import get_torchvision_model
 from torch import nn, optim
+from torch.distributions import Categorical, Normal
 from torch.optim.lr_scheduler import LambdaLR, MultiStepLR
-from torch.utils.data import DataLoader, random_split
+from torch.optim.optimizer import Optimizer
+from torch.utils.data import DataLoader, IterableDataset, random_split
 from torchmetrics import MaxMetric, MeanMetric, SumMetric
 from torchmetrics.classification import Accuracy, MulticlassAUROC
 from torchvision import transforms
@@ -947,3 +954,502 @@ class ImageNetLightningModel(L.LightningModule):
 
     def test_dataloader(self):
         return self.val_dataloader()
+
+
+# --- Lightning's examples/pytorch/domain_templates/reinforce_learn_Qnet.py -----------------------
+# gymnasium's API in place of gym's before 0.26, which does not install beside NumPy 2: reset
+# returns (state, info), step (state, reward, terminated, truncated, info)
+
+
+class DQN(nn.Module):
+    """Simple MLP network."""
+
+    def __init__(self, obs_size: int, n_actions: int, hidden_size: int = 128):
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(obs_size, hidden_size), nn.ReLU(), nn.Linear(hidden_size, n_actions)
+        )
+
+    def forward(self, x):
+        return self.net(x.float())
+
+
+Experience = namedtuple(
+    "Experience", field_names=["state", "action", "reward", "done", "new_state"]
+)
+
+
+class ReplayBuffer:
+    """Replay Buffer for storing past experiences allowing the agent to learn from them."""
+
+    def __init__(self, capacity: int) -> None:
+        self.buffer = deque(maxlen=capacity)
+
+    def __len__(self) -> int:
+        return len(self.buffer)
+
+    def append(self, experience: Experience) -> None:
+        self.buffer.append(experience)
+
+    def sample(self, batch_size: int) -> tuple:
+        indices = random.sample(range(len(self.buffer)), batch_size)
+        states, actions, rewards, dones, next_states = zip(
+            *(self.buffer[idx] for idx in indices), strict=True
+        )
+        return (
+            torch.tensor(np.array(states)),
+            torch.tensor(actions),
+            torch.tensor(rewards, dtype=torch.float32),
+            torch.tensor(dones, dtype=torch.bool),
+            torch.tensor(np.array(next_states)),
+        )
+
+
+class RLDataset(IterableDataset):
+    """Iterable Dataset containing the ExperienceBuffer which will be updated with new
+    experiences during training."""
+
+    def __init__(self, buffer: ReplayBuffer, sample_size: int = 200) -> None:
+        self.buffer = buffer
+        self.sample_size = sample_size
+
+    def __iter__(self) -> Iterator:
+        states, actions, rewards, dones, new_states = self.buffer.sample(self.sample_size)
+        for i in range(len(dones)):
+            yield states[i], actions[i], rewards[i], dones[i], new_states[i]
+
+
+class Agent:
+    """Base Agent class handling the interaction with the environment."""
+
+    def __init__(self, env: gym.Env, replay_buffer: ReplayBuffer) -> None:
+        self.env = env
+        self.replay_buffer = replay_buffer
+        self.reset()
+        self.state, _ = self.env.reset()
+
+    def reset(self) -> None:
+        """Resets the environment and updates the state."""
+        self.state, _ = self.env.reset()
+
+    def get_action(self, net: nn.Module, epsilon: float, device: str) -> int:
+        if random.random() < epsilon:
+            action = self.env.action_space.sample()
+        else:
+            state = torch.tensor(np.array([self.state]))
+            if device not in ["cpu"]:
+                state = state.cuda(device)
+            q_values = net(state)
+            _, action = torch.max(q_values, dim=1)
+            action = int(action.item())
+        return action
+
+    @torch.no_grad()
+    def play_step(
+        self, net: nn.Module, epsilon: float = 0.0, device: str = "cpu"
+    ) -> tuple[float, bool]:
+        action = self.get_action(net, epsilon, device)
+        new_state, reward, terminated, truncated, _ = self.env.step(action)
+        done = terminated or truncated
+        exp = Experience(self.state, action, reward, done, new_state)
+        self.replay_buffer.append(exp)
+        self.state = new_state
+        if done:
+            self.reset()
+        return reward, done
+
+
+class DQNLightning(L.LightningModule):
+    """Basic DQN Model."""
+
+    def __init__(
+        self,
+        env: str,
+        replay_size: int = 200,
+        warm_start_steps: int = 200,
+        gamma: float = 0.99,
+        eps_start: float = 1.0,
+        eps_end: float = 0.01,
+        eps_last_frame: int = 200,
+        sync_rate: int = 10,
+        lr: float = 1e-2,
+        episode_length: int = 50,
+        batch_size: int = 4,
+        **kwargs,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.replay_size = replay_size
+        self.warm_start_steps = warm_start_steps
+        self.gamma = gamma
+        self.eps_start = eps_start
+        self.eps_end = eps_end
+        self.eps_last_frame = eps_last_frame
+        self.sync_rate = sync_rate
+        self.lr = lr
+        self.episode_length = episode_length
+        self.batch_size = batch_size
+
+        self.env = gym.make(env)
+        obs_size = self.env.observation_space.shape[0]
+        n_actions = self.env.action_space.n
+
+        self.net = DQN(obs_size, n_actions)
+        self.target_net = DQN(obs_size, n_actions)
+
+        self.buffer = ReplayBuffer(self.replay_size)
+        self.agent = Agent(self.env, self.buffer)
+        self.total_reward = 0
+        self.episode_reward = 0
+        self.populate(self.warm_start_steps)
+
+    def populate(self, steps: int = 1000) -> None:
+        for _ in range(steps):
+            self.agent.play_step(self.net, epsilon=1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def dqn_mse_loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        states, actions, rewards, dones, next_states = batch
+        state_action_values = self.net(states).gather(1, actions.unsqueeze(-1)).squeeze(-1)
+        with torch.no_grad():
+            next_state_values = self.target_net(next_states).max(1)[0]
+            next_state_values[dones] = 0.0
+            next_state_values = next_state_values.detach()
+        expected_state_action_values = next_state_values * self.gamma + rewards
+        return nn.MSELoss()(state_action_values, expected_state_action_values)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], nb_batch) -> OrderedDict:
+        device = self.get_device(batch)
+        epsilon = max(self.eps_end, self.eps_start - (self.global_step + 1) / self.eps_last_frame)
+        # step through environment with agent
+        reward, done = self.agent.play_step(self.net, epsilon, device)
+        self.episode_reward += reward
+        # calculates training loss
+        loss = self.dqn_mse_loss(batch)
+        if done:
+            self.total_reward = self.episode_reward
+            self.episode_reward = 0
+        # Soft update of target network
+        if self.global_step % self.sync_rate == 0:
+            self.target_net.load_state_dict(self.net.state_dict())
+        log = {
+            "total_reward": torch.tensor(self.total_reward).to(device),
+            "reward": torch.tensor(reward).to(device),
+            "steps": torch.tensor(self.global_step).to(device),
+        }
+        return OrderedDict({"loss": loss, "log": log, "progress_bar": log})
+
+    def configure_optimizers(self) -> list[Optimizer]:
+        optimizer = optim.Adam(self.net.parameters(), lr=self.lr)
+        return [optimizer]
+
+    def __dataloader(self) -> DataLoader:
+        dataset = RLDataset(self.buffer, self.episode_length)
+        return DataLoader(dataset=dataset, batch_size=self.batch_size, sampler=None)
+
+    def train_dataloader(self) -> DataLoader:
+        return self.__dataloader()
+
+    def get_device(self, batch) -> str:
+        return batch[0].device.index if self.on_gpu else "cpu"
+
+
+class DQNOnEachRank(DQNLightning):
+    """The fix the template names for an IterableDataset under a data-parallel strategy: each
+    rank plays its own environment, so its stream is its own part already."""
+
+    shards_itself = True
+
+
+# --- Lightning's examples/pytorch/domain_templates/reinforce_learn_ppo.py -----------------------
+# gymnasium's API in place of gym's before 0.26, as the DQN above
+
+
+def create_mlp(input_shape: tuple[int], n_actions: int, hidden_size: int = 128):
+    """Simple Multi-Layer Perceptron network."""
+    return nn.Sequential(
+        nn.Linear(input_shape[0], hidden_size),
+        nn.ReLU(),
+        nn.Linear(hidden_size, hidden_size),
+        nn.ReLU(),
+        nn.Linear(hidden_size, n_actions),
+    )
+
+
+class ActorCategorical(nn.Module):
+    """Policy network, for discrete action spaces, which returns a distribution and an action
+    given an observation."""
+
+    def __init__(self, actor_net):
+        super().__init__()
+        self.actor_net = actor_net
+
+    def forward(self, states):
+        logits = self.actor_net(states)
+        pi = Categorical(logits=logits)
+        actions = pi.sample()
+        return pi, actions
+
+    def get_log_prob(self, pi: Categorical, actions: torch.Tensor):
+        return pi.log_prob(actions)
+
+
+class ActorContinuous(nn.Module):
+    """Policy network, for continuous action spaces, which returns a distribution and an action
+    given an observation."""
+
+    def __init__(self, actor_net, act_dim):
+        super().__init__()
+        self.actor_net = actor_net
+        log_std = -0.5 * torch.ones(act_dim, dtype=torch.float)
+        self.log_std = nn.Parameter(log_std)
+
+    def forward(self, states):
+        mu = self.actor_net(states)
+        std = torch.exp(self.log_std)
+        pi = Normal(loc=mu, scale=std)
+        actions = pi.sample()
+        return pi, actions
+
+    def get_log_prob(self, pi: Normal, actions: torch.Tensor):
+        return pi.log_prob(actions).sum(axis=-1)
+
+
+class ExperienceSourceDataset(IterableDataset):
+    """Basic experience source dataset. Takes a generate_batch function that returns an
+    iterator."""
+
+    def __init__(self, generate_batch: Callable):
+        self.generate_batch = generate_batch
+
+    def __iter__(self) -> Iterator:
+        return self.generate_batch()
+
+
+class PPOLightning(L.LightningModule):
+    """PyTorch Lightning implementation of PPO."""
+
+    def __init__(
+        self,
+        env: str,
+        gamma: float = 0.99,
+        lam: float = 0.95,
+        lr_actor: float = 3e-4,
+        lr_critic: float = 1e-3,
+        max_episode_len: float = 200,
+        batch_size: int = 512,
+        steps_per_epoch: int = 2048,
+        nb_optim_iters: int = 4,
+        clip_ratio: float = 0.2,
+        **kwargs,
+    ) -> None:
+        super().__init__()
+        # Hyperparameters
+        self.lr_actor = lr_actor
+        self.lr_critic = lr_critic
+        self.steps_per_epoch = steps_per_epoch
+        self.nb_optim_iters = nb_optim_iters
+        self.batch_size = batch_size
+        self.gamma = gamma
+        self.lam = lam
+        self.max_episode_len = max_episode_len
+        self.clip_ratio = clip_ratio
+        self.save_hyperparameters()
+        self.automatic_optimization = False
+
+        self.env = gym.make(env)
+        # value network
+        self.critic = create_mlp(self.env.observation_space.shape, 1)
+        # policy network (agent)
+        if isinstance(self.env.action_space, gym.spaces.box.Box):
+            act_dim = self.env.action_space.shape[0]
+            actor_mlp = create_mlp(self.env.observation_space.shape, act_dim)
+            self.actor = ActorContinuous(actor_mlp, act_dim)
+        elif isinstance(self.env.action_space, gym.spaces.discrete.Discrete):
+            actor_mlp = create_mlp(self.env.observation_space.shape, self.env.action_space.n)
+            self.actor = ActorCategorical(actor_mlp)
+        else:
+            raise NotImplementedError(
+                "Env action space should be of type Box (continuous) or Discrete (categorical)."
+                f" Got type: {type(self.env.action_space)}"
+            )
+
+        self.batch_states = []
+        self.batch_actions = []
+        self.batch_adv = []
+        self.batch_qvals = []
+        self.batch_logp = []
+
+        self.ep_rewards = []
+        self.ep_values = []
+        self.epoch_rewards = []
+
+        self.episode_step = 0
+        self.avg_ep_reward = 0
+        self.avg_ep_len = 0
+        self.avg_reward = 0
+
+        self.state = torch.FloatTensor(self.env.reset()[0])
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        pi, action = self.actor(x)
+        value = self.critic(x)
+        return pi, action, value
+
+    def discount_rewards(self, rewards: list[float], discount: float) -> list[float]:
+        assert isinstance(rewards[0], float)
+        cumul_reward = []
+        sum_r = 0.0
+        for r in reversed(rewards):
+            sum_r = (sum_r * discount) + r
+            cumul_reward.append(sum_r)
+        return list(reversed(cumul_reward))
+
+    def calc_advantage(
+        self, rewards: list[float], values: list[float], last_value: float
+    ) -> list[float]:
+        rews = [*rewards, last_value]
+        vals = [*values, last_value]
+        # GAE
+        delta = [rews[i] + self.gamma * vals[i + 1] - vals[i] for i in range(len(rews) - 1)]
+        return self.discount_rewards(delta, self.gamma * self.lam)
+
+    def generate_trajectory_samples(self) -> Iterator:
+        for step in range(self.steps_per_epoch):
+            self.state = self.state.to(device=self.device)
+            with torch.no_grad():
+                pi, action, value = self(self.state)
+                log_prob = self.actor.get_log_prob(pi, action)
+            next_state, reward, terminated, truncated, _ = self.env.step(action.cpu().numpy())
+            done = terminated or truncated
+            self.episode_step += 1
+
+            self.batch_states.append(self.state)
+            self.batch_actions.append(action)
+            self.batch_logp.append(log_prob)
+            self.ep_rewards.append(reward)
+            self.ep_values.append(value.item())
+            self.state = torch.FloatTensor(next_state)
+
+            epoch_end = step == (self.steps_per_epoch - 1)
+            terminal = len(self.ep_rewards) == self.max_episode_len
+
+            if epoch_end or done or terminal:
+                # if trajectory ends abtruptly, bootstrap value of next state
+                if (terminal or epoch_end) and not done:
+                    self.state = self.state.to(device=self.device)
+                    with torch.no_grad():
+                        _, _, value = self(self.state)
+                        last_value = value.item()
+                        steps_before_cutoff = self.episode_step
+                else:
+                    last_value = 0
+                    steps_before_cutoff = 0
+
+                # discounted cumulative reward
+                self.batch_qvals += self.discount_rewards(
+                    [*self.ep_rewards, last_value], self.gamma
+                )[:-1]
+                # advantage
+                self.batch_adv += self.calc_advantage(self.ep_rewards, self.ep_values, last_value)
+                # logs
+                self.epoch_rewards.append(sum(self.ep_rewards))
+                # reset params
+                self.ep_rewards = []
+                self.ep_values = []
+                self.episode_step = 0
+                self.state = torch.FloatTensor(self.env.reset()[0])
+
+            if epoch_end:
+                train_data = zip(
+                    self.batch_states,
+                    self.batch_actions,
+                    self.batch_logp,
+                    self.batch_qvals,
+                    self.batch_adv,
+                    strict=True,
+                )
+                for state, action, logp_old, qval, adv in train_data:
+                    yield state, action, logp_old, qval, adv
+
+                self.batch_states.clear()
+                self.batch_actions.clear()
+                self.batch_adv.clear()
+                self.batch_logp.clear()
+                self.batch_qvals.clear()
+
+                # logging
+                self.avg_reward = sum(self.epoch_rewards) / self.steps_per_epoch
+
+                # if epoch ended abruptly, exclude last cut-short episode to prevent stats skewness
+                epoch_rewards = self.epoch_rewards
+                if not done:
+                    epoch_rewards = epoch_rewards[:-1]
+
+                total_epoch_reward = sum(epoch_rewards)
+                nb_episodes = len(epoch_rewards)
+
+                self.avg_ep_reward = total_epoch_reward / nb_episodes
+                self.avg_ep_len = (self.steps_per_epoch - steps_before_cutoff) / nb_episodes
+
+                self.epoch_rewards.clear()
+
+    def actor_loss(self, state, action, logp_old, qval, adv) -> torch.Tensor:
+        pi, _ = self.actor(state)
+        logp = self.actor.get_log_prob(pi, action)
+        ratio = torch.exp(logp - logp_old)
+        clip_adv = torch.clamp(ratio, 1 - self.clip_ratio, 1 + self.clip_ratio) * adv
+        return -(torch.min(ratio * adv, clip_adv)).mean()
+
+    def critic_loss(self, state, action, logp_old, qval, adv) -> torch.Tensor:
+        value = self.critic(state)
+        return (qval - value).pow(2).mean()
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor]):
+        state, action, old_logp, qval, adv = batch
+
+        # normalize advantages
+        adv = (adv - adv.mean()) / adv.std()
+
+        self.log("avg_ep_len", self.avg_ep_len, prog_bar=True, on_step=False, on_epoch=True)
+        self.log("avg_ep_reward", self.avg_ep_reward, prog_bar=True, on_step=False, on_epoch=True)
+        self.log("avg_reward", self.avg_reward, prog_bar=True, on_step=False, on_epoch=True)
+
+        optimizer_actor, optimizer_critic = self.optimizers()
+
+        loss_actor = self.actor_loss(state, action, old_logp, qval, adv)
+        self.manual_backward(loss_actor)
+        optimizer_actor.step()
+        optimizer_actor.zero_grad()
+
+        loss_critic = self.critic_loss(state, action, old_logp, qval, adv)
+        self.manual_backward(loss_critic)
+        optimizer_critic.step()
+        optimizer_critic.zero_grad()
+
+        self.log("loss_critic", loss_critic, on_step=False, on_epoch=True, prog_bar=False)
+        self.log("loss_actor", loss_actor, on_step=False, on_epoch=True, prog_bar=True)
+
+    def configure_optimizers(self) -> list[Optimizer]:
+        optimizer_actor = torch.optim.Adam(self.actor.parameters(), lr=self.lr_actor)
+        optimizer_critic = torch.optim.Adam(self.critic.parameters(), lr=self.lr_critic)
+        return optimizer_actor, optimizer_critic
+
+    def optimizer_step(self, *args, **kwargs):
+        for _ in range(self.nb_optim_iters):
+            super().optimizer_step(*args, **kwargs)
+
+    def _dataloader(self) -> DataLoader:
+        dataset = ExperienceSourceDataset(self.generate_trajectory_samples)
+        return DataLoader(dataset=dataset, batch_size=self.batch_size)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._dataloader()
+
+
+class PPOOnEachRank(PPOLightning):
+    """The fix the template names for its stream under a data-parallel strategy, as
+    ``DQNOnEachRank``: each rank plays its own environment."""
+
+    shards_itself = True

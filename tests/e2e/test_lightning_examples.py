@@ -88,6 +88,11 @@ compile: false
         "_target_: lightning_examples.CIFAR10DataModule\ndata_dir: ${paths.data_dir}\n"
     ),
     # its own loaders: the run has no data config (~data); a smaller batch and no workers
+    "model/lit_dqn.yaml": "_target_: lightning_examples.DQNLightning\nenv: CartPole-v1\n",
+    "model/lit_ppo.yaml": (
+        "_target_: lightning_examples.PPOLightning\nenv: CartPole-v1\nsteps_per_epoch: 256\n"
+        "batch_size: 64\n"
+    ),
     "model/lit_imagenet.yaml": (
         "_target_: lightning_examples.ImageNetLightningModel\ndata_path: ${paths.data_dir}\n"
         "batch_size: 4\nworkers: 0\nlr: 0.001\n"
@@ -634,3 +639,74 @@ def test_the_imagenet_example_trains_on_its_own_loaders_under_every_strategy(
     assert refused.returncode == 1
     assert "data.batch_size: the checkpoint's run had no data config (~data" in refused.stderr
     assert "Traceback" not in refused.stderr
+
+
+# --- reinforcement learning: a stream of each rank's own experience ----------------------------
+
+
+@pytest.mark.xdist_group(name="lit_dqn")
+def test_the_dqn_example_runs_under_every_strategy_once_its_stream_is_declared_per_rank(
+    user_conf: Path, tmp_path: Path, run_script: Callable[..., Path], run_here: Callable[..., Path]
+) -> None:
+    """``examples/pytorch/domain_templates/reinforce_learn_Qnet.py``: a DQN on CartPole that plays
+    its environment in every training step and trains on a replay buffer through an
+    IterableDataset of its own loader (``~data``), with a target network that takes no gradient.
+    One device and dp run it as written. Under ddp the stream is refused before any process
+    starts, naming ``shards_itself = True`` on the module; so marked (each rank plays its own
+    environment: ``DQNOnEachRank``), with ``strategy.find_unused_parameters=true`` for the target
+    network, ddp x2, ddp_spawn x2 (the module, its environment included, sent to the spawned
+    processes) and fsdp x2 train each rank's 13 steps an epoch, their replicas checked to agree
+    at every save. (The pipeline refuses it, as every module without a block sequence:
+    test_bring_your_own.py.)"""
+    example = (f"hydra.searchpath=[file://{user_conf}]", "model=lit_dqn", "~data", CPU,
+               "monitor=null", "trainer.max_epochs=2")  # fmt: skip
+    steps = 2 * 13  # an epoch: the buffer's 50 sampled experiences in batches of 4
+    for layout in ((), ("strategy=dp", "devices=2")):  # (dp on CPU: one process)
+        one = run_here("train.py", *example, *layout)
+        assert load_checkpoint(one / "checkpoints" / "last.ckpt")["global_step"] == steps
+    refused = run_python("train.py", *example, "strategy=ddp", "devices=2", log_dir=tmp_path)
+    assert refused.returncode == 1, refused.stdout[-3000:] + refused.stderr[-3000:]
+    assert "the train data is a DataLoader over an IterableDataset (RLDataset)" in refused.stderr
+    assert "shards_itself = True of the datamodule (of the LightningModule" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    fixed = (*example, "model._target_=lightning_examples.DQNOnEachRank", "devices=2", TIMEOUT)
+    unused = "strategy.find_unused_parameters=true"
+    for layout in (("strategy=ddp", unused), ("strategy=ddp_spawn", unused), ("strategy=fsdp",)):
+        run = run_script("train.py", *fixed, *layout)
+        assert load_checkpoint(run / "checkpoints" / "last.ckpt")["global_step"] == steps, layout
+
+
+@pytest.mark.xdist_group(name="lit_ppo")
+def test_the_ppo_example_runs_under_every_strategy_with_the_fixes_it_is_told(
+    user_conf: Path, tmp_path: Path, run_script: Callable[..., Path], run_here: Callable[..., Path]
+) -> None:
+    """``examples/pytorch/domain_templates/reinforce_learn_ppo.py``: an actor and a critic
+    optimized by hand (two optimizers, two backward passes a step) on trajectories its loader
+    generates by running the model on CartPole. One device and dp run it as written; marked as
+    its own stream per rank (``PPOOnEachRank``, as the DQN above), ddp x2 runs it. Under fsdp its
+    actor, a unit of its own, returns a ``Categorical`` distribution, which leaves FSDP no tensor
+    to gather the actor again for its backward pass (a traceback from the first backward): refused
+    in one line naming ``strategy.wrap``, and with that fix (its ``nn.Sequential`` parts the
+    units) fsdp x2 runs it, its epoch values logged."""
+    example = (f"hydra.searchpath=[file://{user_conf}]", "model=lit_ppo", "~data", CPU,
+               "monitor=null", "trainer.max_epochs=2")  # fmt: skip
+    one = run_here("train.py", *example)
+    steps = load_checkpoint(one / "checkpoints" / "last.ckpt")["global_step"]
+    assert steps == 2 * 2 * 4  # two optimizers' steps for each of 4 batches of 64, 2 epochs
+    run_here("train.py", *example, "strategy=dp", "devices=2")  # (dp on CPU: one process)
+    fixed = (*example, "model._target_=lightning_examples.PPOOnEachRank", "devices=2", TIMEOUT)
+    ddp = run_script("train.py", *fixed, "strategy=ddp")  # (find_unused_parameters settled)
+    refused = run_python("train.py", *fixed, "strategy=fsdp", log_dir=tmp_path)
+    assert refused.returncode == 1, refused.stdout[-3000:] + refused.stderr[-3000:]
+    assert (
+        "strategy=fsdp: actor (ActorCategorical), a unit FSDP shards on its own, returned tuple "
+        "with no tensor that carries a gradient"
+    ) in refused.stderr
+    assert "set strategy.wrap=[torch.nn.modules.container.Sequential]" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    fsdp = run_script("train.py", *fixed, "strategy=fsdp", "strategy.wrap=[torch.nn.Sequential]")
+    for run in (ddp, fsdp):
+        assert load_checkpoint(run / "checkpoints" / "last.ckpt")["global_step"] == steps
+        logged = metrics(run)["fit"]
+        assert {"loss_actor", "loss_critic", "avg_ep_reward"} <= set(logged), logged
+        assert all(math.isfinite(v) for v in logged.values())

@@ -2,6 +2,7 @@
 any process starts, and two steps under each precision on CPU. Real multi-process runs are in
 e2e/test_strategies.py."""
 
+from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from hydra.utils import instantiate
+from torch import nn
 
 import lightning_examples
 from helpers import TiedBlocks
@@ -18,7 +20,7 @@ from trainkit.config import compose_config
 from trainkit.errors import ConfigError
 from trainkit.preflight import check_built_run, preflight
 from trainkit.run_plan import training_plan
-from trainkit.strategies.fsdp import FSDPStrategy
+from trainkit.strategies.fsdp import FSDPStrategy, _check_outputs_carry_gradients
 from trainkit.train import build
 
 
@@ -219,3 +221,55 @@ def test_fsdp_refuses_what_it_cannot_run(compose, extra: tuple[str, ...], messag
 
 def test_fsdp_takes_lightnings_short_precision_names(compose) -> None:
     preflight(compose("strategy=fsdp", "devices=2", "precision=32"))  # 32-true
+
+
+class Policy(nn.Module):
+    """A policy network as RL code writes one: its result a distribution."""
+
+    def __init__(self, detached: bool = False) -> None:
+        super().__init__()
+        self.net, self.detached = nn.Sequential(nn.Linear(4, 2)), detached
+
+    def forward(self, x):
+        if self.detached:  # tensors alone, none carrying a gradient: on purpose, never refused
+            return self.net(x).detach()
+        pi = torch.distributions.Categorical(logits=self.net(x))
+        return pi, pi.sample()
+
+
+def test_an_fsdp_unit_returning_a_distribution_is_refused_at_its_first_forward_with_grad() -> None:
+    """FSDP2 would give its backward freed shards (a traceback after training started): refused
+    at its first forward with gradients on, naming its parts' classes for strategy.wrap; a call
+    under no_grad (a rollout) is not checked, and the check is made once."""
+    model = nn.Module()
+    model.actor = Policy()
+    _check_outputs_carry_gradients(model.actor, model)
+    with torch.no_grad():
+        model.actor(torch.zeros(3, 4))  # not checked: no gradient asked for
+    with pytest.raises(ConfigError) as refused:
+        model.actor(torch.zeros(3, 4))
+    assert str(refused.value).startswith("strategy=fsdp: actor (Policy), a unit FSDP shards")
+    assert "returned tuple with no tensor that carries a gradient" in str(refused.value)
+    assert "set strategy.wrap=[torch.nn.modules.container.Sequential]" in str(refused.value)
+    model.actor(torch.zeros(3, 4))  # checked once: its hook is gone
+    model.plain = Policy(detached=True)
+    _check_outputs_carry_gradients(model.plain, model)
+    model.plain(torch.zeros(3, 4))
+    model.dataclass_out = Output()  # FSDP2 opens a dataclass as it does a tuple
+    _check_outputs_carry_gradients(model.dataclass_out, model)
+    model.dataclass_out(torch.zeros(3, 4))
+
+
+@dataclass
+class Result:
+    logits: torch.Tensor
+    note: str
+
+
+class Output(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return {"out": Result(self.net(x), "a note"), "n": 3}

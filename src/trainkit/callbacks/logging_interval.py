@@ -7,6 +7,7 @@ and says so, once.
 """
 
 import logging
+import math
 
 import lightning as L
 
@@ -15,8 +16,11 @@ log = logging.getLogger(__name__)
 
 class LoggingInterval(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        steps = int(trainer.num_training_batches // trainer.accumulate_grad_batches) or 1
-        if trainer.fast_dev_run or not trainer.loggers or steps >= trainer.log_every_n_steps:
+        batches = trainer.num_training_batches  # inf: a stream of unknown length, left alone
+        if trainer.fast_dev_run or not trainer.loggers or math.isinf(batches):
+            return
+        steps = int(batches // trainer.accumulate_grad_batches) or 1
+        if steps >= trainer.log_every_n_steps:
             return
         if trainer.is_global_zero:
             log.info(

@@ -5,6 +5,8 @@ example does)."""
 import lightning as L
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
+from trainkit.data.sharding import shards_itself
+
 LOADER_HOOKS = ("train_dataloader", "val_dataloader", "test_dataloader", "predict_dataloader")
 
 
@@ -15,6 +17,8 @@ class ModuleLoaders(L.LightningDataModule):
 
     def __init__(self, module: L.LightningModule) -> None:
         super().__init__()
+        # a module whose loaders are one rank's part already says so as a datamodule would
+        self.shards_itself = shards_itself(module)
         for hook in LOADER_HOOKS:
             if is_overridden(hook, module, L.LightningModule):  # the module's, when Lightning asks
                 setattr(self, hook, getattr(module, hook))

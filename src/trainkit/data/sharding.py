@@ -281,8 +281,9 @@ class ShardedDataModule(L.LightningDataModule):
 
 
 def shards_itself(datamodule: Any) -> bool:
-    """A datamodule's own declaration (``shards_itself = True``, as ours make) that its loaders are
-    one rank's part already: the template leaves them alone."""
+    """A datamodule's own declaration (``shards_itself = True``, as ours make; a module's, for
+    the loaders it defines) that its loaders are one rank's part already: the template leaves
+    them alone."""
     return getattr(datamodule, "shards_itself", False) is True
 
 
@@ -419,6 +420,7 @@ def unshardable_message(reason: str, split: str) -> str:
         f"the {split} data is {reason}: the template cannot give each data-parallel replica its "
         f"own part of it, so every rank would train on all of it. Return a DataLoader over a "
         f"map-style Dataset (one with __len__ and __getitem__), or shard the stream per rank "
-        f"yourself (trainer.global_rank, trainer.world_size) and say so with the datamodule "
-        f"class attribute shards_itself = True"
+        f"yourself (trainer.global_rank, trainer.world_size) and say so with the class "
+        f"attribute shards_itself = True of the datamodule (of the LightningModule, where it "
+        f"defines the loaders)"
     )

@@ -14,8 +14,9 @@ accelerator (Lightning #21812).
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -225,6 +226,7 @@ class FSDPStrategy(ShardedSave, ExactMeanReduce, ModelParallelStrategy):
             if not sharded_already(module):
                 for unit in self.units(module):
                     fully_shard(unit, **options)
+                    _check_outputs_carry_gradients(unit, module)
             elif self.wrap is not None:
                 rank_zero_warn(f"strategy.wrap={self.wrap} is not used: the module shards itself")
             # the root takes every parameter no unit took; FSDP2 keeps a root's gathered from its
@@ -420,6 +422,61 @@ def _move_parameterless(module: nn.Module, device: torch.device) -> None:
             _move_parameterless(child, device)
         else:
             child.to(device)
+
+
+def _check_outputs_carry_gradients(unit: nn.Module, model: nn.Module) -> None:
+    """FSDP2 gathers a unit's parameters again for the backward pass from hooks on the tensors
+    its forward returns. A unit that returns its result inside another object (a
+    ``torch.distributions`` object, as a policy network does) returns no such tensor: its backward
+    then reads freed shards ("setStorage: ... out of bounds for storage of size 0", a traceback
+    after training started). Its first forward with gradients on is checked, and such a unit
+    refused in one line naming the units that would work: its children's classes."""
+
+    def check(module: nn.Module, args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        handle.remove()
+        leaves = list(_leaves(output))
+        carried = any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
+        wrapped = any(not isinstance(t, (torch.Tensor, int, float, bool, str, type(None)))
+                      for t in leaves)  # fmt: skip
+        if carried or not wrapped or not any(p.requires_grad for p in module.parameters()):
+            return  # (tensors alone, none carrying a gradient: a result detached on purpose)
+        name = next((n for n, m in model.named_modules() if m is module), "the module")
+        parts = sorted(
+            {f"{_own_class(c).__module__}.{_own_class(c).__qualname__}" for c in module.children()
+             if any(True for _ in c.parameters())}
+        )  # fmt: skip
+        fix = f"strategy.wrap=[{', '.join(parts)}] (its parts as the units)" if parts else (
+            "strategy.wrap=[...] with the classes of its parts that return tensors"
+        )  # fmt: skip
+        raise ConfigError(
+            f"strategy=fsdp: {name} ({_own_class(module).__name__}), a unit FSDP shards on its "
+            f"own, returned {type(output).__name__} with no tensor that carries a gradient (a "
+            f"distribution or another object around its result), and FSDP gathers a unit for its "
+            f"backward pass from the tensors it returns: set {fix}"
+        )
+
+    handle = unit.register_forward_hook(check)
+
+
+def _leaves(output: Any) -> Iterator[Any]:
+    """What FSDP2 looks for tensors in, as it walks a unit's output: dicts, lists, tuples and
+    dataclasses, opened; anything else, a leaf."""
+    if isinstance(output, dict):
+        output = list(output.values())
+    elif dataclasses.is_dataclass(output) and not isinstance(output, type):
+        output = [getattr(output, f.name) for f in dataclasses.fields(output)]
+    if isinstance(output, (list, tuple)):
+        for item in output:
+            yield from _leaves(item)
+    else:
+        yield output
+
+
+def _own_class(module: nn.Module) -> type:
+    """A module's class as its code defines it: FSDP2 gives a unit a subclass (``FSDP<name>``)."""
+    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
 
 
 # FSDP's collectives on gloo (CPU). Gloo's all_gather_into_tensor and reduce_scatter_tensor each
