@@ -35,6 +35,7 @@ trainkit in them: the code a new user brings. Tests plug them in through config 
 """
 
 import math
+import os
 import random
 from collections import OrderedDict, deque, namedtuple
 from collections.abc import Callable, Iterator
@@ -50,11 +51,12 @@ from lightning.pytorch.demos import Transformer, WikiText2
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import get_torchvision_model
+from PIL import Image
 from torch import nn, optim
 from torch.distributions import Categorical, Normal
 from torch.optim.lr_scheduler import LambdaLR, MultiStepLR
 from torch.optim.optimizer import Optimizer
-from torch.utils.data import DataLoader, IterableDataset, random_split
+from torch.utils.data import DataLoader, Dataset, IterableDataset, random_split
 from torchmetrics import MaxMetric, MeanMetric, SumMetric
 from torchmetrics.classification import Accuracy, MulticlassAUROC
 from torchvision import transforms
@@ -1453,3 +1455,262 @@ class PPOOnEachRank(PPOLightning):
     ``DQNOnEachRank``: each rank plays its own environment."""
 
     shards_itself = True
+
+
+# --- Lightning's examples/pytorch/domain_templates/semantic_segmentation.py ---------------------
+# The example fails on its own at its first batch and at configure_optimizers: KITTI.__getitem__
+# calls torch.tensor on PIL images ("Could not infer dtype of Image"), and configure_optimizers
+# reads self.learning_rate, which it never sets. Mended as the example means them (marked "the
+# example's bug"): the image goes to its ToTensor transform as PIL, the mask through NumPy, and
+# the optimizer takes self.lr.
+
+DEFAULT_VOID_LABELS = (0, 1, 2, 3, 4, 5, 6, 9, 10, 14, 15, 16, 18, 29, 30, -1)
+DEFAULT_VALID_LABELS = (7, 8, 11, 12, 13, 17, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 31, 32, 33)
+
+
+class KITTI(Dataset):
+    """Class for KITTI Semantic Segmentation Benchmark dataset: images in training/image_2, their
+    masks of 34 labels in training/semantic; void labels set to ``ignore_index``, valid ones to
+    0..18; a fifth of the images, drawn with a fixed seed, for validation."""
+
+    IMAGE_PATH = os.path.join("training", "image_2")
+    MASK_PATH = os.path.join("training", "semantic")
+
+    def __init__(
+        self,
+        data_path: str,
+        split: str,
+        img_size: tuple = (1242, 376),
+        void_labels: list = DEFAULT_VOID_LABELS,
+        valid_labels: list = DEFAULT_VALID_LABELS,
+        transform=None,
+    ):
+        self.img_size = img_size
+        self.void_labels = void_labels
+        self.valid_labels = valid_labels
+        self.ignore_index = 250
+        self.class_map = dict(zip(self.valid_labels, range(len(self.valid_labels)), strict=False))
+        self.transform = transform
+
+        self.split = split
+        self.data_path = data_path
+        self.img_path = os.path.join(self.data_path, self.IMAGE_PATH)
+        self.mask_path = os.path.join(self.data_path, self.MASK_PATH)
+        self.img_list = self.get_filenames(self.img_path)
+        self.mask_list = self.get_filenames(self.mask_path)
+
+        # Split between train and valid set (80/20)
+        random_inst = random.Random(12345)  # for repeatability
+        n_items = len(self.img_list)
+        idxs = random_inst.sample(range(n_items), n_items // 5)
+        if self.split == "train":
+            idxs = [idx for idx in range(n_items) if idx not in idxs]
+        self.img_list = [self.img_list[i] for i in idxs]
+        self.mask_list = [self.mask_list[i] for i in idxs]
+
+    def __len__(self):
+        return len(self.img_list)
+
+    def __getitem__(self, idx):
+        img = Image.open(self.img_list[idx])
+        img = img.resize(self.img_size)
+        # (the example's bug: torch.tensor(img) here, before its transform's ToTensor)
+
+        mask = Image.open(self.mask_list[idx]).convert("L")
+        mask = mask.resize(self.img_size)
+        mask = torch.tensor(np.array(mask))  # (the example's bug: torch.tensor(mask))
+        mask = self.encode_segmap(mask)
+
+        if self.transform:
+            img = self.transform(img)
+
+        return img, mask
+
+    def encode_segmap(self, mask):
+        """Sets void classes to zero so they won't be considered for training."""
+        for voidc in self.void_labels:
+            mask[mask == voidc] = self.ignore_index
+        for validc in self.valid_labels:
+            mask[mask == validc] = self.class_map[validc]
+        # remove extra idxs from updated dataset
+        mask[mask > 18] = self.ignore_index
+        return mask
+
+    def get_filenames(self, path):
+        """Returns a list of absolute paths to images inside given `path`"""
+        files_list = []
+        for filename in os.listdir(path):
+            files_list.append(os.path.join(path, filename))
+        return files_list
+
+
+class UNet(nn.Module):
+    """Architecture based on U-Net: Convolutional Networks for Biomedical Image Segmentation."""
+
+    def __init__(
+        self,
+        num_classes: int = 19,
+        num_layers: int = 5,
+        features_start: int = 64,
+        bilinear: bool = False,
+    ):
+        super().__init__()
+        self.num_layers = num_layers
+
+        layers = [DoubleConv(3, features_start)]
+
+        feats = features_start
+        for _ in range(num_layers - 1):
+            layers.append(Down(feats, feats * 2))
+            feats *= 2
+
+        for _ in range(num_layers - 1):
+            layers.append(Up(feats, feats // 2, bilinear))
+            feats //= 2
+
+        layers.append(nn.Conv2d(feats, num_classes, kernel_size=1))
+
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, x):
+        xi = [self.layers[0](x)]
+        # Down path
+        for layer in self.layers[1 : self.num_layers]:
+            xi.append(layer(xi[-1]))
+        # Up path
+        for i, layer in enumerate(self.layers[self.num_layers : -1]):
+            xi[-1] = layer(xi[-1], xi[-2 - i])
+        return self.layers[-1](xi[-1])
+
+
+class DoubleConv(nn.Module):
+    """Double Convolution and BN and ReLU (3x3 conv -> BN -> ReLU) ** 2."""
+
+    def __init__(self, in_ch: int, out_ch: int):
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Conv2d(in_ch, out_ch, kernel_size=3, padding=1),
+            nn.BatchNorm2d(out_ch),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(out_ch, out_ch, kernel_size=3, padding=1),
+            nn.BatchNorm2d(out_ch),
+            nn.ReLU(inplace=True),
+        )
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class Down(nn.Module):
+    """Combination of MaxPool2d and DoubleConv in series."""
+
+    def __init__(self, in_ch: int, out_ch: int):
+        super().__init__()
+        self.net = nn.Sequential(nn.MaxPool2d(kernel_size=2, stride=2), DoubleConv(in_ch, out_ch))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class Up(nn.Module):
+    """Upsampling (by either bilinear interpolation or transpose convolutions) followed by
+    concatenation of feature map from contracting path, followed by double 3x3 convolution."""
+
+    def __init__(self, in_ch: int, out_ch: int, bilinear: bool = False):
+        super().__init__()
+        self.upsample = None
+        if bilinear:
+            self.upsample = nn.Sequential(
+                nn.Upsample(scale_factor=2, mode="bilinear", align_corners=True),
+                nn.Conv2d(in_ch, in_ch // 2, kernel_size=1),
+            )
+        else:
+            self.upsample = nn.ConvTranspose2d(in_ch, in_ch // 2, kernel_size=2, stride=2)
+
+        self.conv = DoubleConv(in_ch, out_ch)
+
+    def forward(self, x1, x2):
+        x1 = self.upsample(x1)
+
+        # Pad x1 to the size of x2
+        diff_h = x2.shape[2] - x1.shape[2]
+        diff_w = x2.shape[3] - x1.shape[3]
+
+        x1 = F.pad(x1, [diff_w // 2, diff_w - diff_w // 2, diff_h // 2, diff_h - diff_h // 2])
+
+        # Concatenate along the channels axis
+        x = torch.cat([x2, x1], dim=1)
+        return self.conv(x)
+
+
+class SegModel(L.LightningModule):
+    """Semantic Segmentation Module: a U-Net on KITTI, cross entropy ignoring void pixels, Adam
+    with a cosine annealing schedule."""
+
+    def __init__(
+        self,
+        data_path: str,
+        batch_size: int = 4,
+        lr: float = 1e-3,
+        num_layers: int = 3,
+        features_start: int = 64,
+        bilinear: bool = False,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        self.data_path = data_path
+        self.batch_size = batch_size
+        self.lr = lr
+        self.num_layers = num_layers
+        self.features_start = features_start
+        self.bilinear = bilinear
+
+        self.net = UNet(
+            num_classes=19,
+            num_layers=self.num_layers,
+            features_start=self.features_start,
+            bilinear=self.bilinear,
+        )
+        self.transform = transforms.Compose(
+            [
+                transforms.ToTensor(),
+                transforms.Normalize(
+                    mean=[0.35675976, 0.37380189, 0.3764753],
+                    std=[0.32064945, 0.32098866, 0.32325324],
+                ),
+            ]
+        )
+        self.trainset = KITTI(self.data_path, split="train", transform=self.transform)
+        self.validset = KITTI(self.data_path, split="valid", transform=self.transform)
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_nb):
+        img, mask = batch
+        img = img.float()
+        mask = mask.long()
+        out = self(img)
+        loss = F.cross_entropy(out, mask, ignore_index=250)
+        log_dict = {"train_loss": loss}
+        return {"loss": loss, "log": log_dict, "progress_bar": log_dict}
+
+    def validation_step(self, batch, batch_idx):
+        img, mask = batch
+        img = img.float()
+        mask = mask.long()
+        out = self(img)
+        val_loss = F.cross_entropy(out, mask, ignore_index=250)
+        self.log("val_loss", val_loss, prog_bar=True)
+
+    def configure_optimizers(self):
+        # (the example's bug: lr=self.learning_rate, which it never sets)
+        opt = torch.optim.Adam(self.net.parameters(), lr=self.lr)
+        sch = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)
+        return [opt], [sch]
+
+    def train_dataloader(self):
+        return DataLoader(self.trainset, batch_size=self.batch_size, shuffle=True)
+
+    def val_dataloader(self):
+        return DataLoader(self.validset, batch_size=self.batch_size, shuffle=False)

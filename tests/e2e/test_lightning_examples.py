@@ -24,10 +24,12 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
+from PIL import Image
 from torch.utils.data import DataLoader, DistributedSampler
 
 from helpers import (
@@ -92,6 +94,10 @@ compile: false
     "model/lit_ppo.yaml": (
         "_target_: lightning_examples.PPOLightning\nenv: CartPole-v1\nsteps_per_epoch: 256\n"
         "batch_size: 64\n"
+    ),
+    "model/lit_seg.yaml": (
+        "_target_: lightning_examples.SegModel\ndata_path: ${paths.data_dir}\nbatch_size: 2\n"
+        "features_start: 4\n"
     ),
     "model/lit_imagenet.yaml": (
         "_target_: lightning_examples.ImageNetLightningModel\ndata_path: ${paths.data_dir}\n"
@@ -710,3 +716,45 @@ def test_the_ppo_example_runs_under_every_strategy_with_the_fixes_it_is_told(
         logged = metrics(run)["fit"]
         assert {"loss_actor", "loss_critic", "avg_ep_reward"} <= set(logged), logged
         assert all(math.isfinite(v) for v in logged.values())
+
+
+# --- semantic segmentation: a U-Net on KITTI's files ---------------------------------------------
+
+
+def write_kitti(root: Path, images: int, seed: int = 0) -> Path:
+    """KITTI's semantic segmentation layout: RGB PNGs in training/image_2 and, of the same names,
+    masks of its 34 labels (8-bit PNGs) in training/semantic."""
+    rng = np.random.default_rng(seed)
+    for sub in ("image_2", "semantic"):
+        (root / "training" / sub).mkdir(parents=True)
+    for i in range(images):
+        name = f"{i:06d}_10.png"
+        rgb = rng.integers(0, 256, (24, 80, 3), dtype=np.uint8)
+        Image.fromarray(rgb).save(root / "training" / "image_2" / name)
+        labels = rng.integers(0, 34, (24, 80), dtype=np.uint8)
+        Image.fromarray(labels).save(root / "training" / "semantic" / name)
+    return root
+
+
+@pytest.mark.xdist_group(name="lit_seg")
+def test_the_segmentation_example_runs_under_every_strategy(
+    user_conf: Path, tmp_path: Path
+) -> None:
+    """``examples/pytorch/domain_templates/semantic_segmentation.py``, its two bugs mended
+    (``tests/lightning_examples.py``): a U-Net with batch norm on KITTI's files, resized to
+    1242x376, its own map-style loaders (``~data``), cross entropy ignoring void pixels.
+    ``check=true`` runs it under ddp x2, dp x2 and fsdp x2, the replicas agreeing and the
+    validation value one device's; the pipeline refuses it (no block sequence)."""
+    kitti = write_kitti(tmp_path / "kitti", 10)  # 8 to train, 2 to validate
+    proc = run_python(
+        "train.py", f"hydra.searchpath=[file://{user_conf}]", "model=lit_seg", "~data",
+        f"paths.data_dir={kitti}", "monitor=val_loss", "monitor_mode=min", "check=true",
+        "check.steps=2", log_dir=tmp_path / "check",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = check_rows(tmp_path / "check")
+    for name in ("ddp x2", "dp x2", "fsdp x2"):
+        assert rows[name]["ok"] and rows[name]["runs"] == "runs", rows[name]
+        assert rows[name]["metrics"] == "equal (1 value)", rows[name]  # val_loss
+    assert rows["ddp x2"]["replicas"] == rows["fsdp x2"]["replicas"] == "agree"
+    assert rows["pipeline x2"]["runs"].startswith("refused: strategy=pipeline cuts SegModel.net")
