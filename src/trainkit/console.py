@@ -13,6 +13,7 @@ console says". tests/e2e/test_console.py fails on a warning of a default run tha
 
 import contextlib
 import logging
+import logging.config
 import re
 import sys
 import warnings
@@ -165,6 +166,48 @@ def held_until_accepted() -> Iterator[None]:
         raise
     finally:
         accepted()
+
+
+def run_logging() -> dict | None:
+    """This run's logging config, resolved (Hydra's ``job_logging``: the console's handler and
+    filter, the run's log file): for the ranks that multiprocessing spawns (``strategy=
+    ddp_spawn``), which Hydra never configures. None outside a Hydra run."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    if not HydraConfig.initialized():
+        return None
+    return OmegaConf.to_container(HydraConfig.get().job_logging, resolve=True)
+
+
+def hand_over_held() -> list[logging.LogRecord]:
+    """The console's lines held until the run is accepted, taken from this process for a rank
+    it spawns to show (``log_as_rank``); this process holds no more."""
+    held, ConsoleHandler._held = ConsoleHandler._held, None
+    return [record for _, record in held or ()]
+
+
+def log_as_rank(config: dict | None, held: list[logging.LogRecord], rank: int) -> None:
+    """In a spawned rank: the run's logging (``run_logging``), as in a rank that Hydra starts:
+    its own log file beside the run's (``<job>_ddp_process_<rank>.log``; rank 0 the run's own),
+    the console's warnings, and its INFO lines on rank 0 only, which holds the starting process's
+    ``held`` lines until the run is accepted; Lightning's own lines sent through them
+    (``quiet``). Without it, each rank printed Lightning's INFO lines, model summary included,
+    on the console."""
+    if config is not None:
+        config = {**config, "handlers": {**config.get("handlers", {})}}
+        file = config["handlers"].get("file")
+        if file and rank > 0:
+            path = Path(file["filename"])
+            name = f"{path.stem}_ddp_process_{rank}{path.suffix}"
+            config["handlers"]["file"] = {**file, "filename": str(path.with_name(name))}
+        logging.config.dictConfig(config)
+        consoles = [h for h in logging.getLogger().handlers if isinstance(h, ConsoleHandler)]
+        for handler in consoles if rank > 0 else ():
+            handler.setLevel(logging.WARNING)
+        if rank == 0 and held:
+            ConsoleHandler._held = [(h, record) for record in held for h in consoles]
+    quiet()
 
 
 class ConsoleFormat(logging.Formatter):

@@ -1,7 +1,8 @@
 """The console says only what a user can act on: a default run, on one device and on two ddp
-ranks, prints the lines docs/logging.md lists and no other (no warning that
-src/trainkit/console.py does not explain, none of the messages it silences); its first and last
-lines name its directory. A refused run prints its one line and leaves no directory."""
+ranks (started by the template, or spawned), prints the lines docs/logging.md lists and no other
+(no warning that src/trainkit/console.py does not explain, none of the messages it silences); its
+first and last lines name its directory. A refused run prints its one line and leaves no
+directory."""
 
 import re
 from pathlib import Path
@@ -45,7 +46,11 @@ def test_every_explained_warning_is_explained_in_the_docs() -> None:
         assert re.search(pattern, docs), pattern
 
 
-@pytest.mark.parametrize("extra", [(), ("strategy=ddp", "devices=2")], ids=["one-device", "ddp2"])
+@pytest.mark.parametrize(
+    "extra",
+    [(), ("strategy=ddp", "devices=2"), ("strategy=ddp_spawn", "devices=2")],
+    ids=["one-device", "ddp2", "ddp_spawn2"],  # (spawned ranks, which Hydra does not configure)
+)
 def test_a_default_runs_console_is_the_lines_the_docs_list(
     extra: tuple[str, ...], overrides: tuple[str, ...], tmp_path: Path
 ) -> None:
@@ -80,6 +85,9 @@ def test_a_default_runs_console_is_the_lines_the_docs_list(
     assert "GPU available" in log_file and "Total params" in log_file
     assert re.search(r"[\d.]+ [KMG] +Total Flops", log_file)  # (the net's, not 0)
     assert not (run_dir / ".run.lock").exists()
+    if extra:  # rank 1's lines in its own file
+        assert '"rank": 1' in (run_dir / "train_ddp_process_1.log").read_text()
+        assert '"rank": 1' not in log_file
     # the test data's epoch is shorter than log_every_n_steps (50): it says so once, and the
     # per-step loss reaches the logger once per epoch
     (steps,) = re.findall(r"logging every (\d+) steps \(once per epoch\)", output)

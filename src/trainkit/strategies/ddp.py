@@ -3,15 +3,19 @@ overrides, started by ``trainkit.launch.JobScriptLauncher``."""
 
 from __future__ import annotations
 
+import logging
+import multiprocessing
 import re
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+from trainkit.console import hand_over_held, log_as_rank, run_logging
 from trainkit.errors import ConfigError, listed
 from trainkit.launch import JobScriptLauncher
 from trainkit.parallel import LIGHTNING
@@ -149,6 +153,28 @@ class DDPStrategy(ExactMeanReduce, LightningDDPStrategy):
             self._launcher = JobScriptLauncher(
                 self.cluster_environment, self.num_processes, self.num_nodes
             )
+        elif self._start_method in ("spawn", "forkserver"):
+            self._launcher = SpawnLauncher(self, start_method=self._start_method)
+
+    def setup_environment(self) -> None:
+        if isinstance(self._launcher, SpawnLauncher) and multiprocessing.parent_process():
+            # (the launcher has set the local rank; the global one is set below)
+            rank = self.node_rank * self.num_processes + self.local_rank
+            log_as_rank(*self._launcher.run_logging, rank)
+        super().setup_environment()
+
+
+class SpawnLauncher(_MultiProcessingLauncher):
+    """Lightning's launcher for ranks that multiprocessing spawns (``strategy=ddp_spawn``),
+    which takes the run's logging to them (``console.log_as_rank``): Hydra configures only the
+    process it runs in. So do the console's lines held until the run is accepted (its first
+    line, the run's directory), which rank 0 shows, first, when its stage starts."""
+
+    run_logging: tuple[dict | None, list[logging.LogRecord]] = (None, [])
+
+    def launch(self, function: Any, *args: Any, **kwargs: Any) -> Any:
+        self.run_logging = (run_logging(), hand_over_held())
+        return super().launch(function, *args, **kwargs)
 
     def teardown(self) -> None:
         super().teardown()
