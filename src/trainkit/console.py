@@ -184,7 +184,10 @@ def hand_over_held() -> list[logging.LogRecord]:
     """The console's lines held until the run is accepted, taken from this process for a rank
     it spawns to show (``log_as_rank``); this process holds no more."""
     held, ConsoleHandler._held = ConsoleHandler._held, None
-    return [record for _, record in held or ()]
+    records = [record for _, record in held or ()]
+    for record in records:  # (each is pickled to the rank: its message formatted, alone)
+        record.msg, record.args, record.exc_info = record.getMessage(), None, None
+    return records
 
 
 def log_as_rank(config: dict | None, held: list[logging.LogRecord], rank: int) -> None:
