@@ -444,14 +444,14 @@ def _check_outputs_carry_gradients(unit: nn.Module, model: nn.Module) -> None:
             return  # (tensors alone, none carrying a gradient: a result detached on purpose)
         name = next((n for n, m in model.named_modules() if m is module), "the module")
         parts = sorted(
-            {f"{_own_class(c).__module__}.{_own_class(c).__qualname__}" for c in module.children()
-             if any(True for _ in c.parameters())}
+            {f"{written_class(c).__module__}.{written_class(c).__qualname__}"
+             for c in module.children() if holds_parameters(c)}
         )  # fmt: skip
         fix = f"strategy.wrap=[{', '.join(parts)}] (its parts as the units)" if parts else (
             "strategy.wrap=[...] with the classes of its parts that return tensors"
         )  # fmt: skip
         raise ConfigError(
-            f"strategy=fsdp: {name} ({_own_class(module).__name__}), a unit FSDP shards on its "
+            f"strategy=fsdp: {name} ({written_class(module).__name__}), a unit FSDP shards on its "
             f"own, returned {type(output).__name__} with no tensor that carries a gradient (a "
             f"distribution or another object around its result), and FSDP gathers a unit for its "
             f"backward pass from the tensors it returns: set {fix}"
@@ -472,11 +472,6 @@ def _leaves(output: Any) -> Iterator[Any]:
             yield from _leaves(item)
     else:
         yield output
-
-
-def _own_class(module: nn.Module) -> type:
-    """A module's class as its code defines it: FSDP2 gives a unit a subclass (``FSDP<name>``)."""
-    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
 
 
 # FSDP's collectives on gloo (CPU). Gloo's all_gather_into_tensor and reduce_scatter_tensor each
