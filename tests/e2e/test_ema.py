@@ -270,6 +270,7 @@ with torch.no_grad():  # an evaluation: the root keeps its parameters gathered a
     module(torch.randn(3, 4))
 assert {name: tuple(t.shape) for name, t in held(module).items()} == shards, shards
 assert shards["temperature"] == (3,) and shards["1.weight"] == (1, 4), shards
+dist.destroy_process_group()  # an exit with gloo's threads still running can abort the process
 """
 
 
