@@ -152,17 +152,23 @@ class _HeldUntilTheRun:
 
 @contextlib.contextmanager
 def did_you_mean(config_name: str) -> Iterator[None]:
-    """Around a script's ``main()``: where Hydra refused the run (exit 1), a line for each
-    command-line key that the config lacks, with the closest key it has, first (Hydra says only
-    that the key is not in the config, and to add it with ``+``)."""
+    """Around a script's ``main()``: where Hydra refused the run (exit 1) for a command-line key
+    that the config lacks, a line for each such key with the closest key it has, in place of
+    Hydra's lines (which say only that the key is not in the config, and to add it with ``+``).
+    ``HYDRA_FULL_ERROR=1`` has Hydra raise instead: its traceback, as with any refusal."""
     stderr = sys.stderr
     sys.stderr = held = _HeldUntilTheRun(stderr)
     try:
         yield
     except SystemExit as stop:
         if stop.code and held.held is not None:
-            for line in unknown_keys(config_name, sys.argv[1:]):
+            lines = unknown_keys(config_name, sys.argv[1:])
+            for line in lines:
                 print(line, file=stderr)
+            hydras = "".join(held.held)
+            named = any(f"Could not override '{line.split(':')[0]}'" in hydras for line in lines)
+            if named:
+                held.held = None  # Hydra refused a key our line names: its lines add nothing
         raise
     finally:
         sys.stderr = stderr
