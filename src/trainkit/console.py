@@ -81,12 +81,30 @@ class _Silenced(logging.Filter):
 _SILENCED = _Silenced()
 
 
+# the logger of Python's own logging.captureWarnings
+_WARNINGS = logging.getLogger("py.warnings")
+
+
+def log_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """``warnings.showwarning`` in a run: a warning is a record of the run's log, so the console
+    shows ``warning: <message>`` once the run is accepted (``ConsoleFormat``), and the log file
+    keeps it with its class and place. (``logging.captureWarnings`` would log Python's whole
+    formatted text, its path first, on the console too.)"""
+    if file is not None:  # a stream asked for: Python's text there
+        file.write(warnings.formatwarning(message, category, filename, lineno, line))
+        return
+    where = f"{category.__name__} at {filename}:{lineno}"
+    _WARNINGS.warning("%s (%s)", message, where, extra={"console": str(message)})
+
+
 def quiet() -> None:
-    """Installs the filters in this process (each process of a run calls it), and sends
-    Lightning's lines through the run's handlers (Lightning prints them itself, on a handler of
-    its own, when it is imported before logging is configured: one per package)."""
+    """Installs the filters in this process (each process of a run calls it), sends Python's
+    warnings into the run's log (``log_warning``), and sends Lightning's lines through the run's
+    handlers (Lightning prints them itself, on a handler of its own, when it is imported before
+    logging is configured: one per package)."""
     for pattern, _ in SILENCED_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern)
+    warnings.showwarning = log_warning
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_SILENCED)
     logging.getLogger("lightning.fabric.utilities.rank_zero").addFilter(_SILENCED)
     for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
@@ -218,7 +236,7 @@ class ConsoleFormat(logging.Formatter):
     Hydra's time and logger name)."""
 
     def format(self, record: logging.LogRecord) -> str:
-        text = record.getMessage()
+        text = getattr(record, "console", None) or record.getMessage()  # (a warning: log_warning)
         return text if record.levelno < logging.WARNING else f"{record.levelname.lower()}: {text}"
 
 

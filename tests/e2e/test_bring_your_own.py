@@ -259,6 +259,16 @@ def test_a_parameter_no_loss_reaches_is_named_in_one_line_and_the_fix_runs(
     assert proc.returncode != 0 and "Traceback" not in output, output[-3000:]
     assert f"{says} under ddp" in output, output[-3000:]
     assert "set strategy.find_unused_parameters=true" in output
+    # what the module warns as it is built (save_hyperparameters keeps a module): once, though the
+    # memory plan built it before the run, and after the run's first line, as a warning line; the
+    # run's log file has it with its class and place
+    lines = proc.stdout.splitlines()
+    warned = [i for i, line in enumerate(lines) if "Attribute 'backbone' is an instance" in line]
+    assert len(warned) == 1 and lines[warned[0]].startswith("warning: "), lines
+    assert lines[0].startswith("run: ") and "Attribute 'backbone'" not in proc.stderr
+    (log_file,) = tmp_path.glob("train/runs/*/train.log")
+    assert "is an instance of `nn.Module` and is already saved" in log_file.read_text()
+    assert "UserWarning at " in log_file.read_text()
     fixed = run_script("train.py", *run, "strategy.find_unused_parameters=true")
     assert set(json.loads((fixed / "metrics.json").read_text())["test"]) == {"test_loss"}
 
