@@ -146,6 +146,9 @@ class _HeldUntilTheRun:
         if held:
             self.stream.write("".join(held))
 
+    def drop(self) -> None:
+        self.held = None
+
     def __getattr__(self, name: str):
         return getattr(self.stream, name)
 
@@ -166,9 +169,8 @@ def did_you_mean(config_name: str) -> Iterator[None]:
             for line in lines:
                 print(line, file=stderr)
             hydras = "".join(held.held)
-            named = any(f"Could not override '{line.split(':')[0]}'" in hydras for line in lines)
-            if named:
-                held.held = None  # Hydra refused a key our line names: its lines add nothing
+            if any(f"Could not override '{line.split(':')[0]}'" in hydras for line in lines):
+                held.drop()  # Hydra refused a key a line names: its own lines add nothing
         raise
     finally:
         sys.stderr = stderr
