@@ -428,6 +428,30 @@ def test_a_resume_continues_its_runs_config_with_the_keys_typed_changed(
     assert torch.load(resumed / "checkpoints" / "last.ckpt", weights_only=True)["epoch"] == 1
 
 
+def test_a_run_resumed_into_a_new_directory_keeps_the_best_of_the_epochs_before(
+    overrides: tuple[str, ...], run_here: Callable[..., Path], tmp_path: Path
+) -> None:
+    """``ckpt_path=last`` resumes into a directory of its own. The best so far is the run's best
+    (Lightning restored only its path there: the resumed run's first validation became its best,
+    and its test took that). The monitored value here is best at its highest val/loss, the first
+    epoch's: the resumed epoch is worse, the first run's best.ckpt stays the best and is tested,
+    and nothing of the first directory is removed."""
+    worst_first = (*overrides, "monitor=val/loss", "monitor_mode=max", "threads=1")
+    first = run_here("train.py", *worst_first, "trainer.max_epochs=1", log_dir=tmp_path)
+    before = tree_state(first)
+    proc = train(tmp_path, "ckpt_path=last", "trainer.max_epochs=2")  # (the run's config: Hydra's)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = runs(tmp_path)[-1]
+    assert resumed != first and tree_state(first) == before
+    earlier = json.loads((first / "metrics.json").read_text())
+    later = json.loads((resumed / "metrics.json").read_text())
+    assert later["fit"]["val/loss"] < earlier["fit"]["val/loss"]  # the second epoch is worse
+    assert later["best_checkpoint"] == str(first / "checkpoints" / "best.ckpt")
+    assert later["test"] == earlier["test"]  # that checkpoint's test
+    assert not (resumed / "checkpoints" / "best.ckpt").exists()
+    assert (resumed / "checkpoints" / "last.ckpt").exists()
+
+
 @shares_ddp_reference
 def test_torchrun_restart_after_a_killed_worker_resumes_the_run(
     base, ddp_reference, tmp_path: Path

@@ -3,15 +3,18 @@
 Lightning restores a checkpoint's optimizer and scheduler state whole (their settings too: a new
 ``lr`` would be silently ignored), and counts a resumed epoch in the batches it had taken. Before
 Lightning restores them (``on_load_checkpoint``), this callback restates the checkpoint in the
-run's terms: the optimizer's and scheduler's settings the config changed, and the epoch's
-position in batches of the run's size on the run's ranks. Which keys may change, and which are
+run's terms: the optimizer's and scheduler's settings the config changed, the epoch's
+position in batches of the run's size on the run's ranks, and the best so far where the run
+saves into another directory. Which keys may change, and which are
 refused before the run starts: ``resume.check_resume_config`` and docs/reliability.md.
 """
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from trainkit.checkpoint_io import CONFIG_KEY, renamed
 from trainkit.data.in_memory import InMemoryDataModule, InMemoryLoader
@@ -88,6 +91,22 @@ def restate_position(checkpoint: dict, loader: InMemoryLoader) -> None:
         )
 
 
+def restate_best(checkpoint: dict, callbacks: list[ModelCheckpoint]) -> None:
+    """A checkpoint callback's state saved in another directory, as saved in its own, where the
+    best it names is still on disk. Lightning restores the scores only in the directory they were
+    saved from, elsewhere the best's path alone (Lightning #12045, after #11379: it removed the
+    earlier run's files), so a run resumed into a new directory took its first validation for its
+    best, however it scored. Lightning now removes only local files in its own ``dirpath``:
+    nothing of the earlier directory goes."""
+    states = checkpoint.get("callbacks") or {}
+    for callback in callbacks:
+        state = states.get(callback.state_key)
+        if not state or state.get("dirpath", callback.dirpath) == callback.dirpath:
+            continue
+        if Path(state.get("best_model_path") or "").exists():
+            states[callback.state_key] = {**state, "dirpath": callback.dirpath}
+
+
 class ResumeChanges(L.Callback):
     """Restates a checkpoint that training resumes from for the run's ``config``."""
 
@@ -101,5 +120,6 @@ class ResumeChanges(L.Callback):
         old, new = saved.get("model") or {}, self.config.get("model") or {}
         restate_optimizer(checkpoint, old.get("optimizer"), new.get("optimizer"))
         restate_scheduler(checkpoint, old.get("scheduler"), new.get("scheduler"))
+        restate_best(checkpoint, trainer.checkpoint_callbacks)
         if isinstance(trainer.datamodule, InMemoryDataModule):  # (a user's loader is not built)
             restate_position(checkpoint, trainer.datamodule.train_dataloader())
