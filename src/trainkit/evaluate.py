@@ -148,8 +148,8 @@ def run(cfg: DictConfig) -> dict[str, dict[str, float]]:
     """Evaluate a checkpoint on its own data and model config; one entry per stage."""
     quiet()  # Lightning's messages that do not apply to this run
     cfg = with_library_defaults(cfg)  # keys a fork's eval.yaml may not have
-    cfg.ckpt_path = checkpoint_to_evaluate(cfg)  # (before the run's directory is claimed)
-    with isolated_job(), owning_run_dir(cfg):
+    with isolated_job(), owning_run_dir(cfg):  # (a refusal in it leaves no directory)
+        cfg.ckpt_path = checkpoint_to_evaluate(cfg)
         return _evaluate(cfg)
 
 

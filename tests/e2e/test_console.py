@@ -98,24 +98,27 @@ def test_a_default_runs_console_is_the_lines_the_docs_list(
 
 
 @pytest.mark.parametrize(
-    ("typed", "first_line"),
+    ("command", "first_line"),
     [
-        ("trainer.max_epoch=2", "trainer.max_epoch: not a key of the config; did you mean "
-         "trainer.max_epochs?"),
-        ("+trainer.max_epoch=2", "trainer: Trainer.__init__() got an unexpected keyword argument "
-         "'max_epoch' (did you mean trainer.max_epochs?)"),
-        ("data.batch_size=0", "data.batch_size=0"),
+        (("train.py", "trainer.max_epoch=2"), "trainer.max_epoch: not a key of the config; did "
+         "you mean trainer.max_epochs?"),
+        (("train.py", "+trainer.max_epoch=2"), "trainer: Trainer.__init__() got an unexpected "
+         "keyword argument 'max_epoch' (did you mean trainer.max_epochs?)"),
+        (("train.py", "data.batch_size=0"), "data.batch_size=0"),
+        (("eval.py",), "ckpt_path: eval.py evaluates a checkpoint; give one"),
     ],
-    ids=["typo", "typo-added-with-plus", "bad-value"],
+    ids=["typo", "typo-added-with-plus", "bad-value", "eval-without-a-checkpoint"],
 )  # fmt: skip
 def test_a_refused_run_says_why_first_and_leaves_no_directory(
-    typed: str, first_line: str, overrides: tuple[str, ...], tmp_path: Path
+    command: tuple[str, ...], first_line: str, overrides: tuple[str, ...], tmp_path: Path
 ) -> None:
-    proc = run_python("train.py", *overrides, typed, log_dir=tmp_path)
+    script, *typed = command
+    given = overrides if script == "train.py" else ()
+    proc = run_python(script, *given, *typed, log_dir=tmp_path)
     assert proc.returncode == 1
     said = [line for line in proc.stderr.splitlines() if line.strip()]
     assert said[0].startswith(first_line), proc.stderr
     assert "Traceback" not in proc.stderr and not proc.stdout.strip(), proc.stdout
     assert said == [said[0]], said  # its line alone: no "run:", no Hydra frame or advice
-    runs = tmp_path / "train" / "runs"
+    runs = tmp_path / Path(script).stem / "runs"
     assert not runs.exists() or list(runs.iterdir()) == []
