@@ -114,7 +114,7 @@ def test_missing_files_error_says_where_and_how_to_fix(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError) as info:
         dm.prepare_data()
     message = str(info.value)
-    assert str(tmp_path / "MNIST" / "raw") in message
+    assert str(tmp_path / "mistyped" / "root" / "MNIST" / "raw") in message
     for name in MNIST_FILES:
         assert name in message
     assert "data.download=false" in message  # why nothing was fetched
@@ -297,9 +297,10 @@ def test_normalize_images_first_called_in_inference_mode_serves_a_training_step(
 def test_offline_a_missing_mnist_is_one_line_naming_the_synthetic_data(
     tmp_path: Path, offline: None
 ) -> None:
-    dm = MNISTDataModule(str(tmp_path), download=True)
+    dm = MNISTDataModule(str(tmp_path / "mistyped" / "root"), download=True)
     with pytest.raises(DataNotFoundError) as info:
         dm.prepare_data()
+    assert list(tmp_path.iterdir()) == []  # the directories the download made are gone
     message = str(info.value)
     assert "\n" not in message  # the console shows it as one line
     assert "the download failed (" in message
@@ -307,4 +308,4 @@ def test_offline_a_missing_mnist_is_one_line_naming_the_synthetic_data(
     python = shown(Path(sys.executable))
     assert f"`{python} -m trainkit.data.synthetic --out data/synthetic`" in message
     assert f"`{python} train.py data.root=data/synthetic data.val_size=1000`" in message
-    assert str(tmp_path / "MNIST" / "raw") in message
+    assert str(tmp_path / "mistyped" / "root" / "MNIST" / "raw") in message

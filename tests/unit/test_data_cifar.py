@@ -386,7 +386,8 @@ def test_offline_a_missing_cifar10_is_one_line_naming_the_synthetic_data(
     tmp_path: Path, offline: None
 ) -> None:
     with pytest.raises(DataNotFoundError) as err:
-        CIFAR10DataModule(str(tmp_path), download=True).prepare_data()
+        CIFAR10DataModule(str(tmp_path / "mistyped"), download=True).prepare_data()
+    assert list(tmp_path.iterdir()) == []  # the directory the download made is gone
     message = str(err.value)
     assert "\n" not in message and "the download failed (" in message
     python = shown(Path(sys.executable))

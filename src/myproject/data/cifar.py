@@ -68,7 +68,8 @@ class CIFAR10DataModule(InMemoryDataModule):
         why = "download is off (data.download=false)"
         if self.download:
             try:
-                CIFAR10(str(self.root), train=True, download=True)
+                with self.downloading():  # (a failed one leaves no directory it made)
+                    CIFAR10(str(self.root), train=True, download=True)
                 return
             except Exception as err:  # URLError, RuntimeError (md5), OSError variants
                 why = f"the download failed ({one_line(err)})"

@@ -53,7 +53,8 @@ class MNISTDataModule(InMemoryDataModule):
         self.unpack_gz()
         for train in (True, False):
             try:
-                MNIST(str(self.root), train=train, download=self.download)
+                with self.downloading(self.raw_dir):  # (a failed one leaves no directory it made)
+                    MNIST(str(self.root), train=train, download=self.download)
             except Exception as err:  # torchvision raises RuntimeError/URLError/OSError variants
                 how = (
                     f"the download failed ({one_line(err)})"

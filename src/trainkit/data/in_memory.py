@@ -4,7 +4,10 @@ Per-sample Dataset/DataLoader work is what made the classic MNIST loops slow; wh
 memory a batch is one gather; each rank gathers from its own shard (sharding.py).
 """
 
+import contextlib
+import shutil
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 from torch import Tensor
 
@@ -110,6 +113,23 @@ class InMemoryDataModule(ShardedDataModule):
         )
         self.download = download
         self.splits: dict[str, tuple[Tensor, Tensor]] = {}
+
+    @contextlib.contextmanager
+    def downloading(self, into: Path | None = None) -> Iterator[None]:
+        """Around a download into ``into`` (``root``): where it fails, the directories it made
+        are removed with what it wrote there (a mistyped ``data.root`` is not left created);
+        what was there before stays."""
+        made = Path(into or self.root).absolute()
+        if made.exists():
+            yield
+            return
+        while not made.parent.exists():
+            made = made.parent
+        try:
+            yield
+        except BaseException:
+            shutil.rmtree(made, ignore_errors=True)
+            raise
 
     def set_splits(self, images: Tensor, labels: Tensor, test: tuple[Tensor, Tensor]) -> None:
         """Training file -> seeded train/val split (or its fold); test file as it is."""
