@@ -21,6 +21,7 @@ from hydra.utils import get_object, instantiate
 from lightning.pytorch.plugins import TorchSyncBatchNorm
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import InterpolationResolutionError
 
 from trainkit.callbacks.run_accepted import RunAccepted
 from trainkit.checkpoint_io import AtomicCheckpointIO
@@ -153,11 +154,17 @@ def build_model(
 
 def instantiate_config(config: DictConfig, **kwargs: Any) -> Any:
     """Hydra's ``instantiate``, where a class that refuses its arguments (a ValueError or
-    TypeError from its ``__init__``) is a one-line ConfigError naming the config key, not
+    TypeError from its ``__init__``), or a resolver its value (a ValueError), is a one-line
+    ConfigError naming the config key, not
     Hydra's three-line wrapper (``HYDRA_FULL_ERROR=1`` shows the traceback); a ConfigError of
     ours, which names its key already, as it is."""
     try:
         return instantiate(config, **kwargs)
+    except InterpolationResolutionError as err:  # a resolver that refused its value (resolvers.py)
+        refused = err.__context__  # (OmegaConf raises its own error while handling the resolver's)
+        if not isinstance(refused, ValueError):
+            raise
+        raise ConfigError(str(refused)) from err
     except InstantiationException as err:
         cause = err.__cause__
         if isinstance(cause, ConfigError):

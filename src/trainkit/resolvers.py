@@ -1,8 +1,10 @@
 """The resolvers that conf/ uses (``${cwd:}``, ``${rank_suffix:}``, ``${run_name:}``,
-``${gpus_per_node:...}``, ``${job_dirname:...}``), registered on import by every module that
-composes or runs a config: the recipes (trainkit.train, trainkit.evaluate) and trainkit.config."""
+``${gpus_per_node:...}``, ``${job_dirname:...}``, ``${sample_size:...}``), registered on import by
+every module that composes or runs a config: the recipes (trainkit.train, trainkit.evaluate) and
+trainkit.config."""
 
 import hashlib
+import math
 import os
 import re
 from datetime import datetime
@@ -34,6 +36,22 @@ def run_name() -> str:
 OmegaConf.register_new_resolver("run_name", run_name, replace=True)
 # ${basename:<path>}: a run's name in a tracker, from its directory (a sweep job's overrides)
 OmegaConf.register_new_resolver("basename", lambda path: os.path.basename(str(path)), replace=True)
+
+
+def sample_size(shape: object, part: str) -> int:
+    """``${sample_size:${model.input_shape},numel}``: the values in one sample of the data's shape
+    (an MLP's inputs); ``channels``: its first dimension (a convolution's input channels). A net
+    sized from the data (``model.input_shape``, filled by the datamodule) then fits any data."""
+    if not shape:
+        raise ValueError(
+            f"model.input_shape is {shape}, and the net's input is sized from it "
+            f"(${{sample_size:...,{part}}}): give the datamodule an input_shape, or the net its "
+            "input size (model.net.in_features=..., model.net.in_channels=...)"
+        )
+    return math.prod(shape) if part == "numel" else int(shape[0])
+
+
+OmegaConf.register_new_resolver("sample_size", sample_size, replace=True)
 
 
 def gpus_per_node(accelerator: str, devices: object) -> object:

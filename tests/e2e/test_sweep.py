@@ -715,7 +715,7 @@ def test_a_three_fold_sweep_of_an_image_folder_tree(tmp_path: Path) -> None:
     files = write_tree(root, {"train": 8, "test": 4})
     proc = run_python(
         "train.py", "-m", "data=imagefolder", f"data.root={root}", "data.image_size=16",
-        "data.num_workers=0", "model.net.in_features=768", "accelerator=cpu", "data.folds=3",
+        "data.num_workers=0", "accelerator=cpu", "data.folds=3",
         "data.fold=range(3)", "data.batch_size=8", "trainer.max_epochs=2",
         log_dir=tmp_path / "logs",
     )  # fmt: skip

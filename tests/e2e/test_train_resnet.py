@@ -193,7 +193,7 @@ def test_a_trained_checkpoint_evaluates_alike_with_the_images_decoded_on_the_dev
     written: roi_align's resize is about a level of 255 per pixel from torchvision's)."""
     trained = run_here(
         "train.py", "data=imagefolder", f"data.root={imagefolder_root}", "data.image_size=16",
-        "model=mlp", "model.net.in_features=768", "data.batch_size=3", "data.num_workers=0",
+        "model=mlp", "data.batch_size=3", "data.num_workers=0",
         "trainer.max_epochs=8", "accelerator=cpu", "seed=0", log_dir=log_dir,
     )  # fmt: skip
     best = best_checkpoint(trained)

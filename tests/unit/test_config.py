@@ -29,6 +29,7 @@ from helpers import SLURM_TASK, TORCHRUN_WORKER
 from myproject.data import MNISTDataModule
 from myproject.models import MLP
 from myproject.tasks import ImageClassifier
+from trainkit.build import build_model
 from trainkit.callbacks import ProfileSteps, RunConfig, StartupTime
 from trainkit.config import (
     CONF_DIR,
@@ -42,7 +43,7 @@ from trainkit.config import (
 from trainkit.errors import ConfigError
 from trainkit.evaluate import check_data_keys, move_data_dir
 from trainkit.models.blocks import draw_init_seed
-from trainkit.parallel import ParallelDims
+from trainkit.parallel import LIGHTNING, ParallelDims
 from trainkit.resolvers import run_name
 from trainkit.run_plan import RunPlan
 from trainkit.train import build, run
@@ -259,6 +260,19 @@ def test_a_module_checkpoint_replaces_the_templates_as_it_replaces_lightnings(
     assert trainer.checkpoint_callbacks == expected
 
 
+def test_the_template_nets_take_their_input_size_from_the_data(built, compose) -> None:
+    """conf/model's nets are sized from one sample of the data (``model.input_shape``, which the
+    datamodule fills): ResNet-50 trains on MNIST's one channel (it was a traceback at the first
+    step: 3 channels expected). A datamodule with no input_shape: one line naming the fix."""
+    _, dm, model, trainer = built("model=resnet50", "data.batch_size=4", "debug=fast_dev_run")
+    assert model.net.stem[0].in_channels == 1
+    trainer.fit(model, datamodule=dm)
+    assert trainer.global_step == 1
+    cfg = compose("model.num_classes=10")
+    with pytest.raises(ConfigError, match=r"^model.input_shape is None, .*give the datamodule an"):
+        build_model(cfg, lightning_docs.MNISTDataModule(), LIGHTNING)
+
+
 def test_command_line_overrides_win_over_the_experiment(built) -> None:
     _, dm, _, trainer = built("experiment=mnist_mlp", "trainer.max_epochs=3", "data.batch_size=64")
     assert trainer.max_epochs == 3
@@ -373,7 +387,7 @@ def test_seed_null_trains_from_the_random_state_it_finds(
     # it trained: one step moved every parameter from the weights init_seed starts, all finite
     end = torch.load(f"{held}.end.rank0.pt", weights_only=True)
     assert end["global_step"] == 1
-    initial = instantiate(cfg.model.net, num_classes=10)
+    initial = instantiate(OmegaConf.load(output_dir / "config.yaml").model.net)  # as it ran
     initial.init_seed = init_seed
     initial.reset_blocks()
     trained = {k.removeprefix("net."): v for k, v in end["state"].items() if k.startswith("net.")}

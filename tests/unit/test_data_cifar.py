@@ -15,10 +15,12 @@ from torch import Tensor, nn
 
 from helpers import quiet_trainer
 from myproject.data import CIFAR10DataModule
+from trainkit.build import build_datamodule, build_model
 from trainkit.console import shown
 from trainkit.data.decode import TEST_BATCH, TRAIN_BATCHES, random_crop_flip, read_batch
 from trainkit.data.synthetic import write_cifar10
 from trainkit.errors import DataNotFoundError
+from trainkit.parallel import LIGHTNING
 
 N_PER_BATCH, N_TEST, VAL_SIZE = 12, 10, 8
 # The official archive's label names, in label order.
@@ -380,6 +382,16 @@ def test_fit_augments_training_batches_only(
     [val_batch] = seen["val"]
     expected = normalised(dm.splits["val"][0][: len(val_batch)])
     torch.testing.assert_close(val_batch.double(), expected, rtol=0, atol=1e-5)
+
+
+def test_the_template_mlp_takes_cifar10s_sample_size(cifar_root: Path, compose) -> None:
+    """conf/model/mlp.yaml's input is one sample of the data: 3x32x32 here (784 on MNIST), where
+    a fixed 784 failed at the first step."""
+    cfg = compose("data=cifar10", f"data.root={cifar_root}", "data.val_size=10")
+    model = build_model(cfg, build_datamodule(cfg), LIGHTNING)
+    (first, *_) = [m for m in model.net.modules() if isinstance(m, nn.Linear)]
+    assert first.in_features == 3 * 32 * 32
+    assert model.net(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
 
 
 def test_offline_a_missing_cifar10_is_one_line_naming_the_synthetic_data(

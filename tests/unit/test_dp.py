@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from helpers import quiet_trainer
 from myproject.tasks import ImageClassifier
+from trainkit.build import model_config
 from trainkit.config import compose_config
 from trainkit.strategies.dp import DataParallelStrategy, _Forward
 
@@ -267,7 +268,8 @@ def fit_in_process(
     """One epoch of the config's MLP on the test MNIST, batches of 64, under strategy=dp."""
     cfg = compose_config("train", tmp_path, [*overrides, "data.batch_size=64"])
     datamodule = instantiate(cfg.data)
-    net, optimizer = instantiate(cfg.model.net, num_classes=10), instantiate(cfg.model.optimizer)
+    model_config(cfg, datamodule)  # the data's facts: its classes, its samples' shape
+    net, optimizer = instantiate(cfg.model.net), instantiate(cfg.model.optimizer)
     model = model_cls(net=net, optimizer=optimizer, num_classes=datamodule.num_classes)
     probe = CountingProbe()
     trainer = quiet_trainer(

@@ -296,7 +296,7 @@ def test_a_built_resnet_equals_the_resnet_it_builds_itself(compose) -> None:
     torch.manual_seed(3)
     net = built_net(cfg)
     torch.manual_seed(3)
-    itself = ResNet50(num_classes=10, channels_last=True)
+    itself = ResNet50(num_classes=10, channels_last=True, in_channels=1)  # (MNIST's)
     assert_equal_blocks(net, itself)
     conv = net.layer1[0].conv2.weight  # (3x3: a 1x1 is contiguous either way)
     assert conv.is_contiguous(memory_format=torch.channels_last) and not conv.is_contiguous()

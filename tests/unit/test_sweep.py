@@ -353,6 +353,7 @@ def test_flat_hparams_of_the_real_train_config(tmp_path: Path) -> None:
     all of them, and nothing of where the run is recorded."""
     cfg = compose_config("train", tmp_path, [])
     cfg.model.num_classes = 10  # filled from the datamodule, as trainkit.train.build does
+    cfg.model.input_shape = [1, 28, 28]
     flat = flat_hparams(OmegaConf.to_container(cfg, resolve=True))
 
     assert flat["model.optimizer.lr"] == pytest.approx(1e-3)

@@ -25,6 +25,7 @@ class ResNet50(BlockSequence):
     ``cifar_stem`` swaps the 7x7/2 convolution and max-pool for one 3x3/1 convolution, the usual
     change for 32x32 inputs. ``norm="group"`` uses GroupNorm(32) instead of BatchNorm: statistics
     per sample, so results do not depend on how a batch is split (micro-batches, devices).
+    ``in_channels``: the images' channels (3; conf/model/resnet50.yaml takes the data's).
     ``weights`` is a local torchvision ``resnet50`` state dict (no
     download), loaded over the init; tensors whose shape the chosen head or stem changes keep it.
     """
@@ -36,6 +37,7 @@ class ResNet50(BlockSequence):
         weights: str | None = None,
         channels_last: bool = False,
         norm: str = "batch",
+        in_channels: int = 3,
     ) -> None:
         if norm not in ("batch", "group"):
             raise ValueError(f"model.net.norm={norm!r}: use batch or group")
@@ -43,8 +45,10 @@ class ResNet50(BlockSequence):
         norm_layer = (lambda channels: nn.GroupNorm(32, channels)) if norm == "group" else None
         net = resnet50(weights=None, num_classes=num_classes, norm_layer=norm_layer)
         if cifar_stem:
-            net.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+            net.conv1 = nn.Conv2d(in_channels, 64, kernel_size=3, stride=1, padding=1, bias=False)
             net.maxpool = nn.Identity()
+        elif in_channels != 3:
+            net.conv1 = nn.Conv2d(in_channels, 64, kernel_size=7, stride=2, padding=3, bias=False)
         stem = [net.conv1, net.bn1, net.relu, net.maxpool]
         if channels_last:
             stem.insert(0, ToChannelsLast())

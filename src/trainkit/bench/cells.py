@@ -23,6 +23,7 @@ from hydra.utils import get_class, instantiate
 from omegaconf import OmegaConf
 
 from trainkit.bench.clock import PHASES
+from trainkit.build import model_config
 from trainkit.config import ROOT_DIR, compose_config
 from trainkit.data.synthetic import write_cifar10, write_imagefolder, write_mnist, write_wikitext
 from trainkit.runtime import free_port
@@ -353,11 +354,7 @@ def plain_command(cell: Cell, work: Workload, s: Settings, cell_dir: Path) -> li
         "train", cell_dir / "config", [*work.overrides, f"data.root='{s.data_roots[work.name]}'"]
     )
     datamodule = get_class(cfg.data._target_)
-    cfg.model.num_classes = (
-        datamodule.num_classes  # a class attribute, or the folders' count (ImageFolder)
-        if isinstance(datamodule.num_classes, int)
-        else instantiate(cfg.data).num_classes
-    )
+    model_config(cfg, instantiate(cfg.data))  # the data's facts: its classes, a sample's shape
     cfg.data.batch_size = cell.per_process_batch(work.batch_size)
     augment = cfg.data.get("augment", False)  # CIFAR-10: random crop and flip
     spec = {
