@@ -353,9 +353,12 @@ def check_same_model(path: Path, cfg: DictConfig, trained: dict) -> None:
     if "net" not in cfg.model:  # a model of the user's: its state dict's keys and shapes decide
         return
     theirs = trained.get("model", {}).get("net")
-    net = OmegaConf.masked_copy(cfg.model.net, [k for k in cfg.model.net if k != "num_classes"])
+    # what the net's config derives (${model.num_classes}, its input size from the data's
+    # samples) is not yet filled; the keys it derives from are compared
+    derived = {k for k in cfg.model.net if OmegaConf.is_interpolation(cfg.model.net, k)}
+    net = OmegaConf.masked_copy(cfg.model.net, [k for k in cfg.model.net if k not in derived])
     ours = OmegaConf.to_container(net, resolve=True)
-    theirs = {k: v for k, v in (theirs or {}).items() if k != "num_classes"}
+    theirs = {k: v for k, v in (theirs or {}).items() if k not in derived}
     if theirs != ours:
         raise ConfigError(
             f"ckpt_path={path} holds a different model: model.net={theirs}, this run builds "
