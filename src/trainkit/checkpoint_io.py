@@ -228,8 +228,9 @@ def newest_intact(path: Path) -> Path:
             log.warning("%s is damaged (%s): resuming from %s instead", path, why, other)
             return other
     raise ConfigError(
-        f"ckpt_path={path} is damaged ({why}) and {path.parent} holds no whole checkpoint: "
-        f"resume from a copy of it, or start a new run"
+        f"ckpt_path={path} is damaged or not a checkpoint ({why}), and {path.parent} holds no "
+        f"whole one: give another (a run's checkpoints/last.ckpt, or ckpt_path=last), or leave "
+        f"ckpt_path out to start a new run"
     )
 
 
@@ -252,9 +253,15 @@ def read_checkpoint(ckpt_path: str | Path, weights_only: bool = True) -> dict[st
     if is_sharded(path):  # its config is in its metadata file
         path = path / SHARDED_META
     if not path.is_file():
+        what = (
+            f"is a directory without {DCP_INDEX}, not a checkpoint (a sharded one is a directory "
+            f"with {DCP_INDEX} and {SHARDED_META})"
+            if Path(ckpt_path).expanduser().is_dir()
+            else "does not exist"
+        )
         raise ConfigError(
-            f"ckpt_path={ckpt_path} does not exist: give a checkpoint file written by train.py, "
-            f"e.g. logs/train/runs/<run>/checkpoints/last.ckpt (train.py also takes ckpt_path=last)"
+            f"ckpt_path={ckpt_path} {what}: give a checkpoint written by train.py, e.g. "
+            f"logs/train/runs/<run>/checkpoints/last.ckpt, or ckpt_path=last (the newest run's)"
         )
     try:  # mmap: reads the small config entry, not every tensor
         checkpoint = torch.load(path, map_location="cpu", weights_only=weights_only, mmap=True)

@@ -5,6 +5,7 @@ the one config node YAML cannot write (``hydra/open/mapping``, under hydra/ so t
 import contextlib
 import difflib
 import logging
+import re
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -156,25 +157,67 @@ class _HeldUntilTheRun:
 @contextlib.contextmanager
 def did_you_mean(config_name: str) -> Iterator[None]:
     """Around a script's ``main()``: where Hydra refused the run (exit 1) for a command-line key
-    that the config lacks, a line for each such key with the closest key it has, in place of
-    Hydra's lines (which say only that the key is not in the config, and to add it with ``+``).
-    ``HYDRA_FULL_ERROR=1`` has Hydra raise instead: its traceback, as with any refusal."""
+    that the config lacks, a line for each such key with the closest key it has, and for an
+    option a config group lacks, a line with the closest option and the group's options, in place
+    of Hydra's lines (which say only that the key is not in the config, and to add it with ``+``;
+    or list the options, then the config search path). ``HYDRA_FULL_ERROR=1`` has Hydra raise
+    instead: its traceback, as with any refusal."""
     stderr = sys.stderr
     sys.stderr = held = _HeldUntilTheRun(stderr)
     try:
         yield
     except SystemExit as stop:
         if stop.code and held.held is not None:
-            lines = unknown_keys(config_name, sys.argv[1:])
+            hydras = "".join(held.held)
+            option = unknown_option(hydras) or unchosen_group(hydras, config_name)
+            lines = [option] if option else unknown_keys(config_name, sys.argv[1:])
             for line in lines:
                 print(line, file=stderr)
-            hydras = "".join(held.held)
-            if any(f"Could not override '{line.split(':')[0]}'" in hydras for line in lines):
-                held.drop()  # Hydra refused a key a line names: its own lines add nothing
+            keys = (f"Could not override '{line.split(':')[0]}'" for line in lines)
+            if option or any(key in hydras for key in keys):
+                held.drop()  # Hydra refused what a line names: its own lines add nothing
         raise
     finally:
         sys.stderr = stderr
         held.release()
+
+
+# Hydra's refusal of a config group's option, with the group's options it lists
+_MISSING_OPTION = re.compile(
+    r"Could not find '(?P<group>[^']+)/(?P<option>[^'/]+)'\n\nAvailable options in '[^']+':\n"
+    r"(?P<options>(?:\t[^\n]*\n)*)"
+)
+
+
+def unknown_option(hydras: str) -> str | None:
+    """``model=mpl: not an option of model; did you mean mlp? (its options: mlp, resnet50)``
+    from Hydra's refusal of a group's option (``hydras``, its lines), or None."""
+    found = _MISSING_OPTION.search(hydras)
+    if not found:
+        return None
+    group, option = found["group"], found["option"]
+    options = [line.strip() for line in found["options"].splitlines() if line.strip()]
+    close = difflib.get_close_matches(option, options, n=2, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(close)}?" if close else ""
+    return f"{group}={option}: not an option of {group}{hint} (its options: {', '.join(options)})"
+
+
+_NOT_IN_DEFAULTS = re.compile(
+    r"Could not override '(?P<group>[^']+)'\. No match in the defaults list\.\n"
+    r"To append to your default list use \+(?P<typed>\S+)"
+)
+# why a script's config chooses no option of a group that train.py's does
+UNCHOSEN = {"eval": "eval.py builds the checkpoint's model and data from the config it carries"}
+
+
+def unchosen_group(hydras: str, config_name: str) -> str | None:
+    """``model=resnet50: eval.py chooses no model (...)`` from Hydra's refusal of a group that the
+    script's config does not choose (whose advice, to add it with ``+``, would be ignored)."""
+    found = _NOT_IN_DEFAULTS.search(hydras)
+    if not found:
+        return None
+    why = f" ({UNCHOSEN[config_name]})" if config_name in UNCHOSEN else ""
+    return f"{found['typed']}: {config_name}.py chooses no {found['group']}{why}"
 
 
 def unknown_keys(config_name: str, overrides: Sequence[str]) -> list[str]:
@@ -190,7 +233,9 @@ def unknown_keys(config_name: str, overrides: Sequence[str]) -> list[str]:
     known = set(_keys(cfg))
     lines = []
     for key, _ in keyed:
-        if key in groups or key.startswith("hydra.") or key in known or _in_open(cfg, key):
+        if key in groups or "/" in key or key.startswith("hydra.") or key in known:
+            continue  # (a group path: hydra/launcher=...)
+        if _in_open(cfg, key):
             continue
         close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
         hint = f"did you mean {close[0]}?" if close else f"add it with +{key}=... if it is new"

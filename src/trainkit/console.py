@@ -257,6 +257,13 @@ def shown(path: Path) -> str:
     return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
 
 
+def epoch_text(trainer) -> str:
+    """``epoch 2/10``: the trainer's epoch as the console counts it (from 1, of ``max_epochs``
+    where it is bounded), in every line that names one."""
+    bounded = trainer.max_epochs is not None and trainer.max_epochs > 0
+    return f"epoch {trainer.current_epoch + 1}" + (f"/{trainer.max_epochs}" if bounded else "")
+
+
 def say(line: str, *args: object) -> None:
     """A line for the console (and the log file)."""
     log.info(line, *args)

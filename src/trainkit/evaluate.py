@@ -48,6 +48,11 @@ def with_checkpoint_config(cfg: DictConfig) -> DictConfig:
     """The eval config completed by the checkpoint's: its model, its data (moved where
     ``paths.data_dir`` is given, then ``cfg.data``'s non-null keys override), and its precision
     unless ``precision`` is given."""
+    if "model" in cfg:  # (+model=...: it would be replaced by the checkpoint's, silently)
+        raise ConfigError(
+            "model: eval.py evaluates the checkpoint's model, built from the config it carries: "
+            "leave model out, or evaluate a checkpoint of the model you mean"
+        )
     why = damage(cfg.ckpt_path) if is_checkpoint(cfg.ckpt_path) else None
     if why:
         raise ConfigError(f"ckpt_path={cfg.ckpt_path} is damaged ({why}): evaluate another one")

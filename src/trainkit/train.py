@@ -147,12 +147,13 @@ def _fit_and_test(
 
     best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
     untestable = why_cannot("test", model, datamodule)
+    said = log.warning if trainer.is_global_zero else log.info  # (every rank: the same line)
     if untestable:
-        log.warning("No test: %s.", untestable)
+        said("No test: %s.", untestable)
         test_metrics: dict[str, float] = {}
     else:
         if not best:
-            log.warning("No best checkpoint was saved: testing the final weights.")
+            said("No best checkpoint was saved: testing the final weights.")
         tested = trainer.test(
             model,
             datamodule=datamodule,

@@ -125,6 +125,6 @@ def test_ranks_that_diverge_fail_the_configured_layout(
     ddp = rows["ddp x2"]
     assert not ddp["ok"]
     assert ddp["runs"].startswith(
-        "stopped: the data-parallel replicas hold different weights at step 4 (epoch 0)"
+        "stopped: the data-parallel replicas hold different weights at step 4 (epoch 1/"
     )
     assert "the configured layout (ddp x2): FAILS" in out

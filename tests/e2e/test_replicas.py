@@ -172,7 +172,7 @@ def test_a_replica_changed_on_one_rank_stops_the_run_at_the_next_save(
         log_dir=tmp_path,
     )
     line = refused(proc, "rank 1's net.0.1.weight (1 of 6 parameters) differ from rank 0's")
-    assert "at step 4 (epoch 1), stopped before saving the checkpoint" in line
+    assert "at step 4 (epoch 2/2), stopped before saving the checkpoint" in line
     checkpoints = sorted((run_dir_of(tmp_path) / "checkpoints").glob("*.ckpt"))
     assert [p.name for p in checkpoints] == ["best.ckpt", "last.ckpt"]
     for path in checkpoints:

@@ -297,7 +297,7 @@ def test_requeue_signal_saves_requeues_and_the_requeued_job_resumes(
     assert sweep.returncode == 0, output[-3000:]
     (job_dir,) = (tmp_path / "logs" / "train" / "multiruns").glob("*/0*")
     log, rank1 = (job_dir / "train.log").read_text(), (job_dir / "train_rank1.log").read_text()
-    stopped = "SIGUSR1: stopped at step 20 (epoch 2)"
+    stopped = "SIGUSR1: stopped at step 20 (epoch 3/3)"
     assert f"{stopped}; saved" in log and f"requeued SLURM job {job}," in log, log[-3000:]
     assert f"{stopped}; saved" in rank1 and f"rank 0 requeues SLURM job {job}" in rank1
     for rank_log in (log, rank1):
@@ -351,4 +351,4 @@ def test_scancel_stops_every_rank_and_keeps_a_checkpoint(
     # 2 ranks of batch 50: 8 steps an epoch, so step 10 is mid-epoch 1
     assert (saved["epoch"], saved["global_step"]) == (1, 10), (saved["epoch"], saved["global_step"])
     for rank_log in sorted(run_dir.glob("train*.log")):  # every rank's own log
-        assert "SIGTERM: stopped at step 10 (epoch 1)" in rank_log.read_text(), rank_log
+        assert "SIGTERM: stopped at step 10 (epoch 2/" in rank_log.read_text(), rank_log

@@ -114,6 +114,17 @@ def test_eval_reproduces_the_test_metrics(trained_run: Path, run_here: Callable[
     assert metrics["test"] == read_metrics(trained_run)["test"]  # exactly, not approximately
 
 
+def test_eval_refuses_a_model_it_would_replace_with_the_checkpoints(
+    trained_run: Path, run_here: Callable[..., Path], tmp_path: Path
+) -> None:
+    """``+model=...`` (Hydra's advice for ``model=...``, which eval.yaml does not choose) was
+    replaced by the checkpoint's model without a word."""
+    best = trained_run / "checkpoints" / "best.ckpt"
+    with pytest.raises(ConfigError, match=r"^model: eval.py evaluates the checkpoint's model"):
+        run_here("eval.py", f"ckpt_path={best}", "+model=resnet50", log_dir=tmp_path / "logs")
+    assert not list((tmp_path / "logs").rglob("metrics.json"))
+
+
 def test_eval_missing_checkpoint_fails_clearly(
     run_here: Callable[..., Path], tmp_path: Path
 ) -> None:

@@ -55,10 +55,13 @@ def test_a_damaged_checkpoint_is_found_and_the_newest_whole_one_taken(tmp_path: 
         assert newest_intact(last) == older
     assert f"{last} is damaged" in caplog.text and f"resuming from {older} instead" in caplog.text
     zero_block(older)
-    with pytest.raises(ConfigError, match=rf"ckpt_path={last} is damaged .* no whole checkpoint"):
+    with pytest.raises(ConfigError, match=rf"ckpt_path={last} is damaged .* holds no whole one: "):
         newest_intact(last)
     last.write_bytes(last.read_bytes()[:1000])  # truncated
     assert "not a whole checkpoint file" in damage(last)
+    last.write_text("not a checkpoint at all\n")  # a file that never was one: the fix says so
+    with pytest.raises(ConfigError, match=r"damaged or not a checkpoint .*leave ckpt_path out"):
+        newest_intact(last)
 
 
 def test_hyperparameters_a_weights_only_load_refuses_are_stored_as_their_config(

@@ -622,6 +622,7 @@ def test_an_unknown_key_is_named_with_the_closest_key_the_config_has() -> None:
         "data.batch_size=8",  # known: nothing to say
         "+callbacks.mine._target_=x.Y",  # added on purpose
         "hydra.run.dir=/tmp/x",
+        "hydra/launcher=basic",  # a group path, not a key
         "zzz_nothing_like_it=1",
         "--config-name=train",  # Hydra's flags are not keys
     ]
@@ -642,9 +643,13 @@ def test_an_unknown_key_is_named_with_the_closest_key_the_config_has() -> None:
         (["trainer.max_epoch=2"], ["trainer.max_epoch: not a key of the config; did you mean "
                                    "trainer.max_epochs?"]),
         (["trainer.max_epoch=2", "seed=["], ["trainer.max_epoch: not a key", "input '['"]),
-        (["model=mpl"], ["Could not find 'model/mpl'"]),
+        (["strategy=dpp"], ["strategy=dpp: not an option of strategy; did you mean dp or ddp? "
+                            "(its options: auto, ddp, ddp_spawn, dp, fsdp, pipeline)"]),
+        (["hydra/launcher=jobblib"], ["hydra/launcher=jobblib: not an option of hydra/launcher; "
+                                      "did you mean joblib? (its options: basic, joblib, "
+                                      "submitit_local, submitit_slurm)"]),
     ],
-    ids=["alone", "another-refusal", "an-unknown-choice"],
+    ids=["alone", "another-refusal", "an-unknown-option", "an-unknown-option-of-hydras"],
 )  # fmt: skip
 def test_a_typo_is_its_line_alone_unless_hydra_refused_something_else(
     typed: list[str],
@@ -654,7 +659,8 @@ def test_a_typo_is_its_line_alone_unless_hydra_refused_something_else(
     tmp_path: Path,
 ) -> None:
     """Hydra's own lines about an unknown key (add it with ``+``) give way to the line naming the
-    closest key; they stay where Hydra refused something else."""
+    closest key, and those about an unknown option of a group (its options, then the config search
+    path) to a line naming the closest options; they stay where Hydra refused something else."""
 
     @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
     def main(cfg: DictConfig) -> None:
@@ -666,10 +672,30 @@ def test_a_typo_is_its_line_alone_unless_hydra_refused_something_else(
         main()
     assert stop.value.code == 1
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    if len(said) == 1 and said[0].endswith("?"):
+    if len(said) == 1:  # the line alone
         assert lines == said
-    else:
+    else:  # the line first, then Hydra's own
         assert all(any(part in line for line in lines) for part in said), lines
+        assert lines[0].startswith(said[0]), lines
+
+
+def test_a_group_eval_does_not_choose_is_one_line_saying_why(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """eval.yaml chooses no model: Hydra's advice, to add it with ``+``, would be ignored."""
+
+    @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="eval")
+    def main(cfg: DictConfig) -> None:
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr(sys, "argv", ["eval.py", f"hydra.run.dir={tmp_path}", "model=resnet50"])
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    with pytest.raises(SystemExit), did_you_mean("eval"):
+        main()
+    assert capsys.readouterr().err.splitlines() == [
+        "model=resnet50: eval.py chooses no model (eval.py builds the checkpoint's model and data "
+        "from the config it carries)"
+    ]
 
 
 def test_a_library_key_an_older_train_yaml_lacks_is_typed_with_plus_plus(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torch.utils.data import (
     DataLoader,
     DistributedSampler,
@@ -25,7 +25,6 @@ from trainkit.data.sharding import (
     ShardSampler,
     batch_sizes,
     check_train_data,
-    seeded_split,
     shard_dataloader,
     unshardable,
 )
@@ -280,10 +279,18 @@ def test_an_epoch_resumed_on_other_ranks_or_batches_takes_each_sample_once(
     assert len(second) == whole * world  # the next pass is a whole epoch again
 
 
-def test_a_validation_split_of_most_of_the_training_set_is_said(recwarn) -> None:
-    # data.root=<a small dataset> with the full dataset's data.val_size (5,000 of 6,000)
-    seeded_split(6000, 600, seed=0)
+def test_a_validation_split_of_most_of_the_training_set_is_said_where_it_trains(
+    tmp_path: Path, recwarn
+) -> None:
+    """data.root=<a small dataset> with the full dataset's data.val_size (5,000 of 6,000): said
+    where the run trains, not where it only evaluates (eval.py's test: nothing to act on)."""
+    MNISTDataModule(str(tmp_path), val_size=600).split_train(6000)
     assert not [w for w in recwarn if "holds out" in str(w.message)]
+    dm = MNISTDataModule(str(tmp_path), val_size=5000)
     with pytest.warns(UserWarning, match=r"val_size=5000 holds out 5,000 of the 6,000 .* 1,000"):
-        train, val = seeded_split(6000, 5000, seed=0)
+        train, val = dm.split_train(6000)
     assert (len(train), len(val)) == (1000, 5000)  # as given: said, not changed
+    dm.trainer = L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False)
+    dm.trainer.state.fn = TrainerFn.TESTING  # as in trainer.test
+    assert [len(s) for s in dm.split_train(6000)] == [1000, 5000]
+    assert not [w for w in recwarn if "holds out" in str(w.message)]

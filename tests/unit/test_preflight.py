@@ -130,6 +130,9 @@ def test_unknown_group_option_lists_the_options(compose) -> None:
 def test_missing_checkpoint(compose, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"ckpt_path=.*nope\.ckpt does not exist.*ckpt_path=last"):
         resume_from(compose(f"ckpt_path={tmp_path / 'nope.ckpt'}"))
+    (tmp_path / "a_dir").mkdir()  # it exists: named as what it is, not as missing
+    with pytest.raises(ConfigError, match=r"a_dir is a directory without \.metadata, not a check"):
+        resume_from(compose(f"ckpt_path={tmp_path / 'a_dir'}"))
 
 
 def test_last_without_an_earlier_run(compose, tmp_path: Path) -> None:

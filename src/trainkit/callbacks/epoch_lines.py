@@ -5,7 +5,7 @@ from typing import Any
 
 from lightning.pytorch import Callback
 
-from trainkit.console import metrics_text, number, say
+from trainkit.console import epoch_text, metrics_text, number, say
 
 
 class EpochLines(Callback):
@@ -46,8 +46,7 @@ class EpochLines(Callback):
                 self.best = (monitored, epoch)  # (a tie keeps the earlier epoch)
         if self.best is not None:
             best = f"  (best {self.monitor} {number(self.best[0])} at epoch {self.best[1]})"
-        of = f"/{trainer.max_epochs}" if trainer.max_epochs and trainer.max_epochs > 0 else ""
-        say("epoch %d%s  %s%s", epoch, of, metrics_text(shown), best)
+        say("%s  %s%s", epoch_text(trainer), metrics_text(shown), best)
 
     def state_dict(self) -> dict[str, Any]:
         return {"best": self.best}

@@ -12,6 +12,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
+from trainkit.console import epoch_text
 from trainkit.launch import slurm_job_id, under_slurm
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ class Preemption(L.Callback):
         # every rank: the strategy gathers; the whole state (Lightning logs its default otherwise)
         trainer.save_checkpoint(self.checkpoint_path, weights_only=False)
         name = signal.Signals(signum).name
-        stopped = f"{name}: stopped at step {trainer.global_step} (epoch {trainer.current_epoch})"
+        stopped = f"{name}: stopped at step {trainer.global_step} ({epoch_text(trainer)})"
         if self.requeued:
             message = f"{stopped}; saved {self.checkpoint_path}; {self._requeue(trainer)}"
         else:

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from trainkit.callbacks.non_finite_loss import good_checkpoints
+from trainkit.console import epoch_text
 from trainkit.errors import ReplicasDisagree, listed
 from trainkit.parallel import data_parallel_group
 
@@ -84,7 +85,7 @@ class ReplicasAgree(L.Callback):
         row, names = differ[0]
         raise ReplicasDisagree(
             f"the data-parallel replicas hold different weights at step {trainer.global_step} "
-            f"(epoch {trainer.current_epoch}), {when}: rank {ranks[row]}'s {listed(names, SHOWN)} "
+            f"({epoch_text(trainer)}), {when}: rank {ranks[row]}'s {listed(names, SHOWN)} "
             f"({len(names)} of {len(named)} parameters) differ from rank {ranks[0]}'s. Something "
             f"changed weights on some ranks only: code under `if self.global_rank == ...`, a "
             f"random change not seeded alike on every rank, or a gradient not averaged over the "

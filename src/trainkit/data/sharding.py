@@ -23,7 +23,7 @@ from lightning.pytorch.overrides.distributed import (
     UnrepeatedDistributedSamplerWrapper,
     _IndexBatchSamplerWrapper,
 )
-from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.data import (
     _get_dataloader_init_args_and_kwargs,
@@ -165,13 +165,6 @@ def seeded_split(n: int, n_val: int, seed: int) -> tuple[Tensor, Tensor]:
             f"data.val_size={n_val} leaves no training data: the training set has {n} samples. "
             f"Use a smaller count or a fraction such as 0.1."
         )
-    if n_val > n // 2:  # (a count made for the full dataset, given a small one: data.root=...)
-        rank_zero_warn(
-            f"data.val_size={n_val} holds out {n_val:,} of the {n:,} training samples for "
-            f"validation, leaving {n - n_val:,} to train on: give data.val_size=<count> or a "
-            f"fraction such as 0.1",
-            category=UserWarning,
-        )
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     return order[n_val:], order[:n_val]
 
@@ -227,7 +220,16 @@ class ShardedDataModule(L.LightningDataModule):
         ``val_size``, or, with ``folds``, fold ``fold`` (stratified by ``labels`` where given),
         which the run's first process records in its directory (``folds.SPLIT_FILE``)."""
         if self.folds is None:
-            return seeded_split(n, val_count(self.val_size, n), self.split_seed)
+            n_val = val_count(self.val_size, n)
+            training = self.trainer is None or self.trainer.state.fn == TrainerFn.FITTING
+            if n_val > n // 2 and training:  # (a count made for the full dataset, given a small
+                rank_zero_warn(  # one: data.root=...; an evaluation trains on none of it)
+                    f"data.val_size={n_val} holds out {n_val:,} of the {n:,} training samples "
+                    f"for validation, leaving {n - n_val:,} to train on: give "
+                    f"data.val_size=<count> or a fraction such as 0.1",
+                    category=UserWarning,
+                )
+            return seeded_split(n, n_val, self.split_seed)
         train, val = fold_split(
             n if labels is None else labels, self.folds, self.fold, self.split_seed
         )
