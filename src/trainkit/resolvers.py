@@ -38,10 +38,13 @@ OmegaConf.register_new_resolver("run_name", run_name, replace=True)
 OmegaConf.register_new_resolver("basename", lambda path: os.path.basename(str(path)), replace=True)
 
 
-def sample_size(shape: object, part: str) -> int:
+def sample_size(shape: object, part: str, otherwise: int | None = None) -> int:
     """``${sample_size:${model.input_shape},numel}``: the values in one sample of the data's shape
     (an MLP's inputs); ``channels``: its first dimension (a convolution's input channels). A net
-    sized from the data (``model.input_shape``, filled by the datamodule) then fits any data."""
+    sized from the data (``model.input_shape``, filled by the datamodule) then fits any data.
+    ``otherwise``: the size where the data gives no shape (a datamodule without input_shape)."""
+    if not shape and otherwise is not None:
+        return otherwise
     if not shape:
         raise ValueError(
             f"model.input_shape is {shape}, and the net's input is sized from it "

@@ -263,12 +263,18 @@ def test_a_module_checkpoint_replaces_the_templates_as_it_replaces_lightnings(
 def test_the_template_nets_take_their_input_size_from_the_data(built, compose) -> None:
     """conf/model's nets are sized from one sample of the data (``model.input_shape``, which the
     datamodule fills): ResNet-50 trains on MNIST's one channel (it was a traceback at the first
-    step: 3 channels expected). A datamodule with no input_shape: one line naming the fix."""
+    step: 3 channels expected). A datamodule with no input_shape: the MLP's 784 of before, and
+    a size that has no such default is one line naming the fix."""
     _, dm, model, trainer = built("model=resnet50", "data.batch_size=4", "debug=fast_dev_run")
     assert model.net.stem[0].in_channels == 1
     trainer.fit(model, datamodule=dm)
     assert trainer.global_step == 1
     cfg = compose("model.num_classes=10")
+    mlp = build_model(cfg, lightning_docs.MNISTDataModule(), LIGHTNING).net
+    assert next(m for m in mlp.modules() if isinstance(m, torch.nn.Linear)).in_features == 784
+    cfg = compose(
+        "model.num_classes=10", "model.net.in_features='${sample_size:${model.input_shape},numel}'"
+    )
     with pytest.raises(ConfigError, match=r"^model.input_shape is None, .*give the datamodule an"):
         build_model(cfg, lightning_docs.MNISTDataModule(), LIGHTNING)
 
