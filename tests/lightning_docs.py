@@ -239,3 +239,17 @@ class LitAuxiliaryEveryOtherStep(LitBackbone):
             loss = loss + 0.1 * F.cross_entropy(self.aux(logits), y)
         self.log("train_loss", loss)
         return loss
+
+
+class LitAuxiliaryOnRankZero(LitAuxiliaryEveryOtherStep):
+    """The auxiliary loss under ``if self.global_rank == 0`` (a debugging branch left in): on the
+    other ranks no loss reaches the head."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.backbone(x)
+        loss = F.cross_entropy(logits, y)
+        if self.global_rank == 0:
+            loss = loss + 0.1 * F.cross_entropy(self.aux(logits), y)
+        self.log("train_loss", loss)
+        return loss

@@ -279,7 +279,9 @@ class _OneLineRefusals:
     """``sys.stderr`` without Hydra's frame around a refusal: Hydra writes "Error executing job
     with overrides: [...]" before one of its compact errors (our ConfigError and the rest of
     errors.py) and "Set the environment variable HYDRA_FULL_ERROR=1 ..." after; the refusal is
-    its own line. A traceback (an error that is not a refusal) keeps the frame."""
+    its own line. A traceback (an error that is not a refusal) keeps the frame. In a rank the
+    run's first process started, the refusal goes to that process (``launch.send_refusal``),
+    which says it once for every rank that refused alike."""
 
     HEADER = "Error executing job with overrides"
     FOOTER = "\nSet the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.\n"
@@ -296,6 +298,11 @@ class _OneLineRefusals:
             if self.traced:
                 self.stream.write(self.header)
             self.header = None
+            if not self.traced:
+                from trainkit.launch import send_refusal  # (launch imports Lightning)
+
+                if send_refusal(text):
+                    return len(text)
         if text == self.FOOTER and not self.traced:
             return len(text)
         return self.stream.write(text)

@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
+from hydra.errors import CompactHydraException
 from lightning.fabric.strategies.launchers.subprocess_script import (
     _basic_subprocess_cmd,
     _ChildProcessObserver,
@@ -51,7 +52,11 @@ _SWEEP_ONLY = (
     "hydra/launcher",
     "hydra/sweeper",
 )
+# Set by JobScriptLauncher in the ranks it starts: a pipe back to it, where such a rank's refusal
+# goes instead of the console (send_refusal); the run's first process says each once
+REFUSAL_FD_ENV = "TRAINKIT_REFUSAL_FD"
 _children: list[subprocess.Popen] = []  # this process's ranks > 0, reaped by isolated_job
+_refusal_pipes: dict[int, int] = {}  # a child's pid: the pipe its refusal comes through
 
 
 def in_multirun() -> bool:
@@ -137,6 +142,9 @@ class _JobObserver(_ChildProcessObserver):
 
     def _run(self) -> bool:
         codes = [proc.poll() for proc in self._child_processes]
+        if not self.failing:  # a rank refused alone: said before every process is stopped
+            for line in said_refusals([p for p in self._child_processes if p.returncode]):
+                sys.stderr.write(line)
         signal_stop = any(code in SIGNAL_STOPS for code in codes) and all(
             code in (0, *SIGNAL_STOPS) for code in codes
         )
@@ -183,9 +191,18 @@ class JobScriptLauncher(_SubprocessScriptLauncher):
         os.environ["LOCAL_RANK"] = str(env.local_rank())
         os.environ["WORLD_SIZE"] = str(self.num_processes * self.num_nodes)
         for local_rank in range(1, self.num_processes):
-            # PYTHONFAULTHANDLER: a rank that aborts or crashes writes every thread's Python stack
-            child_env = {**os.environ, "LOCAL_RANK": str(local_rank), "PYTHONFAULTHANDLER": "1"}
-            proc = subprocess.Popen(job_command(local_rank), env=child_env)
+            # PYTHONFAULTHANDLER: a rank that aborts or crashes writes every thread's Python stack;
+            # REFUSAL_FD_ENV: its refusal comes here, said once for the ranks (said_refusals)
+            read, write = os.pipe()
+            child_env = {
+                **os.environ,
+                "LOCAL_RANK": str(local_rank),
+                "PYTHONFAULTHANDLER": "1",
+                REFUSAL_FD_ENV: str(write),
+            }
+            proc = subprocess.Popen(job_command(local_rank), env=child_env, pass_fds=(write,))
+            os.close(write)
+            _refusal_pipes[proc.pid] = read
             self.procs.append(proc)
             _children.append(proc)
 
@@ -266,6 +283,40 @@ def launcher_run_id() -> str | None:
     return None
 
 
+def send_refusal(text: str) -> bool:
+    """In a rank this run's first process started: its refusal (Hydra's one line, from
+    ``console.one_line_refusals``) sent to that process; False where there is no pipe to it."""
+    fd = os.environ.get(REFUSAL_FD_ENV)
+    if not fd:
+        return False
+    try:
+        os.write(int(fd), text.encode())
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+class RankRefused(CompactHydraException):
+    """Another rank's refusal, which the run's first process says as its own (one line)."""
+
+
+def said_refusals(children: list[subprocess.Popen], own: str = "") -> list[str]:
+    """The refusals these exited children sent (``REFUSAL_FD_ENV``), each once and not
+    ``own`` (this process's, which it says itself): the ranks refuse alike, so the console shows
+    one line, not one per rank. Each child's pipe is read once, then closed."""
+    said = []
+    for proc in children:
+        fd = _refusal_pipes.pop(proc.pid, None)
+        if fd is None:
+            continue
+        os.set_blocking(fd, False)  # (the child exited; a worker it forked may hold the pipe)
+        with os.fdopen(fd, "rb") as pipe:
+            text = (pipe.read() or b"").decode(errors="replace")
+        if text.strip() and text.strip() != own.strip() and text not in said:
+            said.append(text)
+    return said
+
+
 class RankFailedError(RuntimeError):
     """A rank this process started exited with an error although this rank finished."""
 
@@ -276,11 +327,11 @@ def isolated_job(child_timeout_s: float = 120) -> Iterator[None]:
     global _job_ckpt_path
     environ = dict(os.environ)
     _children.clear()
-    failed = False
+    failed: BaseException | None = None
     try:
         yield
-    except BaseException:
-        failed = True
+    except BaseException as err:
+        failed = err
         raise
     finally:
         children, codes, _job_ckpt_path = list(_children), [], None
@@ -291,12 +342,23 @@ def isolated_job(child_timeout_s: float = 120) -> Iterator[None]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 codes.append(proc.wait())
+        own = str(failed) if isinstance(failed, CompactHydraException) else ""
+        refusals = said_refusals(children, own)
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
         kept = {k: os.environ[k] for k in PROCESS_ENV if k in os.environ}
         os.environ.clear()
         os.environ.update({**environ, **kept})
+        if refusals and failed is not None and not own:
+            # this rank's error came of another's refusal (a collective whose peer left): the
+            # run is refused with that rank's line; this rank's traceback is in its log file
+            log.info("after another rank refused, this rank failed", exc_info=failed)
+            raise RankRefused(refusals[0].strip()) from None
+        for line in refusals if failed else ():  # (this process says its own after)
+            sys.stderr.write(line)
     bad = {rank: code for rank, code in enumerate(codes, start=1) if code != 0}
+    if refusals:  # this rank finished, another refused: the run is refused with its line
+        raise RankRefused(refusals[0].strip())
     if bad:
         raise RankFailedError(
             f"rank(s) {sorted(bad)} of this job exited with {sorted(set(bad.values()))}: see "

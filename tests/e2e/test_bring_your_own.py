@@ -60,6 +60,11 @@ _target_: lightning_docs.LitAuxiliaryEveryOtherStep
 backbone:
   _target_: lightning_docs.mnist_backbone
 """,
+    "model/auxiliary_on_rank_zero.yaml": """
+_target_: lightning_docs.LitAuxiliaryOnRankZero
+backbone:
+  _target_: lightning_docs.mnist_backbone
+""",
     "model/pipelined.yaml": """
 _target_: lightning_examples.LitPipelinedClassifier
 hidden_dim: 8
@@ -259,6 +264,7 @@ def test_a_parameter_no_loss_reaches_is_named_in_one_line_and_the_fix_runs(
     assert proc.returncode != 0 and "Traceback" not in output, output[-3000:]
     assert f"{says} under ddp" in output, output[-3000:]
     assert "set strategy.find_unused_parameters=true" in output
+    assert output.count(f"{says} under ddp") == 1, output[-3000:]  # every rank refused: one line
     # what the module warns as it is built (save_hyperparameters keeps a module): once, though the
     # memory plan built it before the run, and after the run's first line, as a warning line; the
     # run's log file has it with its class and place
@@ -271,6 +277,24 @@ def test_a_parameter_no_loss_reaches_is_named_in_one_line_and_the_fix_runs(
     assert "UserWarning at " in log_file.read_text()
     fixed = run_script("train.py", *run, "strategy.find_unused_parameters=true")
     assert set(json.loads((fixed / "metrics.json").read_text())["test"]) == {"test_loss"}
+
+
+def test_a_refusal_of_one_rank_alone_is_said_once_and_ends_every_rank(
+    user_conf: Path, mnist_root: Path, tmp_path: Path
+) -> None:
+    """Rank 1 refuses (no loss reaches a head under ``if self.global_rank == 0``) while rank 0
+    waits in DDP's all-reduce, which fails as rank 1 leaves: the run is refused with rank 1's
+    line, once, not rank 0's traceback of a closed connection (the ranks that refuse alike say one
+    line: the test above)."""
+    run = user_run(
+        user_conf, mnist_root, "strategy=ddp", "devices=2", "strategy.timeout.seconds=60",
+        "monitor=val_loss", "monitor_mode=min", model="auxiliary_on_rank_zero",
+    )  # fmt: skip
+    proc = run_python("train.py", *run, log_dir=tmp_path)
+    output = proc.stdout + proc.stderr
+    says = "aux.weight, aux.bias got no gradient from the first training step under ddp"
+    assert proc.returncode != 0 and output.count(says) == 1, output[-3000:]
+    assert "Traceback" not in output
 
 
 def refused(proc, log_dir: Path, *says: str) -> None:
