@@ -164,7 +164,7 @@ def instantiate_config(config: DictConfig, **kwargs: Any) -> Any:
         refused = err.__context__  # (OmegaConf raises its own error while handling the resolver's)
         if not isinstance(refused, ValueError):
             raise
-        raise ConfigError(str(refused)) from err
+        raise ConfigError(str(refused)) from None  # (Hydra would print an OmegaConf cause too)
     except InstantiationException as err:
         cause = err.__cause__
         if isinstance(cause, ConfigError):
