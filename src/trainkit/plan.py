@@ -818,17 +818,13 @@ def meta_model(cfg: DictConfig) -> tuple[nn.Module, object]:
     with (
         torch.random.fork_rng(devices=[]),
         torch.device("meta"),
-        warnings.catch_warnings(record=True) as warned,
+        warnings.catch_warnings(record=True),
     ):
         # (the run's draws stay its own; every block is on the meta device already: none to
-        # materialise per process.) What this build warns, the run's own build warns again: the
-        # log file's only; weights a module loads in its __init__ load into nothing here, which
-        # torch says once per parameter: not even there.
-        warnings.simplefilter("always")
-        warnings.filterwarnings("ignore", message=r".*copying from a non-meta parameter")
+        # materialise per process.) What this build warns, the run's own build warns again, or is
+        # of the meta device (weights a module loads in its __init__ load into nothing here,
+        # which torch says once per parameter): recorded here, and dropped.
         datamodule, model = build_data_and_model(cfg, LIGHTNING)
-    for warning in {str(w.message): w for w in warned}.values():
-        log.debug("the plan's build on the meta device warned: %s", warning.message)
     return model, datamodule
 
 
