@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from lightning.pytorch.callbacks import RichProgressBar
 
+from trainkit.console import epoch_text
 from trainkit.logging_step import logging_step
 
 
@@ -77,9 +78,7 @@ class ProgressBar(RichProgressBar):
 
     def _get_train_description(self, current_epoch: int) -> str:
         """``Epoch 1/2`` for the first of ``max_epochs=2`` (Lightning's reads ``Epoch 0/1``)."""
-        text = f"Epoch {current_epoch + 1}"
-        if self.trainer.max_epochs is not None and self.trainer.max_epochs > 0:
-            text += f"/{self.trainer.max_epochs}"
+        text = epoch_text(self.trainer).capitalize()  # (current_epoch is the trainer's)
         return f"{text:{len(self.validation_description)}}"  # (as Lightning pads it)
 
     def refresh(self, hard: bool = False) -> None:
