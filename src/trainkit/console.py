@@ -126,7 +126,7 @@ CONSOLE_LOGGERS = {
     "trainkit.sweep": "a sweep's jobs completed and failed, and its summary file",
     "trainkit.study": "an Optuna sweep's study: where, continued, a trial of folds pruned",
     "trainkit.callbacks.trial_pruning": "the epoch after which a trial's pruner stopped it",
-    "trainkit.train": "a killed save's leftovers removed",
+    "trainkit.train": "a killed save's leftovers removed, training with no limit (max_epochs=-1)",
 }
 
 

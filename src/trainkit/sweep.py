@@ -18,6 +18,7 @@ failed one runs again up to ``sweep.retries`` times (``continue_job``), a new on
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import fcntl
@@ -187,6 +188,8 @@ def own_sweep_dir(config: DictConfig) -> None:
     the first launch records it), and its first line names it and the command that continues it."""
     global _sweep_lock
     sweep_dir = Path(config.hydra.sweep.dir)
+    if not sweep_dir.exists():  # this launch's own, until a job writes into it
+        atexit.register(_remove_if_no_job_started, sweep_dir)
     sweep_dir.mkdir(parents=True, exist_ok=True)
     handle = open(sweep_dir / SWEEP_LOCK, "a+")  # noqa: SIM115  held until the process ends
     try:
@@ -217,6 +220,14 @@ def own_sweep_dir(config: DictConfig) -> None:
     else:
         atomic_write_text(record, yaml.safe_dump(now, sort_keys=False))
     log.info("sweep: %s (continue it with: %s)", shown(sweep_dir), continuing_command(config))
+
+
+def _remove_if_no_job_started(sweep_dir: Path) -> None:
+    """At the exit of the launch that made ``sweep_dir``: a sweep refused before its first job
+    (a job's config that does not compose) leaves no directory; anything else in it keeps it."""
+    launch_files = {"multirun.yaml", SWEEP_RECORD, SWEEP_LOCK}
+    if sweep_dir.is_dir() and {p.name for p in sweep_dir.iterdir()} <= launch_files:
+        shutil.rmtree(sweep_dir, ignore_errors=True)
 
 
 def sweep_definition(config: DictConfig) -> dict[str, Any]:

@@ -118,12 +118,23 @@ def _train_and_test(cfg: DictConfig) -> float | None:
         record_launch(cfg.paths.output_dir)  # so that the launcher's restarts resume this run
         for stale in remove_stale_temp_files(Path(cfg.paths.output_dir) / "checkpoints"):
             log.info("removed %s, left by a save that was killed", stale)
+        if unbounded(cfg.trainer):
+            log.info(
+                "trainer.max_epochs=-1: trains until stopped (Ctrl-C saves and stops); "
+                "trainer.max_steps or trainer.max_time bounds it"
+            )
     tune_malloc(keep_freed=cfg.tune_malloc)  # (null resolved by preflight)
     if cfg.seed is not None:
         L.seed_everything(cfg.seed, workers=True)
     datamodule, model, trainer = build(planned)
     with ending_tracker_runs(trainer.loggers):
         return _fit_and_test(planned, datamodule, model, trainer)
+
+
+def unbounded(trainer: DictConfig) -> bool:
+    """Lightning's endless training: ``max_epochs=-1`` with no step or time limit."""
+    steps = trainer.get("max_steps")
+    return trainer.get("max_epochs") == -1 and steps in (None, -1) and not trainer.get("max_time")
 
 
 def _fit_and_test(

@@ -221,15 +221,19 @@ def test_signal_saves_exits_nonzero_and_resumes_exactly(
 ) -> None:
     stop_at = STEPS_PER_EPOCH + 20  # mid-epoch 1
     hook = "+callbacks.signal_at"
+    # Ctrl-C is how a run without an epoch limit ends: its first lines say so
+    endless = ("trainer.max_epochs=-1",) if sig == "SIGINT" else ()
     proc = train(
         tmp_path, *base, f"{hook}._target_=helpers.SignalAt", f"{hook}.step={stop_at}",
-        f"{hook}.signal={sig}",
+        f"{hook}.signal={sig}", *endless,
     )  # fmt: skip
     assert proc.returncode == code, proc.stderr[-3000:]
     (stopped,) = runs(tmp_path)
     saved = torch.load(stopped / "checkpoints" / "last.ckpt", weights_only=True)
     assert saved["global_step"] == stop_at and saved["epoch"] == 1
     assert f"{sig}: stopped at step {stop_at}" in proc.stderr + proc.stdout
+    said = "trainer.max_epochs=-1: trains until stopped (Ctrl-C saves and stops)"
+    assert (said in proc.stderr + proc.stdout) == bool(endless)
 
     if sig == "SIGINT":
         return  # the resume is the same as after SIGTERM, below

@@ -517,6 +517,20 @@ def test_a_killed_sweep_continues_where_it_stopped(overrides, tmp_path: Path) ->
         )
 
 
+def test_a_sweep_refused_before_its_first_job_leaves_no_directory(overrides, tmp_path) -> None:
+    """A job's option that does not exist refuses the sweep before any job runs, in one line;
+    the sweep directory its launch had made goes with it."""
+    sweep = tmp_path / "sweep"
+    proc = run_python(
+        "train.py", "-m", *overrides, "model=mlp,mpl", f"hydra.sweep.dir={sweep}",
+        log_dir=tmp_path / "logs",
+    )  # fmt: skip
+    assert proc.returncode == 1
+    said = proc.stderr.strip().splitlines()[-1]
+    assert said.startswith("model=mpl: not an option of model; did you mean mlp?"), proc.stderr
+    assert "Traceback" not in proc.stderr and not sweep.exists()
+
+
 def test_a_killed_joblib_sweep_continues_its_jobs_in_flight(overrides, tmp_path: Path) -> None:
     """launcher=joblib, its 2 jobs in flight (each in its worker process, held in its second
     epoch) when the sweep's process group is SIGKILLed: the same command resumes both from
