@@ -331,9 +331,15 @@ def test_replicas_of_a_stage_train_the_same_weights_without_a_seed(
 
 @pytest.mark.parametrize(
     "layout",
-    [(*PIPE2, "strategy.split_points=[1]"), ("strategy=fsdp", "devices=2", "data.batch_size=128")],
-    ids=["pipeline", "fsdp"],
-)
+    [
+        (*PIPE2, "strategy.split_points=[1]"),
+        ("strategy=fsdp", "devices=2", "data.batch_size=128"),
+        # 2 stages, each sharded over 2 replicas: the tie inside stage 1's chunk of units
+        (*PIPE2[:1], "devices=4", "strategy.shard=true", "strategy.split_points=[1]",
+         "data.batch_size=128"),
+    ],
+    ids=["pipeline", "fsdp", "pipeline_x_fsdp"],
+)  # fmt: skip
 def test_tied_weights_train_as_one_devices(
     base: tuple[str, ...],
     run_here: Callable[..., Path],
@@ -346,7 +352,8 @@ def test_tied_weights_train_as_one_devices(
     each unit on its own, each block a unit, and refused the tie across blocks (a traceback
     after the processes started: "shared with a parameter already managed by another FSDP
     group"). Each
-    tie is kept (the pipeline's on stage 1, blocks 1-3): one device's weights, in plain SGD, and
+    tie is kept (the pipeline's on stage 1, blocks 1-3, also with each stage sharded over 2
+    replicas, where the tie is inside one sharded chunk): one device's weights, in plain SGD, and
     each tie's names equal in the checkpoint; the sharded checkpoint resumed on one device gives
     one device's second epoch, its ties kept. (A tie across stages is refused before any process
     starts: unit/test_pipeline.py.)"""
