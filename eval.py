@@ -1,6 +1,6 @@
 """Evaluate a checkpoint: `python eval.py ckpt_path=...`. The checkpoint carries its own config."""
 
-from trainkit.runtime import imports_frozen
+from trainkit.runtime import collector_resumed, imports_frozen
 
 with imports_frozen():  # faster start and exit: runtime.py
     import sys
@@ -8,21 +8,30 @@ with imports_frozen():  # faster start and exit: runtime.py
     import hydra
     from omegaconf import DictConfig
 
-    import trainkit.startup  # noqa: F401  first: before Lightning imports torchmetrics
+    import trainkit.startup  # first: before anything imports torchmetrics
     from trainkit.config import did_you_mean, expand_shorthands
     from trainkit.console import one_line_refusals
-    from trainkit.evaluate import run
-    from trainkit.launch import end_process
+
+    # torch and Lightning load once Hydra has composed the run (as train.py: a typo is refused in
+    # a second); a rank that ddp_spawn starts imports this file as a module, then runs its job
+    if __name__ != "__main__":
+        import trainkit.evaluate  # noqa: F401
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="eval")
 def main(cfg: DictConfig) -> None:
+    from trainkit.evaluate import run
+
+    collector_resumed()  # paused below, through Hydra's start and these imports
     run(cfg)
 
 
 if __name__ == "__main__":
     sys.argv = expand_shorthands(sys.argv, "eval")  # a library key an older eval.yaml lacks: ++
     # a line naming the closest key where Hydra refused an unknown one; a refusal as its line
-    with did_you_mean("eval"), one_line_refusals():
+    with imports_frozen(), did_you_mean("eval"), one_line_refusals():
         main()
-    end_process()  # a rank > 0 ends here, without the interpreter's teardown (launch.py)
+    if "trainkit.evaluate" in sys.modules:  # a job ran (not --help, --cfg or shell completion)
+        from trainkit.launch import end_process
+
+        end_process()  # a rank > 0 ends here, without the interpreter's teardown (launch.py)

@@ -1,6 +1,6 @@
 """Train a model: `python train.py [group=option ...] [key=value ...]`. See conf/train.yaml."""
 
-from trainkit.runtime import imports_frozen
+from trainkit.runtime import collector_resumed, imports_frozen
 
 with imports_frozen():  # faster start and exit: runtime.py
     import sys
@@ -8,24 +8,34 @@ with imports_frozen():  # faster start and exit: runtime.py
     import hydra
     from omegaconf import DictConfig
 
-    import trainkit.startup  # noqa: F401  first: before Lightning imports torchmetrics
+    import trainkit.startup  # first: before anything imports torchmetrics
     from trainkit.config import did_you_mean, expand_shorthands
     from trainkit.console import one_line_refusals
-    from trainkit.launch import end_process
-    from trainkit.sweep import newest_sweep_named
-    from trainkit.train import run
+
+    # torch and Lightning load once Hydra has composed the run (a typo is refused in a second);
+    # a rank that ddp_spawn or joblib starts imports this file as a module, then runs its job
+    if __name__ != "__main__":
+        import trainkit.train  # noqa: F401
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
+    from trainkit.train import run
+
+    collector_resumed()  # paused below, through Hydra's start and these imports
     return run(cfg)
 
 
 if __name__ == "__main__":
-    # plan=true is plan.show=true; ++ where train.yaml lacks a key; hydra.sweep.dir=last is the
-    # newest sweep directory of this command's sweep
-    sys.argv = newest_sweep_named(expand_shorthands(sys.argv))
+    sys.argv = expand_shorthands(sys.argv)  # ++ where train.yaml lacks a key; plan=true
+    if "hydra.sweep.dir=last" in sys.argv:  # the newest directory of this command's sweep
+        from trainkit.sweep import newest_sweep_named
+
+        sys.argv = newest_sweep_named(sys.argv)
     # a line naming the closest key where Hydra refused an unknown one; a refusal as its line
-    with did_you_mean("train"), one_line_refusals():
+    with imports_frozen(), did_you_mean("train"), one_line_refusals():
         main()
-    end_process()  # a rank > 0 ends here, without the interpreter's teardown (launch.py)
+    if "trainkit.train" in sys.modules:  # a job ran (not --help, --cfg or shell completion)
+        from trainkit.launch import end_process
+
+        end_process()  # a rank > 0 ends here, without the interpreter's teardown (launch.py)

@@ -13,23 +13,30 @@ from pathlib import Path
 import yaml
 from omegaconf import OmegaConf
 
-from trainkit.launch import launcher_rank, launcher_run_id
-
 # ${cwd:} is the launch directory. Unlike ${hydra:runtime.cwd} it also resolves where Hydra computes
 # a sweep's directory, before any job runs.
 OmegaConf.register_new_resolver("cwd", os.getcwd, replace=True)
 
+
 # ${rank_suffix:} is "" on rank 0 and "_rank<N>" on the others when a launcher (torchrun, SLURM)
 # started the ranks: the processes of a multi-node run share one run directory but not one log file.
-OmegaConf.register_new_resolver(
-    "rank_suffix", lambda: f"_rank{rank}" if (rank := launcher_rank()) else ""
-)
+# (launch imports Lightning: these resolvers import it when a run resolves its directory, after
+# Hydra has composed the config, so that a typo is refused before torch loads)
+def rank_suffix() -> str:
+    from trainkit.launch import launcher_rank
+
+    return f"_rank{rank}" if (rank := launcher_rank()) else ""
+
+
+OmegaConf.register_new_resolver("rank_suffix", rank_suffix, replace=True)
 
 
 def run_name() -> str:
     """A run directory's name: the launcher's id of the run where it has one, which every process
     of the run and every restart of it share (``launch.launcher_run_id``); else the time to the
     microsecond, so that runs started in the same second differ."""
+    from trainkit.launch import launcher_run_id
+
     return launcher_run_id() or datetime.now().strftime("%Y-%m-%d_%H-%M-%S_%f")
 
 

@@ -1,7 +1,8 @@
-"""Imported first by the entry points (train.py, eval.py): imports that the first training step
-does not need are left for later (docs/design.md, "torchmetrics imports scipy.signal"), and the
-console's filters are set before anything can warn (console.py: Hydra's resolvers already ask
-Lightning about SLURM).
+"""Imported first by the entry points (train.py, eval.py), and light: it imports neither torch
+nor Lightning, which wait until Hydra has composed the run (a typo is refused before they load).
+It sets what must come before them: torchmetrics, whoever imports it, imports without
+scipy.signal (docs/design.md, "torchmetrics imports scipy.signal"), and the console's filters are
+set before anything can warn (console.py: Hydra's resolvers already ask Lightning about SLURM).
 
 Not in trainkit/__init__.py, which imports nothing: the benchmark's plain loop imports trainkit's
 models and data readers, and only them."""
@@ -30,25 +31,46 @@ class _Placeholder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         module.hamming = None
 
 
-def import_torchmetrics() -> None:
-    """Imports torchmetrics (as Lightning would) without scipy.signal, about a second on 2 cores.
+class _TorchmetricsLoader(importlib.abc.Loader):
+    """torchmetrics' own loader, run with the placeholder in place: the placeholder lives only
+    while torchmetrics imports, then ``import scipy.signal`` loads the real module (torchmetrics'
+    audio metrics, Optuna, anyone's)."""
 
-    The placeholder lives only while torchmetrics imports: then ``import scipy.signal`` loads the
-    real module, for torchmetrics' audio metrics, Optuna or anyone else."""
-    if "torchmetrics" in sys.modules or importlib.util.find_spec("scipy") is None:
-        return
-    placeholder = _Placeholder()
-    sys.meta_path.insert(0, placeholder)
-    try:
-        import torchmetrics
-    except ImportError:  # something wanted more of scipy.signal: import it all, as usual
-        half_imported = [m for m in sys.modules if m.split(".")[0] == "torchmetrics"]
-        for name in half_imported:
-            del sys.modules[name]
-        _remove(placeholder)
-        import torchmetrics  # noqa: F401
-    finally:
-        _remove(placeholder)
+    def __init__(self, loader: importlib.abc.Loader) -> None:
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        placeholder = _Placeholder()
+        sys.meta_path.insert(0, placeholder)
+        try:
+            self.loader.exec_module(module)
+        except ImportError:  # something wanted more of scipy.signal: import it all, as usual
+            _remove(placeholder)
+            for name in [m for m in sys.modules if m.startswith("torchmetrics.")]:
+                del sys.modules[name]
+            self.loader.exec_module(module)
+        finally:
+            _remove(placeholder)
+
+    def __getattr__(self, name: str):  # (resource readers and the like: the real loader's)
+        return getattr(self.loader, name)
+
+
+class _TorchmetricsFinder(importlib.abc.MetaPathFinder):
+    """Finds torchmetrics where the other finders do, the first time anything imports it (about
+    a second sooner on 2 cores), and gives it ``_TorchmetricsLoader``; then steps aside."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "torchmetrics":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _TorchmetricsLoader(spec.loader)
+        return spec
 
 
 def _remove(placeholder: _Placeholder) -> None:
@@ -59,5 +81,6 @@ def _remove(placeholder: _Placeholder) -> None:
         vars(sys.modules["scipy"]).pop("signal", None)
 
 
-import_torchmetrics()
+if "torchmetrics" not in sys.modules and importlib.util.find_spec("scipy") is not None:
+    sys.meta_path.insert(0, _TorchmetricsFinder())
 quiet()
