@@ -13,7 +13,7 @@ with imports_frozen():  # faster start and exit: runtime.py
     from trainkit.console import one_line_refusals
 
     # torch and Lightning load once Hydra has composed the run (a typo is refused in a second);
-    # a rank that ddp_spawn or joblib starts imports this file as a module, then runs its job
+    # a rank that ddp_spawn starts imports this file as a module, then runs its job
     if __name__ != "__main__":
         import trainkit.train  # noqa: F401
 

@@ -25,6 +25,7 @@
 """
 
 import contextlib
+import gc
 import hashlib
 import io
 import json
@@ -46,6 +47,7 @@ import numpy as np
 import pytest
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback as HydraCallback
 from PIL import Image
 
 from trainkit.checkpoint_io import consolidated, is_sharded
@@ -262,6 +264,14 @@ def restarted() -> bool:
     enough on one node (torchrun's count is per node)."""
     counters = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
     return any(int(os.environ.get(name) or 0) for name in counters)
+
+
+class CollectorAtSweepStart(HydraCallback):
+    """A Hydra callback (``+hydra.callbacks.<name>._target_``), after trainkit's own: prints
+    whether the garbage collector runs as the sweeper is about to compose the sweep's jobs."""
+
+    def on_multirun_start(self, config, **kwargs) -> None:
+        print(f"collector at the sweep's start: {'on' if gc.isenabled() else 'off'}")
 
 
 class SignalAt(L.Callback):

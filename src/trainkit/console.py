@@ -17,7 +17,7 @@ import logging.config
 import re
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from hydra.errors import CompactHydraException
@@ -311,6 +311,16 @@ class _OneLineRefusals:
         return getattr(self.stream, name)
 
 
+_undone_on_refusal: list[Callable[[], None]] = []
+
+
+def undo_on_refusal(undo: Callable[[], None]) -> None:
+    """``undo`` runs where this process ends refused (a nonzero exit through
+    ``one_line_refusals``; not Ctrl-C): what a refused launch made goes
+    (``sweep.own_sweep_dir``)."""
+    _undone_on_refusal.append(undo)
+
+
 @contextlib.contextmanager
 def one_line_refusals() -> Iterator[None]:
     """Around a script's ``main()``: a refusal reaches the console as its line alone."""
@@ -318,5 +328,10 @@ def one_line_refusals() -> Iterator[None]:
     sys.stderr = _OneLineRefusals(stderr)
     try:
         yield
+    except SystemExit as stop:
+        if stop.code:
+            for undo in _undone_on_refusal:
+                undo()
+        raise
     finally:
         sys.stderr = stderr

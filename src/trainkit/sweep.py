@@ -18,7 +18,6 @@ failed one runs again up to ``sweep.retries`` times (``continue_job``), a new on
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import errno
 import fcntl
@@ -44,9 +43,10 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+import trainkit.startup  # noqa: F401  first: a joblib worker loads the job from here, not train.py
 from trainkit.checkpoint_io import atomic_write_text, is_checkpoint, saved_step
 from trainkit.config import project_config_file, settle
-from trainkit.console import shown
+from trainkit.console import shown, undo_on_refusal
 from trainkit.errors import ConfigError
 from trainkit.launch import ENTRY_POINT_ENV, first_process, in_multirun, resume_job_from
 from trainkit.report import (
@@ -60,6 +60,7 @@ from trainkit.report import (
 )
 from trainkit.resolvers import SWEEP_RECORD
 from trainkit.run_dir import HYDRA_RECORD, RUN_FILES, RunDirTaken
+from trainkit.runtime import collector_resumed
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,9 @@ class JobReporter(Callback):
         _record_entry_point()
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        # the entry point paused the collector for its imports: on again before the sweeper
+        # composes every job (where the jobs run in other processes, main() never runs here)
+        collector_resumed()
         _record_entry_point()
         try:
             check_pruner(config)
@@ -188,8 +192,7 @@ def own_sweep_dir(config: DictConfig) -> None:
     the first launch records it), and its first line names it and the command that continues it."""
     global _sweep_lock
     sweep_dir = Path(config.hydra.sweep.dir)
-    if not sweep_dir.exists():  # this launch's own, until a job writes into it
-        atexit.register(_remove_if_no_job_started, sweep_dir)
+    made = not sweep_dir.exists()
     sweep_dir.mkdir(parents=True, exist_ok=True)
     handle = open(sweep_dir / SWEEP_LOCK, "a+")  # noqa: SIM115  held until the process ends
     try:
@@ -206,6 +209,8 @@ def own_sweep_dir(config: DictConfig) -> None:
     handle.write(f"pid {os.getpid()}\n")
     handle.flush()
     _sweep_lock = handle
+    if made:  # this launch's own, until a job writes into it
+        undo_on_refusal(lambda: _remove_if_no_job_started(sweep_dir))
     now = sweep_definition(config)
     record = sweep_dir / SWEEP_RECORD
     if record.is_file():
@@ -223,8 +228,9 @@ def own_sweep_dir(config: DictConfig) -> None:
 
 
 def _remove_if_no_job_started(sweep_dir: Path) -> None:
-    """At the exit of the launch that made ``sweep_dir``: a sweep refused before its first job
-    (a job's config that does not compose) leaves no directory; anything else in it keeps it."""
+    """Where the launch that made ``sweep_dir`` is refused before its first job (a job's config
+    that does not compose), it leaves no directory; anything else in it keeps it (a job's
+    directory, submitit's folder)."""
     launch_files = {"multirun.yaml", SWEEP_RECORD, SWEEP_LOCK}
     if sweep_dir.is_dir() and {p.name for p in sweep_dir.iterdir()} <= launch_files:
         shutil.rmtree(sweep_dir, ignore_errors=True)

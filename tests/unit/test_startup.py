@@ -91,6 +91,9 @@ seen = []
 for script, *args in (
     ("train.py", "trainer.max_epoch=2"),
     ("train.py", "--cfg", "job"),
+    # a sweep refused as its sweeper composes its jobs (helpers' callback prints the collector)
+    ("train.py", "-m", "model=mlp,mpl", "hydra.sweep.dir=" + sys.argv[1] + "/sweep",
+     "+hydra.callbacks.probe._target_=helpers.CollectorAtSweepStart"),
     ("train.py", "data.batch_size=0", "paths.log_dir=" + sys.argv[1]),
     ("eval.py", "paths.log_dir=" + sys.argv[1]),  # (no ckpt_path: refused by its run)
     ("train.py", "--help"),
@@ -115,14 +118,19 @@ def test_entry_points_refuse_a_typo_before_torch_loads_and_freeze_the_runs_impor
     against 3), and ``--cfg job`` prints the config as soon. What makes a run's process start
     0.7 s sooner and exit 0.8 s sooner (``runtime.imports_frozen``): the hundreds of thousands of
     objects of torch, Lightning and Hydra are frozen, and the collector runs again for what
-    training makes, also where Hydra ends the process without a job (--help)."""
+    training makes, also where Hydra ends the process without a job (--help), and as a sweep
+    starts."""
     proc = run_python("-c", FROZEN_BY_ENTRY_POINTS, str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    typo, config, *after_imports, train_help, eval_help = json.loads(
+    typo, config, sweep, *after_imports, train_help, eval_help = json.loads(
         proc.stdout.strip().splitlines()[-1]
     )
     assert not typo["torch"] and typo["collecting"], typo
     assert not config["torch"] and config["collecting"] and "max_epochs:" in proc.stdout, config
+    # a sweep's launching process composes its jobs, and waits for them, with the collector on
+    assert "collector at the sweep's start: on" in proc.stdout and sweep["collecting"]
+    assert "model/mpl" in proc.stderr or "model=mpl" in proc.stderr  # (its line: e2e/test_sweep)
+    assert not (tmp_path / "sweep").exists()  # refused before its first job: nothing left
     assert "did you mean trainer.max_epochs?" in proc.stderr
     for state in after_imports:
         assert state["torch"] and state["objects"] > 100_000 and state["collecting"], state
