@@ -74,6 +74,10 @@ def _missing(defaults: DictConfig, cfg: DictConfig, prefix: str = "") -> list[st
     return keys
 
 
+# The newest sweep of this command, as a sweep directory (sweep.newest_sweep_named, which train.py
+# imports only where the command has it: it imports torch)
+LAST_SWEEP = "hydra.sweep.dir=last"
+
 # A block's switch typed as the block: ``plan=true`` would set the whole ``plan`` block to true,
 # dropping its other keys (the config's, or typed before it) and refusing those typed after it.
 SHORTHANDS = {"plan": "plan.show", "check": "check.run"}

@@ -45,7 +45,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import trainkit.startup  # noqa: F401  first: a joblib worker loads the job from here, not train.py
 from trainkit.checkpoint_io import atomic_write_text, is_checkpoint, saved_step
-from trainkit.config import project_config_file, settle
+from trainkit.config import LAST_SWEEP, project_config_file, settle
 from trainkit.console import shown, undo_on_refusal
 from trainkit.errors import ConfigError
 from trainkit.launch import ENTRY_POINT_ENV, first_process, in_multirun, resume_job_from
@@ -310,19 +310,16 @@ def _differing(a: Any, b: Any, prefix: str) -> list[str]:
     return [] if a == b else [prefix]
 
 
-LAST = "hydra.sweep.dir=last"  # the short form: the newest sweep of this command
-
-
 def newest_sweep_named(argv: list[str], config_name: str = "train") -> list[str]:
     """``argv`` with ``hydra.sweep.dir=last`` as the newest sweep directory (in
     ``<paths.log_dir>/<task_name>/multiruns``) whose recorded sweep this command makes (its
     overrides and sweeper; ``sweep_differences``). Refused in one line where there is none."""
-    if LAST not in argv:
+    if LAST_SWEEP not in argv:
         return argv
     project = project_config_file(argv, config_name)
     overrides, skip = [], False
     for arg in argv[1:]:  # (Hydra's flags and their values left out)
-        if not skip and not arg.startswith("-") and arg != LAST:
+        if not skip and not arg.startswith("-") and arg != LAST_SWEEP:
             overrides.append(arg)
         skip = arg in ("-cp", "-cn", "-cd", "--config-path", "--config-name", "--config-dir")
     with initialize_config_dir(config_dir=str(project.parent), version_base="1.3"):
@@ -335,10 +332,10 @@ def newest_sweep_named(argv: list[str], config_name: str = "train") -> list[str]
         with contextlib.suppress(OSError, yaml.YAMLError, KeyError, TypeError):
             if not sweep_differences(yaml.safe_load(record.read_text()), now):
                 found = f"hydra.sweep.dir={record.parent}"
-                return [found if arg == LAST else arg for arg in argv]
+                return [found if arg == LAST_SWEEP else arg for arg in argv]
     raise SystemExit(
-        f"{LAST}: no sweep in {shown(multiruns)} was launched with these overrides and sweeper "
-        f"({len(records)} looked at): leave out {LAST} to start this one"
+        f"{LAST_SWEEP}: no sweep in {shown(multiruns)} was launched with these overrides and "
+        f"sweeper ({len(records)} looked at): leave out {LAST_SWEEP} to start this one"
     )
 
 
