@@ -12,6 +12,7 @@ console says". tests/e2e/test_console.py fails on a warning of a default run tha
 """
 
 import contextlib
+import dataclasses
 import logging
 import logging.config
 import re
@@ -170,17 +171,27 @@ def accepted() -> None:
         handler.handle(record)
 
 
+@dataclasses.dataclass
+class HeldLines:
+    """What ``held_until_accepted`` saw of its block: whether a refusal ended it before the run
+    was accepted (nothing had started)."""
+
+    refused_unaccepted: bool = False
+
+
 @contextlib.contextmanager
-def held_until_accepted() -> Iterator[None]:
+def held_until_accepted() -> Iterator[HeldLines]:
     """The console's lines are held from here until ``accepted()``; where the block ends in a
     refusal first (one of Hydra's compact errors), only the held warnings are shown (the log
     file has every line)."""
+    lines = HeldLines()
     ConsoleHandler._held = []
     try:
-        yield
+        yield lines
     except CompactHydraException:
-        held = ConsoleHandler._held or []
-        ConsoleHandler._held = [(h, r) for h, r in held if r.levelno >= logging.WARNING]
+        held = ConsoleHandler._held
+        lines.refused_unaccepted = held is not None
+        ConsoleHandler._held = [(h, r) for h, r in held or [] if r.levelno >= logging.WARNING]
         raise
     finally:
         accepted()

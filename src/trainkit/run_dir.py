@@ -102,7 +102,9 @@ def owning_run_dir(cfg: DictConfig) -> Iterator[None]:
     Its first and last lines name the directory (``run: logs/train/runs/<...>``), the first shown
     once the run is accepted (``console.accepted``), with what it held till then. A run refused
     (a ``ConfigError``, missing data: one of Hydra's compact errors) in a directory it made,
-    before it wrote anything a run leaves (``RUN_FILES``), removes it: nothing is left to find."""
+    before it was accepted or wrote anything a run leaves (``RUN_FILES``), removes it: nothing is
+    left to find (Lightning opens the loggers' files before the data's ``setup``, which may
+    refuse)."""
     output_dir = cfg.paths.get("output_dir")
     if not output_dir or not first_process():
         yield
@@ -115,13 +117,14 @@ def owning_run_dir(cfg: DictConfig) -> Iterator[None]:
     with open(path / LOCK_FILE, "a+") as handle:  # closing it drops the lock
         _lock(handle, path)
         try:
-            with held_until_accepted():  # a refused run's console: its refusal alone
+            with held_until_accepted() as console:  # a refused run's console: its refusal alone
                 log.info("run: %s", shown(path))
                 if not check_new_output_dir(output_dir, ckpt_path):  # again: it may have started
                     write_hydra_record(path, cfg)  # (a run that goes on keeps how it started)
                 yield
         except CompactHydraException:  # (a full disk too: its checkpoints stay)
-            refused = made and not any((path / name).exists() for name in RUN_FILES)
+            wrote = any((path / name).exists() for name in RUN_FILES)
+            refused = made and (console.refused_unaccepted or not wrote)
             raise
         finally:  # the run is over: its lock file goes, while it still holds the lock
             _remove_own_lock_file(handle, path / LOCK_FILE)

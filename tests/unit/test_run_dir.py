@@ -11,6 +11,7 @@ import pytest
 
 from helpers import SLURM_TASK, start_python, tree_state
 from trainkit.config import compose_config
+from trainkit.console import accepted
 from trainkit.errors import ConfigError, DiskFullError
 from trainkit.resume import is_restart, record_launch, resolve_ckpt_path
 from trainkit.run_dir import LOCK_FILE, RunDirTaken, check_new_output_dir, owning_run_dir
@@ -134,8 +135,10 @@ def test_a_run_that_ends_leaves_no_lock_file(tmp_path: Path, overrides) -> None:
 def test_a_refused_run_leaves_no_directory_and_a_stopped_one_keeps_what_it_wrote(
     tmp_path: Path, overrides
 ) -> None:
-    """Refused (a ConfigError) before it wrote what a run leaves: its directory goes. A compact
-    error after checkpoints were written (a full disk) keeps them; so does any other failure."""
+    """Refused (a ConfigError) before it wrote what a run leaves, or before it was accepted
+    (its stage started: Lightning opens the loggers' files before the data's setup, which may
+    refuse): its directory goes. A compact error after checkpoints were written (a full disk)
+    keeps them; so does any other failure."""
     refused = tmp_path / "refused"
     with (
         pytest.raises(ConfigError, match="refused"),
@@ -145,11 +148,21 @@ def test_a_refused_run_leaves_no_directory_and_a_stopped_one_keeps_what_it_wrote
         raise ConfigError("refused")
     assert not refused.exists()
 
+    unaccepted = tmp_path / "unaccepted"
+    with (
+        pytest.raises(ConfigError, match="val_size"),
+        owning_run_dir(compose_config("train", unaccepted, overrides)),
+    ):
+        (unaccepted / "tensorboard").mkdir()  # (Lightning's setup, before the data's)
+        raise ConfigError("data.val_size=999999 leaves no training data")
+    assert not unaccepted.exists()
+
     stopped = tmp_path / "stopped"
     with (
         pytest.raises(DiskFullError),
         owning_run_dir(compose_config("train", stopped, overrides)),
     ):
+        accepted()  # (callbacks.RunAccepted, as its stage starts)
         (stopped / "checkpoints").mkdir()
         (stopped / "checkpoints" / "last.ckpt").write_bytes(b"saved")
         raise DiskFullError("no space left")

@@ -222,7 +222,7 @@ class ShardedDataModule(L.LightningDataModule):
         if self.folds is None:
             n_val = val_count(self.val_size, n)
             training = self.trainer is None or self.trainer.state.fn == TrainerFn.FITTING
-            if n_val > n // 2 and training:  # (a count made for the full dataset, given a small
+            if n // 2 < n_val < n and training:  # (a count made for the full dataset, given a small
                 rank_zero_warn(  # one: data.root=...; an evaluation trains on none of it)
                     f"data.val_size={n_val} holds out {n_val:,} of the {n:,} training samples "
                     f"for validation, leaving {n - n_val:,} to train on: give "
