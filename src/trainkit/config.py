@@ -17,6 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 import trainkit.resolvers  # noqa: F401  registers the resolvers that conf/ uses
+from trainkit.refusals import send_refusal
 
 log = logging.getLogger(__name__)
 
@@ -175,8 +176,9 @@ def did_you_mean(config_name: str) -> Iterator[None]:
             hydras = "".join(held.held)
             option = unknown_option(hydras) or unchosen_group(hydras, config_name)
             lines = [option] if option else unknown_keys(config_name, sys.argv[1:])
-            for line in lines:
-                print(line, file=stderr)
+            said = "".join(f"{line}\n" for line in lines)
+            if said and not send_refusal(said):  # (a torchrun worker: once for its ranks)
+                stderr.write(said)
             keys = (f"Could not override '{line.split(':')[0]}'" for line in lines)
             if option or any(key in hydras for key in keys):
                 held.drop()  # Hydra refused what a line names: its own lines add nothing

@@ -23,6 +23,8 @@ from pathlib import Path
 
 from hydra.errors import CompactHydraException
 
+from trainkit.refusals import send_refusal
+
 # (message, why it does not apply), matched at the start of the message
 SILENCED_WARNINGS = [
     (
@@ -290,9 +292,8 @@ class _OneLineRefusals:
     """``sys.stderr`` without Hydra's frame around a refusal: Hydra writes "Error executing job
     with overrides: [...]" before one of its compact errors (our ConfigError and the rest of
     errors.py) and "Set the environment variable HYDRA_FULL_ERROR=1 ..." after; the refusal is
-    its own line. A traceback (an error that is not a refusal) keeps the frame. In a rank the
-    run's first process started, the refusal goes to that process (``launch.send_refusal``),
-    which says it once for every rank that refused alike."""
+    its own line. A traceback (an error that is not a refusal) keeps the frame. In a rank of a
+    run of several, the refusal goes where the run says it once (``refusals.send_refusal``)."""
 
     HEADER = "Error executing job with overrides"
     FOOTER = "\nSet the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.\n"
@@ -309,11 +310,8 @@ class _OneLineRefusals:
             if self.traced:
                 self.stream.write(self.header)
             self.header = None
-            if not self.traced:
-                from trainkit.launch import send_refusal  # (launch imports Lightning)
-
-                if send_refusal(text):
-                    return len(text)
+            if not self.traced and send_refusal(text):
+                return len(text)
         if text == self.FOOTER and not self.traced:
             return len(text)
         return self.stream.write(text)

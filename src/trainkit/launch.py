@@ -25,6 +25,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -35,6 +37,8 @@ from lightning.fabric.strategies.launchers.subprocess_script import (
     _set_num_threads_if_needed,
 )
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+from trainkit.refusals import REFUSAL_FD_ENV
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +56,6 @@ _SWEEP_ONLY = (
     "hydra/launcher",
     "hydra/sweeper",
 )
-# Set by JobScriptLauncher in the ranks it starts: a pipe back to it, where such a rank's refusal
-# goes instead of the console (send_refusal); the run's first process says each once
-REFUSAL_FD_ENV = "TRAINKIT_REFUSAL_FD"
 _children: list[subprocess.Popen] = []  # this process's ranks > 0, reaped by isolated_job
 _refusal_pipes: dict[int, int] = {}  # a child's pid: the pipe its refusal comes through
 
@@ -272,28 +273,35 @@ def slurm_job_id() -> str | None:
 
 def launcher_run_id() -> str | None:
     """The launcher's id of this run, which all its processes, on every node, and all its
-    restarts share: ``torchrun_<rendezvous id>``, ``slurm_<job id>[_<step>]``. None for a process
-    started by hand, or by torchrun with its default id "none", which every torchrun shares."""
+    restarts share: ``torchrun_<rendezvous id>``, ``slurm_<job id>[_<step>]``. Under torchrun
+    with its default id "none", which every torchrun shares, the id of its agent on this node
+    (``_torchrun_agent``). None for a process started by hand."""
     if under_torchrun():
         run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-        return None if run == "none" else f"torchrun_{run}"
+        return _torchrun_agent() if run == "none" else f"torchrun_{run}"
     if under_slurm():
         step = os.environ.get("SLURM_STEP_ID")  # a job's first srun is step 0
         return f"slurm_{slurm_job_id()}" + (f"_{step}" if step and step != "0" else "")
     return None
 
 
-def send_refusal(text: str) -> bool:
-    """In a rank this run's first process started: its refusal (Hydra's one line, from
-    ``console.one_line_refusals``) sent to that process; False where there is no pipe to it."""
-    fd = os.environ.get(REFUSAL_FD_ENV)
-    if not fd:
-        return False
+def _torchrun_agent() -> str | None:
+    """``<start time>_torchrun_<pid>`` of this worker's torchrun agent, its parent, which every
+    worker on this node and every restart of them share (read from ``/proc``: Linux); None where
+    it cannot be read. Without it each worker named its own run directory by its own start time,
+    splitting one run in two (``torchrun --nproc-per-node=2 train.py devices=2``)."""
+    agent = os.getppid()
     try:
-        os.write(int(fd), text.encode())
-    except (OSError, ValueError):
-        return False
-    return True
+        fields = Path(f"/proc/{agent}/stat").read_text().rsplit(")", 1)[1].split()
+        boot = next(
+            int(line.split()[1])
+            for line in Path("/proc/stat").read_text().splitlines()
+            if line.startswith("btime ")
+        )
+        started = boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")  # (field 22: its start)
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return f"{datetime.fromtimestamp(started):%Y-%m-%d_%H-%M-%S}_torchrun_{agent}"
 
 
 class RankRefused(CompactHydraException):

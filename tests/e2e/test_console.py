@@ -122,3 +122,34 @@ def test_a_refused_run_says_why_first_and_leaves_no_directory(
     assert said == [said[0]], said  # its line alone: no "run:", no Hydra frame or advice
     runs = tmp_path / Path(script).stem / "runs"
     assert not runs.exists() or list(runs.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("typed", "line"),
+    [
+        ((), "torchrun started 2 processes but this run has 1 (num_nodes=1 x 1 per node): pass "
+         "num_nodes=<--nnodes> devices=<--nproc-per-node>"),
+        (("trainer.max_epoch=2",), "trainer.max_epoch: not a key of the config; did you mean "
+         "trainer.max_epochs?"),
+    ],
+    ids=["without-devices", "typo"],
+)  # fmt: skip
+def test_a_refusal_under_torchrun_is_in_torchruns_failure_table(
+    typed: tuple[str, ...], line: str, overrides: tuple[str, ...], tmp_path: Path, free_port: int
+) -> None:
+    """``torchrun --nproc-per-node=2``: the workers refuse alike, and torchrun stops the other at
+    the first that exits. The refusal is the error of each worker that said it in torchrun's
+    failure table (in place of "To enable traceback see ..."), not one line per worker above it.
+    A typo is refused before Hydra makes the run's directory: none is left."""
+    proc = run_python(
+        *("-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port}"),
+        *("train.py", *overrides, *typed),
+        log_dir=tmp_path,
+    )
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 1, said[-3000:]
+    assert f"traceback : {line}\n" in said, said[-3000:]
+    assert not [text for text in said.splitlines() if text.startswith(line)], said[-3000:]
+    assert "To enable traceback" not in said.split("Root Cause")[1], said[-3000:]
+    if typed:
+        assert not (tmp_path / "train").exists()

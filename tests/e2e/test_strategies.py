@@ -9,6 +9,7 @@ exact distributed evaluation is checked where padding would show: 251 images on 
 
 import json
 import math
+import re
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -197,6 +198,26 @@ def test_two_nodes_with_torchrun_on_loopback_train_one_devices_weights(
     assert all(math.isfinite(v) for v in values.values()), values
     for key, value in reference["test"].items():
         assert written["test"][key] == pytest.approx(value, rel=1e-5), key
+
+
+@shares_runs  # (the single-device reference)
+def test_torchrun_without_a_run_id_keeps_its_workers_in_one_directory(
+    base: tuple[str, ...], single: Path, tmp_path: Path, free_port: int
+) -> None:
+    """``torchrun --nproc-per-node=2`` with torchrun's default run id ("none", every torchrun's)
+    and no ``hydra.run.dir``: both workers write into one run directory, named by their torchrun
+    (each named its own by its start time: rank 1's log went to a second one), and train one
+    device's weights."""
+    proc = run_python(
+        *("-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port}"),
+        *("train.py", *base, "strategy=ddp", "devices=2", "data.batch_size=32"),
+        log_dir=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (run_dir,) = (tmp_path / "train" / "runs").iterdir()
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_torchrun_\d+", run_dir.name), run_dir
+    assert sorted(p.name for p in run_dir.glob("*.log")) == ["train.log", "train_rank1.log"]
+    assert max_diff(run_weights(run_dir), run_weights(single)) < WEIGHT_ATOL
 
 
 @pytest.mark.xdist_group(name="every_second_epoch")

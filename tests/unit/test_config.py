@@ -432,8 +432,6 @@ def test_a_launchers_run_is_named_by_its_id(launched_by, env: dict, name: str) -
     "env",
     [
         {},
-        # torchrun's default --rdzv-id: the same for every run
-        {**TORCHRUN_WORKER, "TORCHELASTIC_RUN_ID": "none"},
         {**SLURM_TASK, "SLURM_JOB_NAME": "bash"},  # a shell in an interactive allocation
     ],
 )
@@ -441,6 +439,16 @@ def test_other_runs_are_named_by_the_time(launched_by, env: dict) -> None:
     launched_by(env)
     # to the microsecond: runs started in the same second get their own directories
     assert re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_\d{6}", run_name())
+
+
+def test_a_torchrun_without_a_run_id_is_named_by_its_agent(launched_by) -> None:
+    """torchrun's default --rdzv-id, "none", is every run's: a worker's run is named by its
+    agent, its parent process (when it started, and its pid), which the node's workers share
+    (e2e: test_strategies.py's torchrun without a run id)."""
+    launched_by({**TORCHRUN_WORKER, "TORCHELASTIC_RUN_ID": "none"})
+    name = run_name()
+    assert re.fullmatch(rf"\d{{4}}-\d\d-\d\d_\d\d-\d\d-\d\d_torchrun_{os.getppid()}", name)
+    assert run_name() == name  # not the time of asking
 
 
 @pytest.mark.parametrize(

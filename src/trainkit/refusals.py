@@ -1,0 +1,44 @@
+"""Where a rank's refusal goes, so that a run's console says it once, not once per rank. Light
+(no torch): a typo is refused before torch loads.
+
+- A rank the run's first process started (Lightning's ddp launcher, ``launch.JobScriptLauncher``):
+  through a pipe to that process, which says each refusal once (``launch.said_refusals``).
+- A torchrun worker: into its error file, which torchrun's failure table shows in place of
+  "error_file: <N/A>" and "To enable traceback see ...", and not on the console: torchrun stops
+  a node's other workers at the first one that fails, so the workers saying it themselves said
+  it once per worker or not at all; the table has the first one's.
+- Anything else (one process, SLURM's tasks): the console.
+"""
+
+import json
+import os
+import time
+
+# Set by launch.JobScriptLauncher in the ranks it starts: the pipe back to it
+REFUSAL_FD_ENV = "TRAINKIT_REFUSAL_FD"
+# Set by torchrun in each worker: the file it reads a failed worker's error from
+TORCHELASTIC_ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+
+
+def send_refusal(text: str) -> bool:
+    """This rank's refusal (its line or lines) handed to what reports the run's ranks; True
+    where the console must not say it as well."""
+    fd = os.environ.get(REFUSAL_FD_ENV)
+    if fd:
+        try:
+            os.write(int(fd), text.encode())
+        except (OSError, ValueError):
+            return False
+        return True
+    error_file = os.environ.get(TORCHELASTIC_ERROR_FILE_ENV)
+    if not error_file:
+        return False
+    # the layout of torchelastic's ErrorHandler.record_exception, without its Python stack
+    stamp = str(int(time.time()))
+    reply = {"message": {"message": text.strip(), "extraInfo": {"timestamp": stamp}}}
+    try:
+        with open(error_file, "w") as file:
+            json.dump(reply, file)
+    except OSError:
+        return False
+    return True
