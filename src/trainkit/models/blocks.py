@@ -10,7 +10,7 @@ building the whole model does.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from itertools import chain
 
 import torch
@@ -32,18 +32,30 @@ def tied_tensors(module: nn.Module) -> list[tuple[str, ...]]:
     return [tuple(names) for names in groups.values() if len(names) > 1]
 
 
-def tied_outside(part: nn.Module, whole: nn.Module) -> bool:
-    """Whether ``whole`` holds a parameter of ``part`` at a place outside ``part`` too (a weight
-    tied across them, or a layer both hold): FSDP shards such a weight only in a unit that holds
-    every place of it. Places are paths: a module held twice is two places."""
-    own = [path for path, m in whole.named_modules(remove_duplicate=False) if m is part]
-    held = {id(p) for p in part.parameters()}
-    return any(
-        id(p) in held
-        for path, m in whole.named_modules(remove_duplicate=False)
-        if not any(path == o or path.startswith(f"{o}.") for o in own)
-        for p in m.parameters(recurse=False)
-    )
+def self_contained(parts: Iterable[nn.Module], whole: nn.Module) -> list[nn.Module]:
+    """The ``parts`` whose parameters ``whole`` holds nowhere outside them (no weight tied across
+    a part's border, no layer another part holds too): FSDP shards a weight only in a unit that
+    holds every place of it. Places are paths: a module held twice is two places. One walk of
+    ``whole`` for all parts (a walk per part was quadratic: 1.4 s for 200 layers)."""
+    paths: dict[int, list[str]] = {}  # a module's places
+    holders: dict[int, list[str]] = {}  # the places of the modules that hold a parameter
+    for path, module in whole.named_modules(remove_duplicate=False):
+        paths.setdefault(id(module), []).append(path)
+        for param in module.parameters(recurse=False):
+            holders.setdefault(id(param), []).append(path)
+
+    def inside(path: str, own: list[str]) -> bool:
+        return any(path == o or path.startswith(f"{o}.") for o in own)
+
+    return [
+        part
+        for part in parts
+        if all(
+            inside(path, paths.get(id(part), []))
+            for param in part.parameters()
+            for path in holders.get(id(param), [])
+        )
+    ]
 
 
 def blocks_holding(seq: nn.Sequential, names: tuple[str, ...]) -> set[int]:

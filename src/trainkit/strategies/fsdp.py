@@ -49,7 +49,7 @@ from trainkit.checkpoint_io import (
 )
 from trainkit.errors import ConfigError
 from trainkit.launch import JobScriptLauncher
-from trainkit.models.blocks import BlockSequence, tied_outside
+from trainkit.models.blocks import BlockSequence, self_contained
 from trainkit.parallel import LIGHTNING, device_mesh
 from trainkit.strategies.ddp import ExactMeanReduce
 
@@ -140,10 +140,10 @@ class FSDPStrategy(ShardedSave, ExactMeanReduce, ModelParallelStrategy):
         weight tied to one outside it (a language model's embedding and output layer) is no unit:
         FSDP refuses a weight two units hold; the unit holding both, or the root, shards it
         once."""
-        blocks = [b for b in self.blocks(model) if not tied_outside(b, model)]
+        blocks = self_contained(self.blocks(model), model)
         covered = {id(p) for block in blocks for p in block.parameters()}
         rest = [c for c in model.children() if any(id(p) not in covered for p in c.parameters())]
-        return [*blocks, *(c for c in rest if not tied_outside(c, model))]
+        return [*blocks, *self_contained(rest, model)]
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         """The units the policy picks, innermost first: ``wrap``'s, or ``repeated_blocks``."""

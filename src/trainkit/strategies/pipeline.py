@@ -78,7 +78,7 @@ from trainkit.checkpoint_io import (
     read_sharded,
 )
 from trainkit.errors import ConfigError
-from trainkit.models.blocks import blocks_holding, tied_outside, tied_tensors
+from trainkit.models.blocks import blocks_holding, self_contained, tied_tensors
 from trainkit.parallel import LIGHTNING, device_mesh
 from trainkit.strategies.ddp import DDPStrategy, trainable
 from trainkit.strategies.pipeline_task import check_pipeline_task
@@ -541,7 +541,7 @@ class PipelineStrategy(ShardedSave, DDPStrategy):
         mesh = self._mesh["data_parallel"]
         for chunk in self._chunks.values():
             # (a weight tied across blocks, a block held twice: the chunk's, sharded once)
-            for block in {id(b): b for b in chunk if not tied_outside(b, chunk)}.values():
+            for block in {id(b): b for b in self_contained(chunk, chunk)}.values():
                 fully_shard(block, mesh=mesh)
             fully_shard(chunk, mesh=mesh)
 
