@@ -292,8 +292,9 @@ class _OneLineRefusals:
     """``sys.stderr`` without Hydra's frame around a refusal: Hydra writes "Error executing job
     with overrides: [...]" before one of its compact errors (our ConfigError and the rest of
     errors.py) and "Set the environment variable HYDRA_FULL_ERROR=1 ..." after; the refusal is
-    its own line. A traceback (an error that is not a refusal) keeps the frame. In a rank of a
-    run of several, the refusal goes where the run says it once (``refusals.send_refusal``)."""
+    its own line. A traceback (an error that is not a refusal) keeps the frame. A rank's
+    refusal goes where ``refusals.send_refusal`` sends it: to the run's first process, or into
+    torchrun's failure table."""
 
     HEADER = "Error executing job with overrides"
     FOOTER = "\nSet the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.\n"

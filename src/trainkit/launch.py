@@ -25,7 +25,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +37,7 @@ from lightning.fabric.strategies.launchers.subprocess_script import (
 )
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
-from trainkit.refusals import REFUSAL_FD_ENV
+from trainkit.refusals import REFUSAL_FD_ENV, TORCHELASTIC_ERROR_FILE_ENV
 
 log = logging.getLogger(__name__)
 
@@ -274,7 +273,7 @@ def slurm_job_id() -> str | None:
 def launcher_run_id() -> str | None:
     """The launcher's id of this run, which all its processes, on every node, and all its
     restarts share: ``torchrun_<rendezvous id>``, ``slurm_<job id>[_<step>]``. Under torchrun
-    with its default id "none", which every torchrun shares, the id of its agent on this node
+    with its default id "none", which every torchrun shares, its agent's launch on this node
     (``_torchrun_agent``). None for a process started by hand."""
     if under_torchrun():
         run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
@@ -286,22 +285,17 @@ def launcher_run_id() -> str | None:
 
 
 def _torchrun_agent() -> str | None:
-    """``<start time>_torchrun_<pid>`` of this worker's torchrun agent, its parent, which every
-    worker on this node and every restart of them share (read from ``/proc``: Linux); None where
-    it cannot be read. Without it each worker named its own run directory by its own start time,
-    splitting one run in two (``torchrun --nproc-per-node=2 train.py devices=2``)."""
-    agent = os.getppid()
-    try:
-        fields = Path(f"/proc/{agent}/stat").read_text().rsplit(")", 1)[1].split()
-        boot = next(
-            int(line.split()[1])
-            for line in Path("/proc/stat").read_text().splitlines()
-            if line.startswith("btime ")
-        )
-        started = boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")  # (field 22: its start)
-    except (OSError, ValueError, IndexError, StopIteration):
-        return None
-    return f"{datetime.fromtimestamp(started):%Y-%m-%d_%H-%M-%S}_torchrun_{agent}"
+    """``torchrun_<run id>_<random>``: the directory this worker's torchrun agent made for its
+    launch's logs, which holds its workers' error files (``<log dir>/<run id>_<random>/
+    attempt_<n>/<local rank>/error.json``, torchelastic's ``DefaultLogsSpecs``): every worker
+    of the agent shares it, no other launch has it. None where there is none (torchrun
+    ``--log-dir=/dev/null``) or it is laid out otherwise. Without it each worker named its own run
+    directory by its own start time, splitting one run in two
+    (``torchrun --nproc-per-node=2 train.py devices=2``)."""
+    error_file = Path(os.environ.get(TORCHELASTIC_ERROR_FILE_ENV) or "/")
+    launch = error_file.parents[2].name if len(error_file.parents) > 3 else ""
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    return f"torchrun_{launch}" if launch.startswith(f"{run}_") else None
 
 
 class RankRefused(CompactHydraException):

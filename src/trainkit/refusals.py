@@ -5,9 +5,9 @@
   through a pipe to that process, which says each refusal once (``launch.said_refusals``).
 - A torchrun worker: into its error file, which torchrun's failure table shows in place of
   "error_file: <N/A>" and "To enable traceback see ...", and not on the console: torchrun stops
-  a node's other workers at the first one that fails, so the workers saying it themselves said
-  it once per worker or not at all; the table has the first one's.
-- Anything else (one process, SLURM's tasks): the console.
+  a node's other workers when the first exits, so a line from each worker would show once per
+  worker or not at all; the table shows each refusing worker's.
+- Anything else (one process, each of SLURM's tasks): the console.
 """
 
 import json
@@ -36,9 +36,11 @@ def send_refusal(text: str) -> bool:
     # the layout of torchelastic's ErrorHandler.record_exception, without its Python stack
     stamp = str(int(time.time()))
     reply = {"message": {"message": text.strip(), "extraInfo": {"timestamp": stamp}}}
-    try:
-        with open(error_file, "w") as file:
+    part = f"{error_file}.{os.getpid()}.part"  # (torchrun may stop this worker mid-write: the
+    try:  # agent then reads no file rather than a torn one, which it fails to parse)
+        with open(part, "w") as file:
             json.dump(reply, file)
+        os.replace(part, error_file)
     except OSError:
         return False
     return True

@@ -15,6 +15,7 @@ import errno
 import fcntl
 import logging
 import os
+import re
 import shutil
 import socket
 from collections.abc import Iterator
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 
 LOCK_FILE = ".run.lock"
 HYDRA_RECORD = ".hydra"  # Hydra's config.yaml, hydra.yaml and overrides.yaml of the run
+OTHER_RANKS_LOG = re.compile(r".+_rank\d+\.log")  # ${rank_suffix:}'s log files (conf/hydra)
 RUN_FILES = ("checkpoints", "metrics.json", "tensorboard")  # what a run that trained leaves
 
 
@@ -106,12 +108,20 @@ def owning_run_dir(cfg: DictConfig) -> Iterator[None]:
     left to find (Lightning opens the loggers' files before the data's ``setup``, which may
     refuse)."""
     output_dir = cfg.paths.get("output_dir")
-    if not output_dir or not first_process():
+    if not output_dir:
         yield
+        return
+    if not first_process():
+        try:
+            yield
+        except CompactHydraException:  # (the ranks refuse alike: the first removes the rest)
+            _remove_if_only_rank_logs(Path(output_dir))
+            raise
         return
     path, ckpt_path = Path(output_dir), cfg.get("ckpt_path")
     check_new_output_dir(output_dir, ckpt_path)  # first unlocked: a refusal creates no lock file
-    made = _empty(path)  # (Hydra makes it, empty, for the run)
+    made = _empty(path, but=OTHER_RANKS_LOG)  # (Hydra makes it for the run; another rank's
+    # launcher, torchrun or SLURM, starts that rank at once, which opens its log file there)
     path.mkdir(parents=True, exist_ok=True)
     refused = False
     with open(path / LOCK_FILE, "a+") as handle:  # closing it drops the lock
@@ -122,6 +132,8 @@ def owning_run_dir(cfg: DictConfig) -> Iterator[None]:
                 if not check_new_output_dir(output_dir, ckpt_path):  # again: it may have started
                     write_hydra_record(path, cfg)  # (a run that goes on keeps how it started)
                 yield
+        except RunDirTaken:  # (another run started there after the first check: its files)
+            raise
         except CompactHydraException:  # (a full disk too: its checkpoints stay)
             wrote = any((path / name).exists() for name in RUN_FILES)
             refused = made and (console.refused_unaccepted or not wrote)
@@ -147,9 +159,20 @@ def left_unused(output_dir: str | None) -> Iterator[None]:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def _empty(path: Path) -> bool:
-    """Absent, or a directory with nothing in it: made for this command, by Hydra or by it."""
-    return not path.exists() or not any(path.iterdir())
+def _remove_if_only_rank_logs(path: Path) -> None:
+    """A refused rank's part where the first process has removed the run's directory, or never
+    wrote into it: a launcher's rank, started at once, may open its log there after the first
+    removed it (torchrun, SLURM)."""
+    if path.is_dir() and _empty(path, but=OTHER_RANKS_LOG):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _empty(path: Path, but: re.Pattern | None = None) -> bool:
+    """Absent, or a directory with nothing in it (or only files named as ``but``): made for this
+    command, by Hydra or by it."""
+    if not path.exists():
+        return True
+    return all(but is not None and but.fullmatch(p.name) for p in path.iterdir())
 
 
 def _remove_own_lock_file(handle, lock_file: Path) -> None:

@@ -432,6 +432,8 @@ def test_a_launchers_run_is_named_by_its_id(launched_by, env: dict, name: str) -
     "env",
     [
         {},
+        # torchrun's default --rdzv-id, every run's, where it keeps no logs (--log-dir=/dev/null)
+        {**TORCHRUN_WORKER, "TORCHELASTIC_RUN_ID": "none"},
         {**SLURM_TASK, "SLURM_JOB_NAME": "bash"},  # a shell in an interactive allocation
     ],
 )
@@ -441,14 +443,14 @@ def test_other_runs_are_named_by_the_time(launched_by, env: dict) -> None:
     assert re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_\d{6}", run_name())
 
 
-def test_a_torchrun_without_a_run_id_is_named_by_its_agent(launched_by) -> None:
-    """torchrun's default --rdzv-id, "none", is every run's: a worker's run is named by its
-    agent, its parent process (when it started, and its pid), which the node's workers share
-    (e2e: test_strategies.py's torchrun without a run id)."""
-    launched_by({**TORCHRUN_WORKER, "TORCHELASTIC_RUN_ID": "none"})
-    name = run_name()
-    assert re.fullmatch(rf"\d{{4}}-\d\d-\d\d_\d\d-\d\d-\d\d_torchrun_{os.getppid()}", name)
-    assert run_name() == name  # not the time of asking
+def test_a_torchrun_without_a_run_id_is_named_by_its_launchs_log_directory(launched_by) -> None:
+    """torchrun's default --rdzv-id, "none", is every run's: a worker's run is named by the
+    directory its agent made for this launch's logs, where its error file is, which the agent's
+    workers share (e2e: test_strategies.py's torchrun without a run id)."""
+    error_file = "/tmp/torchelastic_k2j4/none_a8c3x1/attempt_0/1/error.json"
+    env = {"TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_ERROR_FILE": error_file}
+    launched_by({**TORCHRUN_WORKER, **env})
+    assert run_name() == "torchrun_none_a8c3x1"
 
 
 @pytest.mark.parametrize(

@@ -149,6 +149,8 @@ def test_a_refused_run_leaves_no_directory_and_a_stopped_one_keeps_what_it_wrote
     assert not refused.exists()
 
     unaccepted = tmp_path / "unaccepted"
+    unaccepted.mkdir()  # (torchrun's rank 1, started at once, opened its log there first)
+    (unaccepted / "train_rank1.log").write_text("")
     with (
         pytest.raises(ConfigError, match="val_size"),
         owning_run_dir(compose_config("train", unaccepted, overrides)),
