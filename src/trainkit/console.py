@@ -173,6 +173,26 @@ def accepted() -> None:
         handler.handle(record)
 
 
+_started = False  # this process's run reached its stage (callbacks.RunAccepted)
+
+
+def run_started() -> None:
+    """The run's stage starts, its checks passed (``callbacks.RunAccepted``, on every rank)."""
+    global _started
+    _started = True
+    accepted()
+
+
+def has_started() -> bool:
+    return _started
+
+
+def not_accepted() -> None:
+    """In a process that handed its held lines to a rank it spawned (``hand_over_held``), where
+    that rank was refused before its run started: the run is refused as one never accepted."""
+    ConsoleHandler._held = []
+
+
 @dataclasses.dataclass
 class HeldLines:
     """What ``held_until_accepted`` saw of its block: whether a refusal ended it before the run

@@ -106,8 +106,13 @@ def test_a_default_runs_console_is_the_lines_the_docs_list(
          "keyword argument 'max_epoch' (did you mean trainer.max_epochs?)"),
         (("train.py", "data.batch_size=0"), "data.batch_size=0"),
         (("eval.py",), "ckpt_path: eval.py evaluates a checkpoint; give one"),
+        # refused by the data's setup in the spawned ranks, after Lightning opened the loggers'
+        # files there (it was torch's traceback of the rank, and the directory stayed)
+        (("train.py", "strategy=ddp_spawn", "devices=2", "data.val_size=999999"),
+         "data.val_size=999999 leaves no training data"),
     ],
-    ids=["typo", "typo-added-with-plus", "bad-value", "eval-without-a-checkpoint"],
+    ids=["typo", "typo-added-with-plus", "bad-value", "eval-without-a-checkpoint",
+         "ddp-spawn-rank"],
 )  # fmt: skip
 def test_a_refused_run_says_why_first_and_leaves_no_directory(
     command: tuple[str, ...], first_line: str, overrides: tuple[str, ...], tmp_path: Path

@@ -2,7 +2,7 @@
 
 from lightning.pytorch import Callback
 
-from trainkit.console import accepted
+from trainkit.console import run_started
 
 
 class RunAccepted(Callback):
@@ -11,13 +11,13 @@ class RunAccepted(Callback):
     strategy cannot run is refused (and its directory removed) with no line but the refusal."""
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        accepted()
+        run_started()
 
     def on_validation_start(self, trainer, pl_module) -> None:
-        accepted()
+        run_started()
 
     def on_test_start(self, trainer, pl_module) -> None:
-        accepted()
+        run_started()
 
     def on_predict_start(self, trainer, pl_module) -> None:
-        accepted()
+        run_started()

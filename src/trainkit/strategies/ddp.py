@@ -10,14 +10,16 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+import torch.multiprocessing as mp
+from hydra.errors import CompactHydraException
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from trainkit.console import hand_over_held, log_as_rank, run_logging
+from trainkit.console import hand_over_held, has_started, log_as_rank, not_accepted, run_logging
 from trainkit.errors import ConfigError, listed
-from trainkit.launch import JobScriptLauncher
+from trainkit.launch import JobScriptLauncher, RankRefused
 from trainkit.parallel import LIGHTNING
 
 # DDP's error at a forward when the previous backward left parameters without a gradient
@@ -174,13 +176,41 @@ class SpawnLauncher(_MultiProcessingLauncher):
 
     def launch(self, function: Any, *args: Any, **kwargs: Any) -> Any:
         self.run_logging = (run_logging(), hand_over_held())
-        return super().launch(function, *args, **kwargs)
+        refusals = mp.get_context(self._start_method).SimpleQueue()
+        # (torch's "Terminating process <pid> via signal SIGTERM" as the other ranks end after
+        # one failed: that failure says what happened)
+        logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+        try:
+            return super().launch(_SaysRefusal(function, refusals), *args, **kwargs)
+        except (mp.ProcessRaisedException, mp.ProcessExitedException):  # (torch: a rank failed)
+            if refusals.empty():
+                raise
+            text, started = refusals.get()
+            if not started:
+                not_accepted()  # (its directory goes, as one device's would)
+            raise RankRefused(text) from None
 
     def teardown(self) -> None:
         super().teardown()
         if self._start_method != "popen" and dist.is_available() and dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+
+
+class _SaysRefusal:
+    """A spawned rank's function, whose refusal (one of Hydra's compact errors, with whether its
+    run had started) also goes to the launching process: that process says it as its own one
+    line, where torch would raise the rank's traceback."""
+
+    def __init__(self, function: Any, refusals: Any) -> None:
+        self.function, self.refusals = function, refusals
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self.function(*args, **kwargs)
+        except CompactHydraException as refused:
+            self.refusals.put((str(refused), has_started()))
+            raise
 
 
 def trainable(module: nn.Module) -> tuple[bool, ...]:
