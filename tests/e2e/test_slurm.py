@@ -290,6 +290,9 @@ def test_requeue_signal_saves_requeues_and_the_requeued_job_resumes(
         # SLURM holds a requeued job for 2 minutes (its BeginTime); let it start at once, as an
         # administrator may
         cluster.wait_for(lambda: cluster.job_state(job) == "PENDING", 120, "the requeue")
+        # (started while its first run's step still ends on the nodes, SLURM kills it: "Job
+        # credential revoked", seen once in a loaded CI run)
+        cluster.wait_for(lambda: cluster.node_states() == {"idle"}, 120, "the nodes' release")
         cluster.command("scontrol", "update", f"JobId={job}", "StartTime=now")
         output = sweep.communicate(timeout=600)[0]
     finally:
