@@ -173,7 +173,7 @@ def accepted() -> None:
         handler.handle(record)
 
 
-_started = False  # this process's run reached its stage (callbacks.RunAccepted)
+_started = False  # this run reached its stage (callbacks.RunAccepted); read in a spawned rank
 
 
 def run_started() -> None:
@@ -206,8 +206,9 @@ def held_until_accepted() -> Iterator[HeldLines]:
     """The console's lines are held from here until ``accepted()``; where the block ends in a
     refusal first (one of Hydra's compact errors), only the held warnings are shown (the log
     file has every line)."""
+    global _started
     lines = HeldLines()
-    ConsoleHandler._held = []
+    ConsoleHandler._held, _started = [], False  # (a new run: a sweep's next job in this process)
     try:
         yield lines
     except CompactHydraException:

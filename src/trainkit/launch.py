@@ -274,17 +274,17 @@ def launcher_run_id() -> str | None:
     """The launcher's id of this run, which all its processes, on every node, and all its
     restarts share: ``torchrun_<rendezvous id>``, ``slurm_<job id>[_<step>]``. Under torchrun
     with its default id "none", which every torchrun shares, its agent's launch on this node
-    (``_torchrun_agent``). None for a process started by hand."""
+    (``_torchrun_launch``). None for a process started by hand."""
     if under_torchrun():
         run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-        return _torchrun_agent() if run == "none" else f"torchrun_{run}"
+        return _torchrun_launch() if run == "none" else f"torchrun_{run}"
     if under_slurm():
         step = os.environ.get("SLURM_STEP_ID")  # a job's first srun is step 0
         return f"slurm_{slurm_job_id()}" + (f"_{step}" if step and step != "0" else "")
     return None
 
 
-def _torchrun_agent() -> str | None:
+def _torchrun_launch() -> str | None:
     """``torchrun_<run id>_<random>``: the directory this worker's torchrun agent made for its
     launch's logs, which holds its workers' error files (``<log dir>/<run id>_<random>/
     attempt_<n>/<local rank>/error.json``, torchelastic's ``DefaultLogsSpecs``): every worker
