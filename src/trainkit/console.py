@@ -157,8 +157,11 @@ class ConsoleHandler(logging.StreamHandler):
     directory it then removes."""
 
     _held: list[tuple[logging.Handler, logging.LogRecord]] | None = None
+    _launcher: str | None = None  # whose first line accepts a sweep's held lines
 
     def emit(self, record: logging.LogRecord) -> None:
+        if ConsoleHandler._launcher and record.name.startswith(ConsoleHandler._launcher):
+            accepted()
         if ConsoleHandler._held is not None:
             ConsoleHandler._held.append((self, record))
         else:
@@ -168,9 +171,24 @@ class ConsoleHandler(logging.StreamHandler):
 def accepted() -> None:
     """The run passed its checks: the lines held until now are shown, and the next ones as they
     come."""
-    held, ConsoleHandler._held = ConsoleHandler._held, None
+    held, ConsoleHandler._held, ConsoleHandler._launcher = ConsoleHandler._held, None, None
     for handler, record in held or ():
         handler.handle(record)
+
+
+def held_until_launched(launcher: str) -> None:
+    """A sweep's first lines (its directory, the command that continues it) are held until its
+    launcher's first line, logged under the package ``launcher`` once the sweeper has composed
+    the jobs it launches, or its first job: a sweep refused before shows only its refusal, not
+    the directory it then removes."""
+    ConsoleHandler._held, ConsoleHandler._launcher = [], launcher
+
+
+def _held_warnings_only() -> None:
+    """A refusal ends what is held: its warnings are still shown, its other lines are not."""
+    if ConsoleHandler._held is not None:
+        held = ConsoleHandler._held
+        ConsoleHandler._held = [(h, r) for h, r in held if r.levelno >= logging.WARNING]
 
 
 _started = False  # this run reached its stage (callbacks.RunAccepted); read in a spawned rank
@@ -212,9 +230,8 @@ def held_until_accepted() -> Iterator[HeldLines]:
     try:
         yield lines
     except CompactHydraException:
-        held = ConsoleHandler._held
-        lines.refused_unaccepted = held is not None
-        ConsoleHandler._held = [(h, r) for h, r in held or [] if r.levelno >= logging.WARNING]
+        lines.refused_unaccepted = ConsoleHandler._held is not None
+        _held_warnings_only()
         raise
     finally:
         accepted()
@@ -361,8 +378,10 @@ def one_line_refusals() -> Iterator[None]:
         yield
     except SystemExit as stop:
         if stop.code:
+            _held_warnings_only()
             for undo in _undone_on_refusal:
                 undo()
         raise
     finally:
         sys.stderr = stderr
+        accepted()  # (what a sweep still holds: an interrupted one's lines are shown)

@@ -46,7 +46,7 @@ from omegaconf import DictConfig, OmegaConf
 import trainkit.startup  # noqa: F401  first: a joblib worker loads the job from here, not train.py
 from trainkit.checkpoint_io import atomic_write_text, is_checkpoint, saved_step
 from trainkit.config import LAST_SWEEP, project_config_file, settle
-from trainkit.console import shown, undo_on_refusal
+from trainkit.console import accepted, held_until_launched, shown, undo_on_refusal
 from trainkit.errors import ConfigError
 from trainkit.launch import ENTRY_POINT_ENV, first_process, in_multirun, resume_job_from
 from trainkit.report import (
@@ -109,6 +109,7 @@ class JobReporter(Callback):
             raise SystemExit(str(refused)) from None  # goes on: the refusal exits, as its line
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        accepted()  # (a sweep's lines, where its launcher said nothing before its first job)
         if in_multirun():  # read before the job writes anything (the job reads it too)
             self._as_left = job_as_left(Path(HydraConfig.get().runtime.output_dir))
 
@@ -211,6 +212,9 @@ def own_sweep_dir(config: DictConfig) -> None:
     _sweep_lock = handle
     if made:  # this launch's own, until a job writes into it
         undo_on_refusal(lambda: _remove_if_no_job_started(sweep_dir))
+    # (Hydra's basic sweeper composes a batch's jobs after this, and refuses a swept key or
+    # option that none has: its launcher's package, e.g. hydra_plugins.hydra_joblib_launcher)
+    held_until_launched(str(config.hydra.launcher._target_).rsplit(".", 2)[0])
     now = sweep_definition(config)
     record = sweep_dir / SWEEP_RECORD
     if record.is_file():
