@@ -17,6 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 import trainkit.resolvers  # noqa: F401  registers the resolvers that conf/ uses
+from trainkit.overrides import with_path_quoted
 from trainkit.refusals import send_refusal
 
 log = logging.getLogger(__name__)
@@ -85,10 +86,11 @@ SHORTHANDS = {"plan": "plan.show", "check": "check.run"}
 
 
 def expand_shorthands(argv: Sequence[str], config_name: str = "train") -> list[str]:
-    """``plan=true`` (or false) as ``plan.show=true``, ``check=true`` as ``check.run=true``, and a
+    """``plan=true`` (or false) as ``plan.show=true``, ``check=true`` as ``check.run=true``, a
     library run key (``conf/run_keys.yaml``) that the project's ``<config_name>.yaml`` lacks (a
     fork's file from before the key existed, which Hydra would refuse it on) typed with Hydra's
-    ``++`` (add or override). The other arguments as they are: a misspelt key is still refused."""
+    ``++`` (add or override), and a value with '=' quoted (``with_path_quoted``). The other
+    arguments as they are: a misspelt key is still refused."""
     run_keys = _leaf_keys(OmegaConf.load(LIBRARY_CONF_DIR / "run_keys.yaml"))
     project_file = project_config_file(argv, config_name)
     project = _leaf_keys(OmegaConf.load(project_file)) if project_file.is_file() else run_keys
@@ -100,6 +102,8 @@ def expand_shorthands(argv: Sequence[str], config_name: str = "train") -> list[s
             arg = f"{key}={value}"
         if eq and key in run_keys and key not in project:
             arg = f"++{key}={value}"
+        if eq and "=" in value and not key.startswith("-"):
+            arg = with_path_quoted(arg)
         expanded.append(arg)
     return expanded
 

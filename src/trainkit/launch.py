@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -37,6 +36,7 @@ from lightning.fabric.strategies.launchers.subprocess_script import (
 )
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
+from trainkit.overrides import hydra_quoted
 from trainkit.refusals import REFUSAL_FD_ENV, TORCHELASTIC_ERROR_FILE_ENV
 
 log = logging.getLogger(__name__)
@@ -72,15 +72,6 @@ def override_key(override: str) -> str:
     return override.lstrip("+~").split("=", 1)[0].split("@", 1)[0]
 
 
-def _quoted(path: str) -> str:
-    """A path as a Hydra override value: sweep directories named by overrides hold '=' and ','.
-
-    In Hydra's quoted strings a backslash escapes only a quote or the closing quote: double the
-    backslashes just before those, then escape the quotes."""
-    path = re.sub(r'(\\+)(?="|$)', lambda m: m.group(1) * 2, path)
-    return '"' + path.replace('"', '\\"') + '"'
-
-
 # A sweep job that an earlier launch of its sweep left interrupted resumes from its own last
 # checkpoint (sweep.continue_job): the ranks this process starts for it are told so.
 _job_ckpt_path: str | None = None
@@ -111,10 +102,10 @@ def job_command(local_rank: int) -> list[str]:
     kept = [o for o in hc.overrides.task if not _job_ckpt_path or override_key(o) != "ckpt_path"]
     command += kept
     if _job_ckpt_path:
-        command.append(f"ckpt_path={_quoted(_job_ckpt_path)}")
+        command.append(f"ckpt_path={hydra_quoted(_job_ckpt_path)}")
     return [
         *command,
-        f"hydra.run.dir={_quoted(hc.runtime.output_dir)}",
+        f"hydra.run.dir={hydra_quoted(hc.runtime.output_dir)}",
         f"hydra.job.name={hc.job.name}_ddp_process_{local_rank}",
         "hydra.output_subdir=null",
         "hydra.mode=RUN",

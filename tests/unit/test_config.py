@@ -17,6 +17,8 @@ import lightning as L
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import OverrideParseException
 from hydra.utils import instantiate
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
@@ -731,6 +733,21 @@ def test_a_library_key_an_older_train_yaml_lacks_is_typed_with_plus_plus(tmp_pat
         "seed=1",
     ]
     assert expand_shorthands(["-cp", str(tmp_path), "check=true"])[-1] == "check.run=true"
+
+
+def test_a_path_of_a_sweep_jobs_directory_is_one_value(tmp_path: Path) -> None:
+    """A sweep job's directory is named by its overrides (``0_seed=1``, with ',' between two):
+    its checkpoint's path typed as it is is the value Hydra composes (its grammar refuses the
+    unquoted '='); what Hydra parses as typed (a sweep of values, a quoted path) is left alone."""
+    job = tmp_path / "multiruns" / "s" / "3_data.batch_size=64,model.optimizer.lr=0.1"
+    ckpt = job / 'it\\s "odd"\\' / "last.ckpt"  # (quotes and backslashes escaped too)
+    typed = [f"ckpt_path={ckpt}", f"data.root={job}", "seed=1,2", f"hydra.run.dir='{job}'"]
+    expanded = expand_shorthands(typed, "eval")
+    assert expanded[2:] == typed[2:]
+    with pytest.raises(OverrideParseException):  # (what Hydra's main would refuse)
+        OverridesParser.create().parse_overrides(typed[:2])
+    cfg = compose_config("eval", tmp_path / "out", typed[:2])  # (it expands them so, as main)
+    assert (cfg.ckpt_path, cfg.data.root) == (str(ckpt), str(job))
 
 
 def test_the_projects_configs_come_first_and_join_the_librarys_groups(tmp_path: Path) -> None:
