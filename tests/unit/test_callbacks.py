@@ -8,12 +8,15 @@ import lightning as L
 import pytest
 import rich.progress
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks.progress.rich_progress import CustomProgress
+from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader
 
 import lightning_docs
 from helpers import quiet_trainer
 from trainkit.callbacks import EpochLines, MonitoredMetric, ProgressBar
+from trainkit.callbacks.model_summary import declared_name
 from trainkit.callbacks.prediction_writer import shard_indices
 from trainkit.callbacks.replicas_agree import checksums, disagreement
 from trainkit.console import number
@@ -251,3 +254,19 @@ def test_each_epochs_line_names_the_best_so_far_and_a_resume_keeps_it(
         assert f"val_loss {number(value)}" in line
         assert line.endswith(f"(best val_loss {number(best)} at epoch {at})")
     assert resumed.best == (max(values), values.index(max(values)) + 1) != (values[3], 4)
+
+
+def test_the_model_line_names_a_sharded_modules_own_class(free_port: int) -> None:
+    """fsdp's ``fully_shard`` turns the docs' ``LitClassifier`` into an ``FSDPLitClassifier``:
+    the console's model line names the class the code declares (a process group of one rank)."""
+    module = lightning_docs.LitClassifier()
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port}", rank=0, world_size=1
+    )
+    try:
+        fully_shard(module)
+    finally:
+        dist.destroy_process_group()
+    assert type(module).__name__ == "FSDPLitClassifier"
+    assert declared_name(module) == "LitClassifier"
+    assert declared_name(torch.nn.Linear(1, 1)) == "Linear"

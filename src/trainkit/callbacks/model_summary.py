@@ -14,6 +14,7 @@ import torch
 from lightning.pytorch.callbacks import ModelSummary as LightningModelSummary
 from lightning.pytorch.utilities.model_summary import get_human_readable_count
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from trainkit.console import say
 from trainkit.strategies.pipeline import block_flops
@@ -32,13 +33,22 @@ def sample_flops(module: nn.Module) -> int:
     return sum(block_flops(list(net), example))
 
 
+def declared_name(module: nn.Module) -> str:
+    """The name of ``module``'s class as its code declares it: fsdp's ``fully_shard`` makes a
+    sharded module an instance of ``FSDP<its class>``."""
+    cls = type(module)
+    if isinstance(module, FSDPModule):
+        cls = next((base for base in cls.__bases__ if base is not FSDPModule), cls)
+    return cls.__name__
+
+
 class ModelSummary(LightningModelSummary):
     def on_fit_start(self, trainer, pl_module) -> None:
         self._flops = sample_flops(pl_module) if trainer.is_global_zero else 0
-        self._name = type(pl_module).__name__
+        self._name = declared_name(pl_module)
         net = getattr(pl_module, "net", None)
         if isinstance(net, nn.Module):
-            self._name += f" ({type(net).__name__})"
+            self._name += f" ({declared_name(net)})"
         super().on_fit_start(trainer, pl_module)
 
     def summarize(  # an instance's: it reads the count on_fit_start made
