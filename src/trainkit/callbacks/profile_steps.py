@@ -1,6 +1,7 @@
 """``debug=profile``: a ``torch.profiler`` trace of a few training steps, started and stopped by
 us (docs/design.md, "PyTorchProfiler segfault at teardown")."""
 
+import os
 from pathlib import Path
 
 import lightning as L
@@ -25,6 +26,11 @@ class ProfileSteps(L.Callback):
         activities = [ProfilerActivity.CPU]
         if torch.cuda.is_available() and pl_module.device.type == "cuda":
             activities.append(ProfilerActivity.CUDA)
+        if ProfilerActivity.CUDA not in activities:
+            # kineto's own lines on stderr: its start and stop markers and, where CUDA's
+            # libraries load without a GPU, "ERROR: gpuGetDeviceCount failed": none is about the
+            # trace of a CPU run (read as the profiler starts; a value already set is kept)
+            os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         self._profiler = profile(activities=activities, record_shapes=True)
         self._profiler.__enter__()
         self._first = trainer.global_step
