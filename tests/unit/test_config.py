@@ -167,6 +167,7 @@ def check_default_callbacks(cfg, dm, model, trainer, out):
 def check_no_callbacks(cfg, dm, model, trainer, out):
     assert run_checkpoints(trainer, out) == []
     assert callbacks_of(trainer, StartupTime) == []
+    assert callbacks_of(trainer, L.pytorch.callbacks.ModelSummary) == []  # (Lightning's: a table)
     assert len(callbacks_of(trainer, RunConfig)) == 1  # whatever is saved still carries the config
 
 
