@@ -89,12 +89,13 @@ def expand_shorthands(argv: Sequence[str], config_name: str = "train") -> list[s
     """``plan=true`` (or false) as ``plan.show=true``, ``check=true`` as ``check.run=true``, a
     library run key (``conf/run_keys.yaml``) that the project's ``<config_name>.yaml`` lacks (a
     fork's file from before the key existed, which Hydra would refuse it on) typed with Hydra's
-    ``++`` (add or override), and a value with '=' quoted (``with_path_quoted``). The other
+    ``++`` (add or override), and a path with '=' quoted (``overrides.with_path_quoted``). The other
     arguments as they are: a misspelt key is still refused."""
     run_keys = _leaf_keys(OmegaConf.load(LIBRARY_CONF_DIR / "run_keys.yaml"))
     project_file = project_config_file(argv, config_name)
     project = _leaf_keys(OmegaConf.load(project_file)) if project_file.is_file() else run_keys
     expanded = []
+    multirun = any(arg in ("-m", "--multirun") for arg in argv)
     for arg in argv:
         key, eq, value = arg.partition("=")
         if eq and key in SHORTHANDS and value.strip().lower() in ("true", "false"):
@@ -103,7 +104,7 @@ def expand_shorthands(argv: Sequence[str], config_name: str = "train") -> list[s
         if eq and key in run_keys and key not in project:
             arg = f"++{key}={value}"
         if eq and "=" in value and not key.startswith("-"):
-            arg = with_path_quoted(arg)
+            arg = with_path_quoted(arg, multirun)
         expanded.append(arg)
     return expanded
 

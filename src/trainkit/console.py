@@ -358,6 +358,7 @@ class _OneLineRefusals:
                 return len(text)
         if text == self.FOOTER and not self.traced:
             return len(text)
+        self.traced = self.traced or text.startswith("Traceback")  # (a bug's, not a refusal)
         return self.stream.write(text)
 
     def __getattr__(self, name: str):
@@ -369,8 +370,8 @@ _undone_on_refusal: list[Callable[[], None]] = []
 
 def undo_on_refusal(undo: Callable[[], None]) -> None:
     """``undo`` runs where this process ends refused (a nonzero exit through
-    ``one_line_refusals``; not Ctrl-C): what a refused launch made goes
-    (``sweep.own_sweep_dir``)."""
+    ``one_line_refusals`` without a traceback; not Ctrl-C, not a bug): what a refused launch
+    made goes (``sweep.own_sweep_dir``)."""
     _undone_on_refusal.append(undo)
 
 
@@ -378,11 +379,11 @@ def undo_on_refusal(undo: Callable[[], None]) -> None:
 def one_line_refusals() -> Iterator[None]:
     """Around a script's ``main()``: a refusal reaches the console as its line alone."""
     stderr = sys.stderr
-    sys.stderr = _OneLineRefusals(stderr)
+    sys.stderr = said = _OneLineRefusals(stderr)
     try:
         yield
     except SystemExit as stop:
-        if stop.code:
+        if stop.code and not said.traced:  # (a bug's traceback: what is held is shown, kept)
             _held_warnings_only()
             for undo in _undone_on_refusal:
                 undo()

@@ -14,15 +14,20 @@ def hydra_quoted(path: str) -> str:
     return '"' + path.replace('"', '\\"') + '"'
 
 
-def with_path_quoted(override: str) -> str:
+def with_path_quoted(override: str, multirun: bool = False) -> str:
     """``ckpt_path=<sweep>/0_seed=1/checkpoints/last.ckpt`` as typed, which Hydra's grammar
-    refuses ("mismatched input '='"), with its value quoted: one string, as meant. An override
-    that Hydra parses as it is, or that it refuses quoted too, is left as typed."""
+    refuses ("mismatched input '='"), with its value quoted: one string, as meant. Only a path
+    (a '/', and not a list, dict, sweep function, quoted string or ``==``), and under ``-m`` only
+    one without ',' (which would separate a sweep's values); an override that Hydra parses as it
+    is, or refuses quoted too, is left as typed."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
-    parser = OverridesParser.create()
     key, _, value = override.partition("=")
+    value = value.strip()  # (as Hydra reads an unquoted value)
+    if "/" not in value or value[:1] in "[{'\"=" or "(" in value or (multirun and "," in value):
+        return override
+    parser = OverridesParser.create()
     try:
         parser.parse_override(override)
         return override

@@ -369,7 +369,9 @@ class StoredStudySweep(OptunaSweeperImpl):
 
     def _launch(self, job_overrides: list[Any], numbers: list[int]) -> list[JobReturn]:
         """The jobs in their numbers: at once where the numbers follow on, else one by one (a
-        retry among new trials)."""
+        retry among new trials). Each job's config composed first, as Hydra's basic sweeper
+        does: a swept key or option that does not exist is refused before any job starts."""
+        self.validate_batch_is_legal(job_overrides)
         if numbers == list(range(numbers[0], numbers[0] + len(numbers))):
             return list(self.launcher.launch(job_overrides, initial_job_idx=numbers[0]))
         returns = []

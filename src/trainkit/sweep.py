@@ -52,6 +52,7 @@ from trainkit.launch import ENTRY_POINT_ENV, first_process, in_multirun, resume_
 from trainkit.report import (
     JOB_FILE,
     STORED_OPTUNA,
+    STUDY_FILE,
     SWEEP_FILE,
     job_curve,
     job_name,
@@ -235,7 +236,7 @@ def _remove_if_no_job_started(sweep_dir: Path) -> None:
     """Where the launch that made ``sweep_dir`` is refused before its first job (a job's config
     that does not compose), it leaves no directory; anything else in it keeps it (a job's
     directory, submitit's folder)."""
-    launch_files = {"multirun.yaml", SWEEP_RECORD, SWEEP_LOCK}
+    launch_files = {"multirun.yaml", SWEEP_RECORD, SWEEP_LOCK, STUDY_FILE}  # (its own study)
     if sweep_dir.is_dir() and {p.name for p in sweep_dir.iterdir()} <= launch_files:
         shutil.rmtree(sweep_dir, ignore_errors=True)
 

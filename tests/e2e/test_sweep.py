@@ -521,26 +521,46 @@ def test_a_killed_sweep_continues_where_it_stopped(overrides, tmp_path: Path) ->
 @pytest.mark.parametrize(
     ("swept", "line"),
     [
-        ("model=mlp,mpl", "model=mpl: not an option of model; did you mean mlp?"),
-        ("sede=1,2", "sede: not a key of the config; did you mean seed?"),
+        (("-m", "model=mlp,mpl"), "model=mpl: not an option of model; did you mean mlp?"),
+        (("-m", "sede=1,2"), "sede: not a key of the config; did you mean seed?"),
+        (
+            ("hparams_search=mnist_optuna", "hydra.sweeper.n_trials=2", "sede=choice(1,2)"),
+            "sede: not a key of the config; did you mean seed?",
+        ),
     ],
-    ids=["option", "key"],
+    ids=["option", "key", "optuna-key"],
 )
 def test_a_sweep_refused_before_its_first_job_leaves_no_directory(
-    swept: str, line: str, overrides, tmp_path
+    swept: tuple[str, ...], line: str, overrides, tmp_path
 ) -> None:
-    """A job's option or key that does not exist refuses the sweep before any job runs; its
-    console is that one line (not the sweep's first line, for the directory it then removes);
-    the sweep directory its launch had made goes with it."""
+    """A job's option or key that does not exist refuses the sweep before any job runs (the
+    Optuna sweep composes each trial's config before launching it, as the basic sweeper does);
+    its console is that one line (not the sweep's first line, for the directory it then
+    removes); the sweep directory its launch had made goes with it, its new study too."""
     sweep = tmp_path / "sweep"
     proc = run_python(
-        "train.py", "-m", *overrides, swept, f"hydra.sweep.dir={sweep}",
-        log_dir=tmp_path / "logs",
-    )  # fmt: skip
+        "train.py", *swept, *overrides, f"hydra.sweep.dir={sweep}", log_dir=tmp_path / "logs"
+    )
     assert proc.returncode == 1
     said = [text for text in (proc.stdout + proc.stderr).splitlines() if text.strip()]
     assert len(said) == 1 and said[0].startswith(line), said
     assert not sweep.exists()
+
+
+def test_a_bug_before_the_first_job_keeps_the_sweeps_lines_and_directory(
+    overrides, tmp_path
+) -> None:
+    """An error that is not a refusal (Optuna's, for a search space whose low is above its
+    high) keeps its traceback, the sweep's first line and its directory, as they were."""
+    sweep = tmp_path / "sweep"
+    proc = run_python(
+        "train.py", "hparams_search=mnist_optuna", "model.optimizer.lr=interval(5,1)",
+        *overrides, f"hydra.sweep.dir={sweep}", log_dir=tmp_path / "logs",
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert "Traceback" in proc.stderr and "`low` value must be smaller" in proc.stderr
+    assert f"sweep: {sweep} (continue it with: " in proc.stdout, proc.stdout
+    assert (sweep / "sweep.yaml").is_file()
 
 
 def test_a_killed_joblib_sweep_continues_its_jobs_in_flight(overrides, tmp_path: Path) -> None:

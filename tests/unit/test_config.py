@@ -749,6 +749,12 @@ def test_a_path_of_a_sweep_jobs_directory_is_one_value(tmp_path: Path) -> None:
         OverridesParser.create().parse_overrides(typed[:2])
     cfg = compose_config("eval", tmp_path / "out", typed[:2])  # (it expands them so, as main)
     assert (cfg.ckpt_path, cfg.data.root) == (str(ckpt), str(job))
+    # not a path, or not one value: as typed (Hydra says what it makes of them)
+    others = ["x=[a=b/c,d]", "x={a:b=c/d}", "x=choice(a=b/c,d)", "data.root==/x", "x=a=b"]
+    assert expand_shorthands(others) == others
+    one = tmp_path / "0_seed=1"  # under -m, ',' separates a sweep's values: as typed
+    runs = [f"ckpt_path={one}/a,{one}/b", f"ckpt_path={one}/best.ckpt"]
+    assert expand_shorthands(["-m", *runs]) == ["-m", runs[0], f'ckpt_path="{one}/best.ckpt"']
 
 
 def test_the_projects_configs_come_first_and_join_the_librarys_groups(tmp_path: Path) -> None:
