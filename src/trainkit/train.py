@@ -163,7 +163,7 @@ def _fit_and_test(
         said("No test: %s.", untestable)
         test_metrics: dict[str, float] = {}
     else:
-        if not best:
+        if not best and trainer.checkpoint_callback is not None:  # (none: the run's choice)
             said("No best checkpoint was saved: testing the final weights.")
         tested = trainer.test(
             model,
