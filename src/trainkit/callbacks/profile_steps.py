@@ -26,7 +26,7 @@ class ProfileSteps(L.Callback):
         activities = [ProfilerActivity.CPU]
         if torch.cuda.is_available() and pl_module.device.type == "cuda":
             activities.append(ProfilerActivity.CUDA)
-        if ProfilerActivity.CUDA not in activities:
+        else:
             # kineto's own lines on stderr: its start and stop markers and, where CUDA's
             # libraries load without a GPU, "ERROR: gpuGetDeviceCount failed": none is about the
             # trace of a CPU run (read as the profiler starts; a value already set is kept)
