@@ -339,7 +339,7 @@ def write_report(sweep_dir: Path, summary: dict[str, Any], study: Any = None) ->
     (``write_summary``), each replaced whole; Optuna's plots where it keeps a study."""
     drawn = curves(summary) if summary.get("monitor") else {}
     if drawn:
-        _save_png(draw(summary, drawn), drawn, sweep_dir / REPORT_PNG)
+        _save_png(draw(summary, drawn), sweep_dir / REPORT_PNG)
     study_plots = draw_study(study, sweep_dir) if study is not None else []
     text = markdown(sweep_dir, summary, bool(drawn), study_plots)
     atomic_write_text(sweep_dir / REPORT_MD, text)
@@ -507,7 +507,8 @@ def draw(summary: dict[str, Any], drawn: dict[int, tuple[list[int], list[float]]
     figure = Figure(figsize=(9, 5.5), layout="constrained")
     axes = figure.add_subplot()
     for num, (steps, values) in sorted(drawn.items()):
-        axes.plot(steps, values, marker="o", label=f"{num}: {job_name(by_num[num], varying)}")
+        label = f"{num}: {job_name(by_num[num], varying)}"
+        axes.plot(steps, values, marker="o", label=label, gid=str(num))  # (gid: _save_png's)
     axes.set_xlabel("training step")
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes.set_ylabel(f"{monitor['key']} ({monitor['mode']} is best)")
@@ -517,10 +518,13 @@ def draw(summary: dict[str, Any], drawn: dict[int, tuple[list[int], list[float]]
     return figure
 
 
-def _save_png(figure: Any, drawn: dict, path: Path) -> None:
-    """The figure as a PNG, replaced whole, with the curves it draws in a text chunk (what a
-    reader, or a test, takes the plot's data from)."""
-    data = {str(num): {"steps": s, "values": v} for num, (s, v) in drawn.items()}
+def _save_png(figure: Any, path: Path) -> None:
+    """The figure as a PNG, replaced whole, with the curves it draws, read back from its lines,
+    in a text chunk (what a reader, or a test, takes the plot's data from)."""
+    data = {
+        line.get_gid(): {"steps": line.get_xdata().tolist(), "values": line.get_ydata().tolist()}
+        for line in figure.axes[0].get_lines()
+    }
     partial = temp_name(path)
     figure.savefig(partial, format="png", dpi=100, metadata={CURVES_KEY: json.dumps(data)})
     partial.replace(path)
