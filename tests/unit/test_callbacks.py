@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 import lightning_docs
 from helpers import quiet_trainer
 from trainkit.callbacks import EpochLines, MonitoredMetric, ProgressBar
-from trainkit.callbacks.model_summary import declared_name
+from trainkit.callbacks.model_summary import ModelSummary, declared_name
 from trainkit.callbacks.prediction_writer import shard_indices
 from trainkit.callbacks.replicas_agree import checksums, disagreement
 from trainkit.console import number
@@ -256,17 +256,21 @@ def test_each_epochs_line_names_the_best_so_far_and_a_resume_keeps_it(
     assert resumed.best == (max(values), values.index(max(values)) + 1) != (values[3], 4)
 
 
-def test_the_model_line_names_a_sharded_modules_own_class(free_port: int) -> None:
+def test_the_model_line_names_a_sharded_modules_own_class(free_port: int, caplog) -> None:
     """fsdp's ``fully_shard`` turns the docs' ``LitClassifier`` into an ``FSDPLitClassifier``:
-    the console's model line names the class the code declares (a process group of one rank)."""
+    the console's model line, as the template's summary callback says it at the start of a fit,
+    names the class the code declares (a process group of one rank)."""
     module = lightning_docs.LitClassifier()
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{free_port}", rank=0, world_size=1
     )
     try:
         fully_shard(module)
+        assert type(module).__name__ == "FSDPLitClassifier"
+        with caplog.at_level("INFO", logger="trainkit.console"):
+            ModelSummary().on_fit_start(quiet_trainer(), module)
     finally:
         dist.destroy_process_group()
-    assert type(module).__name__ == "FSDPLitClassifier"
-    assert declared_name(module) == "LitClassifier"
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("model: ")]
+    assert line.startswith("model: LitClassifier, 50.9 K parameters"), line
     assert declared_name(torch.nn.Linear(1, 1)) == "Linear"

@@ -470,9 +470,15 @@ def test_a_torchrun_without_a_run_id_is_named_by_its_launchs_log_directory(launc
 def test_each_rank_of_a_launchers_run_logs_to_its_own_file(
     launched_by, env: dict, log_file: str
 ) -> None:
-    """conf/hydra/default.yaml names the log file ``${hydra.job.name}${rank_suffix:}.log``."""
+    """The log file Hydra's file handler is given, as train.py's config composes it (its
+    ``hydra.job.name`` and output directory as a run has them)."""
     launched_by(env)
-    assert OmegaConf.create({"file": "train${rank_suffix:}.log"}).file == log_file
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        handler = compose("train", return_hydra_config=True).hydra.job_logging.handlers.file
+    as_composed = OmegaConf.to_container(handler, resolve=False)["filename"]
+    run = {"runtime": {"output_dir": "/runs/1"}, "job": {"name": "train"}}
+    resolved = OmegaConf.create({"hydra": run, "file": as_composed}).file
+    assert resolved == f"/runs/1/{log_file}"
 
 
 # --- model hyperparameters -------------------------------------------------------------------
@@ -570,7 +576,6 @@ OURS = {
     "min_epochs": 1,
     "max_epochs": 10,
     "log_every_n_steps": 50,
-    "deterministic": False,
 }
 # the top-level keys, and the run directory (test_default_builds_data_model_and_trainer)
 SET_BY_THE_RUN = ("accelerator", "devices", "num_nodes", "precision", "default_root_dir")
