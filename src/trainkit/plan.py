@@ -761,8 +761,8 @@ def table(planned: RunPlan) -> str:
 def check_fits(planned: RunPlan) -> None:
     """Refuses, before any process starts, a run whose estimated peak per device does not fit,
     naming a choice that does (``plan.check=false``: no check). Cheap for most runs: the fake
-    step runs only where the state alone (weights, gradients and two moments: 4 bytes for each
-    byte of weights, and an ``ema`` average) takes over half the room."""
+    step runs only where the state alone (weights, gradients, two moments and an ``ema``
+    average: 5 bytes for each byte of weights) and the process itself take over half the room."""
     cfg, dims, settings = planned.cfg, planned.dims, Settings.from_config(planned.cfg)
     if not settings.check:
         return

@@ -6,7 +6,7 @@ import json
 import time
 from pathlib import Path
 
-from helpers import run_python, write_user_conf
+from helpers import ROOT, run_python, write_user_conf
 from trainkit.data.synthetic import write_wikitext
 
 USER_CONF = {
@@ -28,7 +28,10 @@ def check(tmp_path: Path, *overrides: str) -> tuple[int, list[dict], str, float]
     (report,) = (log_dir / "check").iterdir()
     assert sorted(p.name for p in report.iterdir()) == ["check.json", "check.md"]
     assert not list(log_dir.glob("train/runs/*")), "a check leaves no run directory"
-    assert (report / "check.md").read_text().strip() in proc.stdout
+    shown = (report / "check.md").read_text()
+    assert shown.strip() in proc.stdout
+    (header,) = [line for line in shown.splitlines() if line.startswith("| layout |")]
+    assert header in (ROOT / "docs" / "check.md").read_text()  # the docs' example, its columns
     rows = json.loads((report / "check.json").read_text())
     return proc.returncode, rows, proc.stdout + proc.stderr, took
 
