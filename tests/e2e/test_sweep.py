@@ -81,7 +81,7 @@ def own_overrides(job: dict) -> list[str]:
 
 def plotted(sweep: Path) -> dict[int, dict[str, list]]:
     """The curves report.png draws (job number -> steps, values), read from the PNG's own text
-    chunk, which trainkit.report writes from the arrays it plots."""
+    chunk, which trainkit.report reads back from the lines it draws."""
     with Image.open(sweep / "report.png") as image:
         assert image.format == "PNG" and image.size[0] > 300
         return {int(num): curve for num, curve in json.loads(image.text[CURVES_KEY]).items()}
