@@ -11,6 +11,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from helpers import ROOT, run_python
 from trainkit.console import EXPLAINED_WARNINGS, SILENCED_INFO, SILENCED_WARNINGS
+from trainkit.runtime import cpu_flags, has_bf16_units
 
 pytestmark = pytest.mark.slow
 
@@ -27,6 +28,8 @@ DOCUMENTED_LINES = [
     (r"(Epoch \d+/\d+|Testing) +━+ \d+/\d+ ", "the progress bar"),
     (r" +(train/loss_step: *|[\d.]+ *)$", "the progress bar"),  # (its values, wrapped)
     (r"test of \S+/checkpoints/best\.ckpt: test/loss [\d.]+  test/acc [\d.]+$", "`test of "),
+    # bf16 on a CPU that emulates it (the one line a default run may warn: preflight.py)
+    (r"warning: precision=bf16-mixed on a CPU without bf16 units \(", "`warning: precision=bf16"),
 ]
 
 
@@ -65,6 +68,9 @@ def test_a_default_runs_console_is_the_lines_the_docs_list(
         shown_as = next((doc for pattern, doc in DOCUMENTED_LINES if re.match(pattern, line)), None)
         assert shown_as is not None and shown_as in docs, line
     assert not proc.stderr.strip(), proc.stderr
+    emulated = "precision=bf16-mixed" in extra and has_bf16_units(cpu_flags()) is False
+    said = [line for line in lines if line.startswith("warning: precision=bf16-mixed")]
+    assert len(said) == emulated, said  # (this machine's CPU decides; once, under ddp too)
     (epoch,) = [line for line in lines if line.startswith("epoch ")]  # max_epochs=1: counted 1/1
     assert re.match(
         r"epoch 1/1  train/loss [\d.]+  val/loss [\d.]+  val/acc [\d.]+  "
