@@ -1,7 +1,8 @@
 """The console says only what a user can act on: a default run, on one device and on two ddp
 ranks (started by the template, or spawned), prints the lines docs/logging.md lists and no other
-(no warning, none of the messages src/trainkit/console.py silences); its first and last lines
-name its directory. A refused run prints its one line and leaves no directory."""
+(no warning but bf16's on a CPU that emulates it, none of the messages src/trainkit/console.py
+silences); its first and last lines name its directory. A refused run prints its one line and
+leaves no directory."""
 
 import re
 from pathlib import Path
@@ -70,7 +71,7 @@ def test_a_default_runs_console_is_the_lines_the_docs_list(
     assert not proc.stderr.strip(), proc.stderr
     emulated = "precision=bf16-mixed" in extra and has_bf16_units(cpu_flags()) is False
     said = [line for line in lines if line.startswith("warning: precision=bf16-mixed")]
-    assert len(said) == emulated, said  # (this machine's CPU decides; once, under ddp too)
+    assert len(said) == emulated, said  # (this machine's CPU decides; said once)
     (epoch,) = [line for line in lines if line.startswith("epoch ")]  # max_epochs=1: counted 1/1
     assert re.match(
         r"epoch 1/1  train/loss [\d.]+  val/loss [\d.]+  val/acc [\d.]+  "
