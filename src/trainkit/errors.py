@@ -1,11 +1,18 @@
-"""The error a config value that cannot run raises, before anything expensive starts."""
+"""The errors a run says in one line: a config value that cannot run (raised before anything
+expensive starts), and what a run meets on the way (a full disk, replicas that disagree, missing
+data, a lost rank)."""
 
+import contextlib
+import logging
+import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from hydra.errors import CompactHydraException
 
 from trainkit.console import shown
+from trainkit.refusals import RankLost
 
 
 class ConfigError(CompactHydraException, ValueError):
@@ -59,3 +66,40 @@ def listed(names: list[str], shown: int = 3) -> str:
     """The first ``shown`` of ``names`` for a message, and how many more there are."""
     more = len(names) - shown
     return ", ".join(names[:shown]) + (f" and {more} more" if more > 0 else "")
+
+
+# gloo's errors where a rank did not join a collective: the wait for it ran out (after the
+# group's timeout, strategy.timeout), or the rank ended and its connection closed
+_GLOO_TIMED_OUT = re.compile(r"Timed out waiting (\d+)ms for (?:recv|send) operation")
+_GLOO_RANK_ENDED = re.compile(r"Connection (?:reset|closed) by peer")
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def lost_rank_in_one_line(output_dir: str | None) -> Iterator[None]:
+    """Around a run: gloo's error where a rank did not join a collective is ``RankLost``'s line,
+    which names the timeout, where each rank's log is and how to resume, not 60 lines of
+    Lightning's frames. (NCCL's errors, on GPUs, are left as NCCL reports them.)"""
+    try:
+        yield
+    except RuntimeError as err:
+        timed_out = _GLOO_TIMED_OUT.search(str(err))
+        if timed_out is None and _GLOO_RANK_ENDED.search(str(err)) is None:
+            raise
+        log.info("a collective failed", exc_info=True)  # (its traceback: the log file only)
+        run = Path(output_dir) if output_dir else None
+        logs = f"; each rank's log is in {shown(run)}" if run else ""
+        saved = run is not None and any((run / "checkpoints").glob("*"))
+        resume = ". ckpt_path=last resumes the run from its last checkpoint" if saved else ""
+        if timed_out is None:
+            raise RankLost(
+                f"a rank of the run ended during a collective (its connection closed){logs}, "
+                f"its own says why{resume}"
+            ) from err
+        seconds = int(timed_out.group(1)) / 1000
+        raise RankLost(
+            f"a collective waited {seconds:g} s (strategy.timeout) for a rank that did not join "
+            f"it: that rank stopped, hung or was slower{logs}. Where a step, an evaluation or a "
+            f"save rightly takes longer, raise strategy.timeout.seconds{resume}"
+        ) from err

@@ -19,7 +19,7 @@ from trainkit.callbacks.ema import exponential_average
 from trainkit.checkpoint_io import damage, is_checkpoint, read_checkpoint_config
 from trainkit.config import settle, with_library_defaults
 from trainkit.console import quiet, results_line, shown
-from trainkit.errors import ConfigError
+from trainkit.errors import ConfigError, lost_rank_in_one_line
 from trainkit.launch import isolated_job
 from trainkit.loggers import ending_tracker_runs
 from trainkit.preflight import check_built_run, check_runnable_stages
@@ -153,7 +153,11 @@ def run(cfg: DictConfig) -> dict[str, dict[str, float]]:
     """Evaluate a checkpoint on its own data and model config; one entry per stage."""
     quiet()  # Lightning's messages that do not apply to this run
     cfg = with_library_defaults(cfg)  # keys a fork's eval.yaml may not have
-    with isolated_job(), owning_run_dir(cfg):  # (a refusal in it leaves no directory)
+    with (
+        isolated_job(),
+        owning_run_dir(cfg),  # (a refusal in it leaves no directory)
+        lost_rank_in_one_line(cfg.paths.output_dir),
+    ):
         cfg.ckpt_path = checkpoint_to_evaluate(cfg)
         return _evaluate(cfg)
 

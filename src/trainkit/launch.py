@@ -37,7 +37,7 @@ from lightning.fabric.strategies.launchers.subprocess_script import (
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 from trainkit.overrides import hydra_quoted
-from trainkit.refusals import REFUSAL_FD_ENV, TORCHELASTIC_ERROR_FILE_ENV
+from trainkit.refusals import REFUSAL_FD_ENV, TORCHELASTIC_ERROR_FILE_ENV, RankLost
 
 log = logging.getLogger(__name__)
 
@@ -335,7 +335,12 @@ def isolated_job(child_timeout_s: float = 120) -> Iterator[None]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 codes.append(proc.wait())
-        own = str(failed) if isinstance(failed, CompactHydraException) else ""
+        # this process's own refusal, which it says itself; a rank lost to this one is not (where
+        # that rank refused, its line is the run's)
+        refused_here = isinstance(failed, CompactHydraException) and not isinstance(
+            failed, RankLost
+        )
+        own = str(failed) if refused_here else ""
         refusals = said_refusals(children, own)
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()

@@ -14,6 +14,15 @@ import json
 import os
 import time
 
+from hydra.errors import CompactHydraException
+
+
+class RankLost(CompactHydraException, RuntimeError):
+    """A collective that a rank of the run never joined (it stopped, hung, ended or is slower than
+    ``strategy.timeout``), in one line (``errors.lost_rank_in_one_line``). Not this rank's
+    refusal: where the rank it lost refused, that rank's line is the run's (``isolated_job``)."""
+
+
 # Set by launch.JobScriptLauncher in the ranks it starts: the pipe back to it
 REFUSAL_FD_ENV = "TRAINKIT_REFUSAL_FD"
 # Set by torchrun in each worker: the file it reads a failed worker's error from

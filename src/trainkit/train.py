@@ -27,6 +27,7 @@ from trainkit.callbacks.trial_pruning import prunes_epochs
 from trainkit.checkpoint_io import remove_stale_temp_files
 from trainkit.config import with_library_defaults
 from trainkit.console import quiet, results_line, shown
+from trainkit.errors import lost_rank_in_one_line
 from trainkit.launch import first_process, in_multirun, isolated_job
 from trainkit.loggers import ending_tracker_runs, flat_hparams, log_final, log_run_config, run_tags
 from trainkit.plan import Settings, check_fits, table
@@ -87,7 +88,7 @@ def run(cfg: DictConfig) -> float | None:
         if left.status == "completed":
             return left.value  # counted as before; nothing is rewritten
         cfg = continue_job(cfg, left)
-    with isolated_job(), owning_run_dir(cfg):
+    with isolated_job(), owning_run_dir(cfg), lost_rank_in_one_line(cfg.paths.output_dir):
         return _train_and_test(cfg)
 
 

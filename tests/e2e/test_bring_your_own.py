@@ -285,7 +285,7 @@ def test_a_refusal_of_one_rank_alone_is_said_once_and_ends_every_rank(
     """Rank 1 refuses (no loss reaches a head under ``if self.global_rank == 0``) while rank 0
     waits in DDP's all-reduce, which fails as rank 1 leaves: the run is refused with rank 1's
     line, once, not rank 0's traceback of a closed connection (the ranks that refuse alike say one
-    line: the test above)."""
+    line: the test above), nor rank 0's line that it lost rank 1."""
     run = user_run(
         user_conf, mnist_root, "strategy=ddp", "devices=2", "strategy.timeout.seconds=60",
         "monitor=val_loss", "monitor_mode=min", model="auxiliary_on_rank_zero",
@@ -295,6 +295,7 @@ def test_a_refusal_of_one_rank_alone_is_said_once_and_ends_every_rank(
     says = "aux.weight, aux.bias got no gradient from the first training step under ddp"
     assert proc.returncode != 0 and output.count(says) == 1, output[-3000:]
     assert "Traceback" not in output
+    assert "a rank of the run ended" not in output  # (rank 0's lost rank: rank 1's line is it)
 
 
 def refused(proc, log_dir: Path, *says: str) -> None:

@@ -520,14 +520,24 @@ def rank_pids(
     raise AssertionError(f"no process lines for 2 ranks in {run_dir}")
 
 
-@pytest.mark.parametrize("how", ["SIGKILL rank 1", "SIGSTOP rank 1"])
-def test_a_lost_rank_ends_the_others_within_a_minute(how: str, base, tmp_path: Path) -> None:
-    long = (*base, "strategy=ddp", "devices=2", "trainer.max_epochs=1000")
+@pytest.mark.parametrize(
+    ("strategy", "how"),
+    [("ddp", "SIGKILL rank 1"), ("ddp", "SIGSTOP rank 1"), ("ddp_spawn", "SIGSTOP rank 1")],
+)
+def test_a_lost_rank_ends_the_others_within_a_minute(
+    strategy: str, how: str, base, tmp_path: Path
+) -> None:
+    """The surviving rank fails within a minute, and says why in one line (gloo's error and its
+    traceback go to its log): the timeout it waited for a stopped rank, or the ended rank's
+    closed connection; where the logs are, and the resume. ddp_spawn's ranks say it through the
+    process that spawned them."""
+    long = (*base, f"strategy={strategy}", "devices=2", "trainer.max_epochs=1000")
+    console = tmp_path / "console.txt"
     # the timeout also bounds the ranks' rendezvous: 20 s leaves room for a slow start on a
     # loaded machine, and for a hang the others still fail well within the minute
     proc = train(
         tmp_path, *long, "strategy.timeout.seconds=20", wait=False,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, stderr=console.open("w"),
     )  # fmt: skip
     try:
         run_dir = None
@@ -550,7 +560,23 @@ def test_a_lost_rank_ends_the_others_within_a_minute(how: str, base, tmp_path: P
             time.sleep(0.2)
         assert not any(alive(p) for p in survivors), f"{how}: a rank still runs after 60 s"
         if proc.pid != victim:
-            assert proc.wait(timeout=30) != 0  # the run fails, it does not look finished
+            # the run fails, it does not look finished (ddp_spawn: once torch has stopped the
+            # stopped rank, SIGTERM and 30 s later SIGKILL)
+            assert proc.wait(timeout=60) != 0
+        said = console.read_text()
+        assert "Traceback" not in said, said[-3000:]
+        killed = "SIGKILL" in how
+        why, gloos = (
+            ("a rank of the run ended during a collective (its connection closed)", "by peer")
+            if killed
+            else ("a collective waited 20 s (strategy.timeout) for a rank that did not join it",
+                  "Timed out waiting 20000ms for ")  # (a recv or a send)
+        )  # fmt: skip
+        assert said.splitlines()[-1].startswith(why), said[-3000:]
+        assert f"each rank's log is in {run_dir}" in said
+        saved = any((run_dir / "checkpoints").glob("*"))
+        assert ("ckpt_path=last resumes the run from its last checkpoint" in said) == saved
+        assert gloos in (run_dir / "train.log").read_text()  # (with its traceback)
         deadline = time.time() + 30
         while any(alive(p) for p in pids.values()) and time.time() < deadline:
             time.sleep(0.2)

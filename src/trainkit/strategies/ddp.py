@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from trainkit.console import hand_over_held, has_started, log_as_rank, not_accepted, run_logging
-from trainkit.errors import ConfigError, listed
+from trainkit.errors import ConfigError, listed, lost_rank_in_one_line
 from trainkit.launch import JobScriptLauncher, RankRefused
 from trainkit.parallel import LIGHTNING
 
@@ -181,7 +181,11 @@ class SpawnLauncher(_MultiProcessingLauncher):
         # one failed: that failure says what happened)
         logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
         try:
-            return super().launch(_SaysRefusal(function, refusals), *args, **kwargs)
+            trainer = kwargs.get(
+                "trainer"
+            )  # (its root: the run's directory, for a lost rank's line)
+            root = trainer.default_root_dir if trainer is not None else None
+            return super().launch(_SaysRefusal(function, refusals, root), *args, **kwargs)
         except (mp.ProcessRaisedException, mp.ProcessExitedException):  # (torch: a rank failed)
             if refusals.empty():
                 raise
@@ -200,14 +204,17 @@ class SpawnLauncher(_MultiProcessingLauncher):
 class _SaysRefusal:
     """A spawned rank's function, whose refusal (one of Hydra's compact errors, with whether its
     run had started) also goes to the launching process: that process says it as its own one
-    line, where torch would raise the rank's traceback."""
+    line, where torch would raise the rank's traceback. So does a rank it lost (a collective's
+    timeout or closed connection: ``errors.lost_rank_in_one_line``, which train.run's is not
+    around in a spawned rank)."""
 
-    def __init__(self, function: Any, refusals: Any) -> None:
-        self.function, self.refusals = function, refusals
+    def __init__(self, function: Any, refusals: Any, output_dir: str | None = None) -> None:
+        self.function, self.refusals, self.output_dir = function, refusals, output_dir
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
-            return self.function(*args, **kwargs)
+            with lost_rank_in_one_line(self.output_dir):
+                return self.function(*args, **kwargs)
         except CompactHydraException as refused:
             self.refusals.put((str(refused), has_started()))
             raise
