@@ -23,7 +23,7 @@ from pathlib import Path
 
 from hydra.errors import CompactHydraException
 
-from trainkit.refusals import send_refusal
+from trainkit.refusals import RankLost, send_refusal
 
 # (message, why it does not apply), matched at the start of the message
 SILENCED_WARNINGS = [
@@ -234,6 +234,8 @@ def held_until_accepted() -> Iterator[HeldLines]:
     ConsoleHandler._held, _started = [], False  # (a new run: a sweep's next job in this process)
     try:
         yield lines
+    except RankLost:  # (not a refusal: what is held is shown)
+        raise
     except CompactHydraException:
         lines.refused_unaccepted = ConsoleHandler._held is not None
         _held_warnings_only()

@@ -84,22 +84,29 @@ def lost_rank_in_one_line(output_dir: str | None) -> Iterator[None]:
     try:
         yield
     except RuntimeError as err:
-        timed_out = _GLOO_TIMED_OUT.search(str(err))
-        if timed_out is None and _GLOO_RANK_ENDED.search(str(err)) is None:
+        text = str(err)
+        timed_out = _GLOO_TIMED_OUT.search(text)
+        if "gloo" not in text or (timed_out is None and not _GLOO_RANK_ENDED.search(text)):
             raise
         log.info("a collective failed", exc_info=True)  # (its traceback: the log file only)
-        run = Path(output_dir) if output_dir else None
-        logs = f"; each rank's log is in {shown(run)}" if run else ""
-        saved = run is not None and any((run / "checkpoints").glob("*"))
-        resume = ". ckpt_path=last resumes the run from its last checkpoint" if saved else ""
-        if timed_out is None:
-            raise RankLost(
-                f"a rank of the run ended during a collective (its connection closed){logs}, "
-                f"its own says why{resume}"
-            ) from err
-        seconds = int(timed_out.group(1)) / 1000
-        raise RankLost(
-            f"a collective waited {seconds:g} s (strategy.timeout) for a rank that did not join "
-            f"it: that rank stopped, hung or was slower{logs}. Where a step, an evaluation or a "
-            f"save rightly takes longer, raise strategy.timeout.seconds{resume}"
-        ) from err
+        raise RankLost(_lost_rank_line(output_dir, timed_out)) from err
+
+
+def _lost_rank_line(output_dir: str | None, timed_out: re.Match | None) -> str:
+    from trainkit.launch import in_multirun  # (launch imports torch)
+
+    run = Path(output_dir) if output_dir else None
+    logs = f"; each rank's log is in {shown(run)}" if run else ""
+    last = run is not None and (run / "checkpoints" / "last.ckpt").exists()
+    resume = ". ckpt_path=last resumes the run" if last and not in_multirun() else ""
+    if timed_out is None:
+        return (
+            f"{RankLost.ENDED} (its connection closed: it was killed, ran out of memory or "
+            f"failed){logs}{resume}"
+        )
+    seconds = int(timed_out.group(1)) / 1000
+    return (
+        f"{RankLost.TIMED_OUT}{seconds:g} s (strategy.timeout) for a rank that did not join it: "
+        f"that rank stopped, hung or was slower{logs}. Where a step, an evaluation or a save "
+        f"rightly takes longer, raise strategy.timeout.seconds{resume}"
+    )

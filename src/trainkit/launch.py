@@ -307,7 +307,8 @@ def said_refusals(children: list[subprocess.Popen], own: str = "") -> list[str]:
             text = (pipe.read() or b"").decode(errors="replace")
         if text.strip() and text.strip() != own.strip() and text not in said:
             said.append(text)
-    return said
+    refused = [text for text in said if not RankLost.said_in(text)]
+    return refused or said[:1]  # (a rank's refusal, not the others' lines that they lost it)
 
 
 class RankFailedError(RuntimeError):
@@ -335,13 +336,11 @@ def isolated_job(child_timeout_s: float = 120) -> Iterator[None]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 codes.append(proc.wait())
-        # this process's own refusal, which it says itself; a rank lost to this one is not (where
-        # that rank refused, its line is the run's)
-        refused_here = isinstance(failed, CompactHydraException) and not isinstance(
-            failed, RankLost
-        )
-        own = str(failed) if refused_here else ""
+        lost = isinstance(failed, RankLost)  # (not a refusal of its own: another rank's wins)
+        own = str(failed) if isinstance(failed, CompactHydraException) and not lost else ""
         refusals = said_refusals(children, own)
+        if lost:  # (its own line says what the other ranks' lost lines say)
+            refusals = [text for text in refusals if not RankLost.said_in(text)]
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
         kept = {k: os.environ[k] for k in PROCESS_ENV if k in os.environ}

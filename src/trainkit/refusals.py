@@ -19,8 +19,16 @@ from hydra.errors import CompactHydraException
 
 class RankLost(CompactHydraException, RuntimeError):
     """A collective that a rank of the run never joined (it stopped, hung, ended or is slower than
-    ``strategy.timeout``), in one line (``errors.lost_rank_in_one_line``). Not this rank's
-    refusal: where the rank it lost refused, that rank's line is the run's (``isolated_job``)."""
+    ``strategy.timeout``), in one line (``errors.lost_rank_in_one_line``). Not a refusal: the run
+    directory stays, and where the rank it lost refused, that rank's line is the run's."""
+
+    # how its lines begin, so that a refusal said beside one wins (launch.said_refusals)
+    TIMED_OUT = "a collective waited "
+    ENDED = "a rank of the run ended during a collective"
+
+    @classmethod
+    def said_in(cls, text: str) -> bool:
+        return text.lstrip().startswith((cls.TIMED_OUT, cls.ENDED))
 
 
 # Set by launch.JobScriptLauncher in the ranks it starts: the pipe back to it

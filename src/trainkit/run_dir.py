@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from trainkit.console import held_until_accepted, shown
 from trainkit.errors import ConfigError
 from trainkit.launch import first_process
+from trainkit.refusals import RankLost
 from trainkit.resume import is_restart
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,8 @@ def owning_run_dir(cfg: DictConfig) -> Iterator[None]:
     if not first_process():
         try:
             yield
+        except RankLost:  # (not a refusal: the run's files stay)
+            raise
         except CompactHydraException:  # (the ranks refuse alike: the first removes the rest)
             _remove_if_only_rank_logs(Path(output_dir))
             raise
@@ -132,7 +135,7 @@ def owning_run_dir(cfg: DictConfig) -> Iterator[None]:
                 if not check_new_output_dir(output_dir, ckpt_path):  # again: it may have started
                     write_hydra_record(path, cfg)  # (a run that goes on keeps how it started)
                 yield
-        except RunDirTaken:  # (another run started there after the first check: its files)
+        except (RunDirTaken, RankLost):  # (another run's files, or this run's own, which stay)
             raise
         except CompactHydraException:  # (a full disk too: its checkpoints stay)
             wrote = any((path / name).exists() for name in RUN_FILES)

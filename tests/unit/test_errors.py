@@ -1,32 +1,45 @@
-"""errors.lost_rank_in_one_line: which errors become RankLost's line, and what it says. The
+"""errors.lost_rank_in_one_line: which errors become RankLost's line, and what it says; and
+launch.said_refusals' choice of a rank's refusal over the lines of the ranks that lost it. The
 real collectives (a stopped and a killed rank) are tests/e2e/test_reliability.py's."""
 
+import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from trainkit.errors import lost_rank_in_one_line
+from trainkit.launch import _refusal_pipes, said_refusals
 from trainkit.refusals import RankLost
 
+GLOO = "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/"
 GLOO_TIMEOUT = (
-    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] "
-    "Timed out waiting 1500ms for recv operation to complete"
+    GLOO + "unbound_buffer.cc:78] Timed out waiting 1500ms for recv operation to complete"
 )
+GLOO_ENDED = GLOO + "pair.cc:545] Read error [127.0.0.1]:62157: Connection reset by peer."
 
 
-def test_another_runtime_error_passes_as_it_is(tmp_path: Path) -> None:
-    error = RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x3 and 4x2)")
+@pytest.mark.parametrize(
+    "text",
+    [
+        "mat1 and mat2 shapes cannot be multiplied (4x3 and 4x2)",
+        "HTTP upload failed: Connection reset by peer",  # (not gloo's: not a lost rank)
+    ],
+)
+def test_another_runtime_error_passes_as_it_is(tmp_path: Path, text: str) -> None:
+    error = RuntimeError(text)
     with pytest.raises(RuntimeError) as raised, lost_rank_in_one_line(str(tmp_path)):
         raise error
     assert raised.value is error
 
 
 @pytest.mark.parametrize("saved", [False, True])
-def test_a_timeout_names_its_seconds_the_logs_and_a_resume_only_where_one_was_saved(
+def test_a_timeout_names_its_seconds_the_logs_and_a_resume_only_where_last_was_saved(
     tmp_path: Path, saved: bool
 ) -> None:
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "best.ckpt").write_bytes(b"")  # (a resume takes last.ckpt)
     if saved:
-        (tmp_path / "checkpoints").mkdir()
         (tmp_path / "checkpoints" / "last.ckpt").write_bytes(b"")
     with pytest.raises(RankLost) as raised, lost_rank_in_one_line(str(tmp_path)):
         raise RuntimeError(GLOO_TIMEOUT)
@@ -36,3 +49,32 @@ def test_a_timeout_names_its_seconds_the_logs_and_a_resume_only_where_one_was_sa
     assert "raise strategy.timeout.seconds" in said
     assert ("ckpt_path=last resumes the run" in said) is saved
     assert isinstance(raised.value.__cause__, RuntimeError)  # (HYDRA_FULL_ERROR=1 shows it)
+    assert RankLost.said_in(said)
+
+
+def test_an_ended_rank_is_said_without_a_run_directory_too() -> None:
+    with pytest.raises(RankLost) as raised, lost_rank_in_one_line(None):
+        raise RuntimeError(GLOO_ENDED)
+    said = str(raised.value)
+    assert said.startswith("a rank of the run ended during a collective (its connection closed")
+    assert "log" not in said and "ckpt_path" not in said
+    assert RankLost.said_in(said)
+
+
+def exited_with(text: str, rank: int) -> SimpleNamespace:
+    """A rank that sent ``text`` through its refusal pipe and exited: what said_refusals reads of
+    it is its pid (the pipe's key) and the pipe, a real one."""
+    read, write = os.pipe()
+    os.write(write, text.encode())
+    os.close(write)
+    pid = 1_000_000 + rank  # (no process: the pipe is written here)
+    _refusal_pipes[pid] = read
+    return SimpleNamespace(pid=pid)
+
+
+def test_a_ranks_refusal_is_said_in_place_of_the_lines_of_the_ranks_that_lost_it() -> None:
+    lost = "a rank of the run ended during a collective (its connection closed)\n"
+    refusal = "aux.weight got no gradient from the first training step under ddp\n"
+    ranks = [exited_with(lost, 1), exited_with(lost, 2), exited_with(refusal, 3)]
+    assert said_refusals(ranks) == [refusal]
+    assert said_refusals([exited_with(lost, 1), exited_with(lost, 2)]) == [lost]

@@ -13,6 +13,7 @@ from helpers import SLURM_TASK, start_python, tree_state
 from trainkit.config import compose_config
 from trainkit.console import accepted
 from trainkit.errors import ConfigError, DiskFullError
+from trainkit.refusals import RankLost
 from trainkit.resume import is_restart, record_launch, resolve_ckpt_path
 from trainkit.run_dir import LOCK_FILE, RunDirTaken, check_new_output_dir, owning_run_dir
 
@@ -138,7 +139,7 @@ def test_a_refused_run_leaves_no_directory_and_a_stopped_one_keeps_what_it_wrote
     """Refused (a ConfigError) before it wrote what a run leaves, or before it was accepted
     (its stage started: Lightning opens the loggers' files before the data's setup, which may
     refuse): its directory goes. A compact error after checkpoints were written (a full disk)
-    keeps them; so does any other failure."""
+    keeps them; so does any other failure, and a lost rank (not a refusal) at any time."""
     refused = tmp_path / "refused"
     with (
         pytest.raises(ConfigError, match="refused"),
@@ -175,3 +176,9 @@ def test_a_refused_run_leaves_no_directory_and_a_stopped_one_keeps_what_it_wrote
         (failed / "train.log").write_text("what it said\n")
         raise RuntimeError("a bug")
     assert (failed / "train.log").is_file()
+
+    lost = tmp_path / "lost"  # (an evaluation writes none of RUN_FILES until it ends)
+    with pytest.raises(RankLost), owning_run_dir(compose_config("train", lost, overrides)):
+        (lost / "train.log").write_text("gloo's error, with its traceback\n")
+        raise RankLost("a collective waited 180 s (strategy.timeout) for a rank ...")
+    assert (lost / "train.log").is_file()  # (the line names this directory: it stays)

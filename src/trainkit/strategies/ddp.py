@@ -21,6 +21,7 @@ from trainkit.console import hand_over_held, has_started, log_as_rank, not_accep
 from trainkit.errors import ConfigError, listed, lost_rank_in_one_line
 from trainkit.launch import JobScriptLauncher, RankRefused
 from trainkit.parallel import LIGHTNING
+from trainkit.refusals import RankLost
 
 # DDP's error at a forward when the previous backward left parameters without a gradient
 UNFINISHED_REDUCTION = "Expected to have finished reduction in the prior iteration"
@@ -174,22 +175,26 @@ class SpawnLauncher(_MultiProcessingLauncher):
 
     run_logging: tuple[dict | None, list[logging.LogRecord]] = (None, [])
 
-    def launch(self, function: Any, *args: Any, **kwargs: Any) -> Any:
+    def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         self.run_logging = (run_logging(), hand_over_held())
         refusals = mp.get_context(self._start_method).SimpleQueue()
         # (torch's "Terminating process <pid> via signal SIGTERM" as the other ranks end after
         # one failed: that failure says what happened)
         logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+        root = trainer.default_root_dir if trainer is not None else None  # (the run's directory)
+        says = _SaysRefusal(function, refusals, root)
         try:
-            trainer = kwargs.get(
-                "trainer"
-            )  # (its root: the run's directory, for a lost rank's line)
-            root = trainer.default_root_dir if trainer is not None else None
-            return super().launch(_SaysRefusal(function, refusals, root), *args, **kwargs)
+            return super().launch(says, *args, trainer=trainer, **kwargs)
         except (mp.ProcessRaisedException, mp.ProcessExitedException):  # (torch: a rank failed)
             if refusals.empty():
                 raise
-            text, started = refusals.get()
+            said = []
+            while not refusals.empty():
+                said.append(refusals.get())
+            # a rank's refusal, not the others' lines that they lost it
+            text, started, lost = next((one for one in said if not one[2]), said[0])
+            if lost:  # (not a refusal: the run's directory stays)
+                raise RankLost(text) from None
             if not started:
                 not_accepted()  # (its directory goes, as one device's would)
             raise RankRefused(text) from None
@@ -208,7 +213,7 @@ class _SaysRefusal:
     timeout or closed connection: ``errors.lost_rank_in_one_line``, which train.run's is not
     around in a spawned rank)."""
 
-    def __init__(self, function: Any, refusals: Any, output_dir: str | None = None) -> None:
+    def __init__(self, function: Any, refusals: Any, output_dir: str | None) -> None:
         self.function, self.refusals, self.output_dir = function, refusals, output_dir
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -216,7 +221,7 @@ class _SaysRefusal:
             with lost_rank_in_one_line(self.output_dir):
                 return self.function(*args, **kwargs)
         except CompactHydraException as refused:
-            self.refusals.put((str(refused), has_started()))
+            self.refusals.put((str(refused), has_started(), isinstance(refused, RankLost)))
             raise
 
 
