@@ -12,8 +12,8 @@
   ``BreakWeightsAt`` one that breaks the weights without a non-finite loss, ``RankWeights``
   one that saves what a rank holds, ``UnfreezeFirstBlockAt`` a ``BaseFinetuning`` and
   ``FreezeFirstBlockUntil`` the same in plain hooks,
-  ``ShiftWeightAt`` one that changes one rank's weights (as ``+callbacks.*._target_`` of a
-  train.py subprocess: ``run_python`` puts tests/ on its path);
+  ``ShiftWeightAt`` one that changes one rank's weights, ``BugAt`` one that raises on one (as
+  ``+callbacks.*._target_`` of a train.py subprocess: ``run_python`` puts tests/ on its path);
 - ``gloo_collectives_report``: the fsdp strategy's CPU collectives beside torch's, in a rank of
   a real gloo group;
 - image-folder trees of real PNG and JPEG files;
@@ -720,6 +720,18 @@ class ShiftWeightAt(L.Callback):
             local = first.to_local() if hasattr(first, "to_local") else first  # an FSDP shard
             with torch.no_grad():
                 local.view(-1)[0] += 1.0
+
+
+class BugAt(L.Callback):
+    """Raises ``ZeroDivisionError`` on rank ``rank`` after global step ``step``: a bug in one
+    rank's code, as a user's would be."""
+
+    def __init__(self, step: int, rank: int = 1) -> None:
+        self.step, self.rank = step, rank
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            raise ZeroDivisionError(f"a bug on rank {self.rank}")
 
 
 class FSDPUnits(L.Callback):

@@ -77,10 +77,11 @@ log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
-def lost_rank_in_one_line(output_dir: str | None) -> Iterator[None]:
+def lost_rank_in_one_line(output_dir: str | None, in_sweep: bool) -> Iterator[None]:
     """Around a run: gloo's error where a rank did not join a collective is ``RankLost``'s line,
-    which names the timeout, where each rank's log is and how to resume, not 60 lines of
-    Lightning's frames. (NCCL's errors, on GPUs, are left as NCCL reports them.)"""
+    which names the timeout, where each rank's log is and how to resume (``ckpt_path=last``, not
+    in a sweep: its command continues it), not 60 lines of Lightning's frames. (NCCL's errors,
+    on GPUs, are left as NCCL reports them.)"""
     try:
         yield
     except RuntimeError as err:
@@ -89,16 +90,14 @@ def lost_rank_in_one_line(output_dir: str | None) -> Iterator[None]:
         if "gloo" not in text or (timed_out is None and not _GLOO_RANK_ENDED.search(text)):
             raise
         log.info("a collective failed", exc_info=True)  # (its traceback: the log file only)
-        raise RankLost(_lost_rank_line(output_dir, timed_out)) from err
+        raise RankLost(_lost_rank_line(output_dir, in_sweep, timed_out)) from err
 
 
-def _lost_rank_line(output_dir: str | None, timed_out: re.Match | None) -> str:
-    from trainkit.launch import in_multirun  # (launch imports torch)
-
+def _lost_rank_line(output_dir: str | None, in_sweep: bool, timed_out: re.Match | None) -> str:
     run = Path(output_dir) if output_dir else None
     logs = f"; each rank's log is in {shown(run)}" if run else ""
     last = run is not None and (run / "checkpoints" / "last.ckpt").exists()
-    resume = ". ckpt_path=last resumes the run" if last and not in_multirun() else ""
+    resume = ". ckpt_path=last resumes the run" if last and not in_sweep else ""
     if timed_out is None:
         return (
             f"{RankLost.ENDED} (its connection closed: it was killed, ran out of memory or "

@@ -308,6 +308,8 @@ def said_refusals(children: list[subprocess.Popen], own: str = "") -> list[str]:
         if text.strip() and text.strip() != own.strip() and text not in said:
             said.append(text)
     refused = [text for text in said if not RankLost.said_in(text)]
+    if own:  # (this process refused: the others' lines that they lost it say nothing more)
+        return refused
     return refused or said[:1]  # (a rank's refusal, not the others' lines that they lost it)
 
 

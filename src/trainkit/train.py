@@ -88,7 +88,8 @@ def run(cfg: DictConfig) -> float | None:
         if left.status == "completed":
             return left.value  # counted as before; nothing is rewritten
         cfg = continue_job(cfg, left)
-    with isolated_job(), owning_run_dir(cfg), lost_rank_in_one_line(cfg.paths.output_dir):
+    lost_rank = lost_rank_in_one_line(cfg.paths.get("output_dir"), in_multirun())
+    with isolated_job(), owning_run_dir(cfg), lost_rank:
         return _train_and_test(cfg)
 
 

@@ -34,6 +34,7 @@ from helpers import (
 )
 from trainkit.checkpoint_io import damage, remove_stale_temp_files
 from trainkit.data.synthetic import write_mnist
+from trainkit.refusals import RankLost
 
 pytestmark = pytest.mark.slow  # long end-to-end runs: CI's `slow` job
 STEPS_PER_EPOCH = 50  # 800 training images of the test MNIST, batch 16
@@ -587,6 +588,23 @@ def test_a_lost_rank_ends_the_others_within_a_minute(
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
         proc.wait()
+
+
+def test_a_bug_in_one_spawned_rank_is_shown_not_the_line_that_another_lost_it(
+    base, tmp_path: Path
+) -> None:
+    """ddp_spawn: rank 1 raises (a bug) at step 3, and rank 0's next collective loses it. The
+    console shows rank 1's error and its traceback, as torch reports it, not rank 0's line that
+    a rank ended (which would hide the bug)."""
+    bug = "+callbacks.bug"
+    proc = train(
+        tmp_path, *base, "strategy=ddp_spawn", "devices=2", "strategy.timeout.seconds=20",
+        f"{bug}._target_=helpers.BugAt", f"{bug}.step=3",
+    )  # fmt: skip
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output[-3000:]
+    assert "ZeroDivisionError: a bug on rank 1" in output and "Traceback" in output, output[-3000:]
+    assert not any(RankLost.said_in(line) for line in output.splitlines()), output[-3000:]
 
 
 # --- a non-finite loss ------------------------------------------------------------------------

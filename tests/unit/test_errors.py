@@ -28,32 +28,34 @@ GLOO_ENDED = GLOO + "pair.cc:545] Read error [127.0.0.1]:62157: Connection reset
 )
 def test_another_runtime_error_passes_as_it_is(tmp_path: Path, text: str) -> None:
     error = RuntimeError(text)
-    with pytest.raises(RuntimeError) as raised, lost_rank_in_one_line(str(tmp_path)):
+    with pytest.raises(RuntimeError) as raised, lost_rank_in_one_line(str(tmp_path), False):
         raise error
     assert raised.value is error
 
 
-@pytest.mark.parametrize("saved", [False, True])
+@pytest.mark.parametrize(("saved", "in_sweep"), [(False, False), (True, False), (True, True)])
 def test_a_timeout_names_its_seconds_the_logs_and_a_resume_only_where_last_was_saved(
-    tmp_path: Path, saved: bool
+    tmp_path: Path, saved: bool, in_sweep: bool
 ) -> None:
+    """The resume: where last.ckpt was saved, outside a sweep (a sweep's command continues its
+    jobs)."""
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "best.ckpt").write_bytes(b"")  # (a resume takes last.ckpt)
     if saved:
         (tmp_path / "checkpoints" / "last.ckpt").write_bytes(b"")
-    with pytest.raises(RankLost) as raised, lost_rank_in_one_line(str(tmp_path)):
+    with pytest.raises(RankLost) as raised, lost_rank_in_one_line(str(tmp_path), in_sweep):
         raise RuntimeError(GLOO_TIMEOUT)
     said = str(raised.value)
     assert said.startswith("a collective waited 1.5 s (strategy.timeout) for a rank that did not")
     assert f"each rank's log is in {tmp_path}" in said
     assert "raise strategy.timeout.seconds" in said
-    assert ("ckpt_path=last resumes the run" in said) is saved
+    assert ("ckpt_path=last resumes the run" in said) is (saved and not in_sweep)
     assert isinstance(raised.value.__cause__, RuntimeError)  # (HYDRA_FULL_ERROR=1 shows it)
     assert RankLost.said_in(said)
 
 
 def test_an_ended_rank_is_said_without_a_run_directory_too() -> None:
-    with pytest.raises(RankLost) as raised, lost_rank_in_one_line(None):
+    with pytest.raises(RankLost) as raised, lost_rank_in_one_line(None, in_sweep=False):
         raise RuntimeError(GLOO_ENDED)
     said = str(raised.value)
     assert said.startswith("a rank of the run ended during a collective (its connection closed")

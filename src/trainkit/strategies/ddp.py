@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import re
 from datetime import timedelta
 from typing import Any
@@ -19,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainkit.console import hand_over_held, has_started, log_as_rank, not_accepted, run_logging
 from trainkit.errors import ConfigError, listed, lost_rank_in_one_line
-from trainkit.launch import JobScriptLauncher, RankRefused
+from trainkit.launch import JobScriptLauncher, RankRefused, in_multirun
 from trainkit.parallel import LIGHTNING
 from trainkit.refusals import RankLost
 
@@ -182,17 +183,23 @@ class SpawnLauncher(_MultiProcessingLauncher):
         # one failed: that failure says what happened)
         logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
         root = trainer.default_root_dir if trainer is not None else None  # (the run's directory)
-        says = _SaysRefusal(function, refusals, root)
+        says = _SaysRefusal(function, refusals, root, in_multirun())
         try:
             return super().launch(says, *args, trainer=trainer, **kwargs)
-        except (mp.ProcessRaisedException, mp.ProcessExitedException):  # (torch: a rank failed)
-            if refusals.empty():
-                raise
-            said = []
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as failed:  # (torch's)
+            said = {}  # each refusing rank's pid: (its line, whether its run started, lost)
             while not refusals.empty():
-                said.append(refusals.get())
-            # a rank's refusal, not the others' lines that they lost it
-            text, started, lost = next((one for one in said if not one[2]), said[0])
+                pid, *entry = refusals.get()
+                said[pid] = entry
+            # the rank that failed first raised a bug (torch's traceback of it), not a refusal
+            # or a lost rank: the other ranks' lines of losing it would hide it
+            raised_a_bug = isinstance(failed, mp.ProcessRaisedException) and (
+                failed.error_pid not in said
+            )
+            if not said or raised_a_bug:
+                raise
+            entries = list(said.values())  # (a rank's refusal, not the others' lost lines)
+            text, started, lost = next((e for e in entries if not e[2]), entries[0])
             if lost:  # (not a refusal: the run's directory stays)
                 raise RankLost(text) from None
             if not started:
@@ -213,15 +220,17 @@ class _SaysRefusal:
     timeout or closed connection: ``errors.lost_rank_in_one_line``, which train.run's is not
     around in a spawned rank)."""
 
-    def __init__(self, function: Any, refusals: Any, output_dir: str | None) -> None:
-        self.function, self.refusals, self.output_dir = function, refusals, output_dir
+    def __init__(self, function: Any, refusals: Any, output_dir: str | None, in_sweep: bool):
+        self.function, self.refusals = function, refusals
+        self.output_dir, self.in_sweep = output_dir, in_sweep
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
-            with lost_rank_in_one_line(self.output_dir):
+            with lost_rank_in_one_line(self.output_dir, self.in_sweep):
                 return self.function(*args, **kwargs)
         except CompactHydraException as refused:
-            self.refusals.put((str(refused), has_started(), isinstance(refused, RankLost)))
+            lost = isinstance(refused, RankLost)
+            self.refusals.put((os.getpid(), str(refused), has_started(), lost))
             raise
 
 
