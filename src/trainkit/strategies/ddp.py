@@ -187,7 +187,7 @@ class SpawnLauncher(_MultiProcessingLauncher):
         try:
             return super().launch(says, *args, trainer=trainer, **kwargs)
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as failed:  # (torch's)
-            said = {}  # each refusing rank's pid: (its line, whether its run started, lost)
+            said = {}  # each refusing rank's pid: (its line, whether its run started)
             while not refusals.empty():
                 pid, *entry = refusals.get()
                 said[pid] = entry
@@ -199,8 +199,8 @@ class SpawnLauncher(_MultiProcessingLauncher):
             if not said or raised_a_bug:
                 raise
             entries = list(said.values())  # (a rank's refusal, not the others' lost lines)
-            text, started, lost = next((e for e in entries if not e[2]), entries[0])
-            if lost:  # (not a refusal: the run's directory stays)
+            text, started = next((e for e in entries if not RankLost.said_in(e[0])), entries[0])
+            if RankLost.said_in(text):  # (not a refusal: the run's directory stays)
                 raise RankLost(text) from None
             if not started:
                 not_accepted()  # (its directory goes, as one device's would)
@@ -229,8 +229,7 @@ class _SaysRefusal:
             with lost_rank_in_one_line(self.output_dir, self.in_sweep):
                 return self.function(*args, **kwargs)
         except CompactHydraException as refused:
-            lost = isinstance(refused, RankLost)
-            self.refusals.put((os.getpid(), str(refused), has_started(), lost))
+            self.refusals.put((os.getpid(), str(refused), has_started()))
             raise
 
 
