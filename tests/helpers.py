@@ -5,8 +5,9 @@
 - ``in_process_state``: what a run in the test's own process must leave as it found it;
 - ``quiet_trainer``: an in-process ``L.Trainer`` that writes and prints nothing;
 - ``shares_trained_run``: the xdist group of the tests that read conftest's ``trained_run``;
-- ``SignalAt``: a callback that sends a real signal at a given step, ``CollectiveCount`` one that
-  counts a rank's collectives, ``SeenSamples`` one that records what a rank trained on,
+- ``SignalAt``: a callback that sends a real signal at a given step (``SignalIn``: in a hook),
+  ``CollectiveCount`` one that counts a rank's collectives, ``SeenSamples`` one that records
+  what a rank trained on,
   ``EpochCounts`` one that logs its batches' sizes as epoch values, ``FSDPUnits`` one that
   records a run's FSDP units,
   ``BreakWeightsAt`` one that breaks the weights without a non-finite loss, ``RankWeights``
@@ -290,6 +291,29 @@ class SignalAt(L.Callback):
         if self.first_start_only and restarted():
             return
         if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            os.kill(os.getpid(), getattr(signal, self.signal))
+
+
+class SignalIn(L.Callback):
+    """Sends ``signal`` to this process in the callback hook ``hook`` (``setup``,
+    ``on_validation_start`` but the sanity check's, ``on_test_start``): Ctrl-C where the
+    training loop is not running."""
+
+    def __init__(self, hook: str, signal: str = "SIGINT") -> None:
+        self.hook, self.signal = hook, signal
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self._send("setup")
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking:
+            self._send("on_validation_start")
+
+    def on_test_start(self, trainer, pl_module) -> None:
+        self._send("on_test_start")
+
+    def _send(self, hook: str) -> None:
+        if hook == self.hook:
             os.kill(os.getpid(), getattr(signal, self.signal))
 
 

@@ -367,6 +367,21 @@ class _OneLineRefusals:
         return getattr(self.stream, name)
 
 
+_sweep_command: str | None = None  # the command that continues this process's sweep
+
+
+def sweep_continues_with(command: str) -> None:
+    """This process runs a sweep, which ``command`` continues (``sweep.own_sweep_dir``)."""
+    global _sweep_command
+    _sweep_command = command
+
+
+def _stopped_outside_a_run() -> str:
+    if _sweep_command:
+        return f"the sweep stopped before its next job started; continue it with: {_sweep_command}"
+    return "stopped before the run started; nothing was saved"
+
+
 _undone_on_refusal: list[Callable[[], None]] = []
 
 
@@ -384,6 +399,9 @@ def one_line_refusals() -> Iterator[None]:
     sys.stderr = said = _OneLineRefusals(stderr)
     try:
         yield
+    except KeyboardInterrupt:  # (before a run, or between a sweep's jobs: a run says its own)
+        sys.stderr.write(f"SIGINT: {_stopped_outside_a_run()}\n")
+        raise SystemExit(130) from None
     except SystemExit as stop:
         if stop.code and not said.traced:  # (a bug's traceback: what is held is shown, kept)
             _held_warnings_only()

@@ -5,8 +5,9 @@ data, a lost rank)."""
 import contextlib
 import logging
 import re
+import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from hydra.errors import CompactHydraException
@@ -109,3 +110,31 @@ def _lost_rank_line(output_dir: str | None, in_sweep: bool, timed_out: re.Match 
         f"that rank stopped, hung or was slower{logs}. Where a step, an evaluation or a save "
         f"rightly takes longer, raise strategy.timeout.seconds{resume}"
     )
+
+
+def ctrl_c(stop: BaseException) -> bool:
+    """Ctrl-C: Python's KeyboardInterrupt, or the ``sys.exit(1)`` that Lightning ends one in
+    outside the training loop (its setup, sanity check, test: trainer/call.py), raised while
+    handling it."""
+    if isinstance(stop, KeyboardInterrupt):
+        return True
+    return isinstance(stop, SystemExit) and isinstance(stop.__context__, KeyboardInterrupt)
+
+
+@contextlib.contextmanager
+def ctrl_c_in_one_line(stopped: Callable[[], str]) -> Iterator[None]:
+    """Around a run: Ctrl-C outside the training loop (where ``callbacks.Preemption`` stops at a
+    step and saves) ends the process with exit code 130 and the line ``stopped()`` (what the
+    run had saved), not a KeyboardInterrupt's traceback through whatever it interrupted, nor
+    Lightning's exit code 1. Its traceback goes to the log file."""
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit) as stop:
+        if not ctrl_c(stop):
+            raise
+        from trainkit.launch import first_process  # (launch imports Lightning)
+
+        where = stop if isinstance(stop, KeyboardInterrupt) else stop.__context__
+        log.info("interrupted here", exc_info=where)
+        (log.warning if first_process() else log.info)("SIGINT: %s", stopped())
+        raise SystemExit(128 + signal.SIGINT) from None

@@ -46,7 +46,13 @@ from omegaconf import DictConfig, OmegaConf
 import trainkit.startup  # noqa: F401  first: a joblib worker loads the job from here, not train.py
 from trainkit.checkpoint_io import atomic_write_text, is_checkpoint, saved_step
 from trainkit.config import LAST_SWEEP, project_config_file, settle
-from trainkit.console import accepted, held_until_launched, shown, undo_on_refusal
+from trainkit.console import (
+    accepted,
+    held_until_launched,
+    shown,
+    sweep_continues_with,
+    undo_on_refusal,
+)
 from trainkit.errors import ConfigError
 from trainkit.launch import ENTRY_POINT_ENV, first_process, in_multirun, resume_job_from
 from trainkit.report import (
@@ -169,7 +175,7 @@ class JobReporter(Callback):
             "sweep: %d job(s) completed, %d failed%s%s; summary in %s",
             *(summary["completed"], summary["failed"]),
             f", {summary['pruned']} trial(s) pruned" if summary.get("pruned") else "",
-            f", the best job {best['num']} ({best['return_value']:.4g})" if best else "",
+            f", the best job {best['num']} ({_value_of(best)})" if best else "",
             shown(sweep_dir / SWEEP_FILE),
         )
         setting = [key for key in summary["varying"] if key != "data.fold"]
@@ -229,6 +235,7 @@ def own_sweep_dir(config: DictConfig) -> None:
         )
     else:
         atomic_write_text(record, yaml.safe_dump(now, sort_keys=False))
+    sweep_continues_with(continuing_command(config))  # (what a Ctrl-C between its jobs says)
     log.info("sweep: %s (continue it with: %s)", shown(sweep_dir), continuing_command(config))
 
 
@@ -351,6 +358,22 @@ def continuing_command(config: DictConfig) -> str:
     python = shown(Path(sys.executable))
     script = shown(Path(os.environ.get(ENTRY_POINT_ENV) or sys.argv[0]))
     return shlex.join([python, script, *args, f"hydra.sweep.dir={shown(Path(sweep_dir))}"])
+
+
+def _value_of(job: dict[str, Any]) -> str:
+    """``val/acc 0.784``: a job's returned value with the metric it is of."""
+    monitor = job.get("monitor")
+    return f"{monitor} {job['return_value']:.4g}" if monitor else f"{job['return_value']:.4g}"
+
+
+def resume_hint() -> str:
+    """How a run stopped part-way goes on, for the line that says it stopped: ``ckpt_path=last``;
+    a sweep job, by its sweep's command (which continues each unfinished job from its own
+    last.ckpt: ``ckpt_path=last`` looks among single runs, not a sweep's jobs)."""
+    if not in_multirun():
+        return "resume with ckpt_path=last"
+    hydra = OmegaConf.create({"hydra": {"sweep": {"dir": HydraConfig.get().sweep.dir}}})
+    return f"its sweep's command continues it: {continuing_command(hydra)}"
 
 
 @dataclass(frozen=True)

@@ -259,6 +259,60 @@ def test_signal_saves_exits_nonzero_and_resumes_exactly(
         assert torch.equal(tensor, reference[name]), name  # the same samples, in the same order
 
 
+# Ctrl-C where the training loop is not running: before the run, in Lightning's setup, after
+# the last step's check (in the last validation: the only one of a one-epoch run), in the test
+CTRL_C_OUTSIDE_TRAINING = {
+    "imports": (),
+    "setup": ("+callbacks.ctrl_c._target_=helpers.SignalIn", "+callbacks.ctrl_c.hook=setup"),
+    "last validation": (
+        "+callbacks.ctrl_c._target_=helpers.SignalIn",
+        "+callbacks.ctrl_c.hook=on_validation_start",
+    ),
+    "test": ("+callbacks.ctrl_c._target_=helpers.SignalIn", "+callbacks.ctrl_c.hook=on_test_start"),
+}
+
+
+@pytest.mark.parametrize("where", list(CTRL_C_OUTSIDE_TRAINING))
+def test_ctrl_c_outside_the_training_loop_is_one_line_and_exit_130(
+    where: str, base, tmp_path: Path
+) -> None:
+    """Not a KeyboardInterrupt's traceback, nor Lightning's exit code 1 (its setup and test end
+    a Ctrl-C in sys.exit(1)), nor a Ctrl-C after the last step ignored until the test is done."""
+    short = ("trainer.max_epochs=1", "trainer.limit_train_batches=4")
+    argv = (*base, *short, *CTRL_C_OUTSIDE_TRAINING[where])
+    proc = train(tmp_path, *argv, wait=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    if where == "imports":
+        time.sleep(0.5)  # (train.py's imports take seconds)
+        proc.send_signal(signal.SIGINT)
+    output = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 130, output[-3000:]
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output, output[-3000:]
+    (said,) = [line for line in output.splitlines() if "SIGINT" in line]
+    made = runs(tmp_path) if (tmp_path / "train" / "runs").is_dir() else []
+    if where == "imports":
+        assert said == "SIGINT: stopped before the run started; nothing was saved"
+        assert made == []
+        return
+    (run,) = made
+    assert not (run / "metrics.json").exists()  # (no test was run, or finished)
+    checkpoints = run / "checkpoints"
+    if where == "setup":
+        assert said == "warning: SIGINT: stopped before this run saved a checkpoint"
+        assert not checkpoints.exists()
+    elif where == "last validation":  # (after the last step's check: read at the end)
+        last = checkpoints / "last.ckpt"
+        assert said == (
+            "warning: SIGINT: stopped at the end of training (step 4, epoch 1/1), before its "
+            f"test; saved {last}; resume with ckpt_path=last"
+        )
+        assert torch.load(last, weights_only=True)["global_step"] == 4
+    else:
+        assert said == (
+            f"warning: SIGINT: stopped; its checkpoints stay in {checkpoints} (best.ckpt, "
+            "last.ckpt); resume with ckpt_path=last"
+        )
+
+
 @pytest.fixture(scope="module")
 def ddp_reference(overrides: tuple[str, ...], run_here) -> dict[str, torch.Tensor]:
     """What 2 ddp ranks of batch 16 train in 2 epochs: one device's weights on the same global

@@ -1,14 +1,16 @@
-"""errors.lost_rank_in_one_line: which errors become RankLost's line, and what it says; and
+"""errors.ctrl_c_in_one_line: which exits are a Ctrl-C. errors.lost_rank_in_one_line: which
+errors become RankLost's line, and what it says; and
 launch.said_refusals' choice of a rank's refusal over the lines of the ranks that lost it. The
 real collectives (a stopped and a killed rank) are tests/e2e/test_reliability.py's."""
 
 import os
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from trainkit.errors import lost_rank_in_one_line
+from trainkit.errors import ctrl_c_in_one_line, lost_rank_in_one_line
 from trainkit.launch import _refusal_pipes, said_refusals
 from trainkit.refusals import RankLost
 
@@ -80,3 +82,32 @@ def test_a_ranks_refusal_is_said_in_place_of_the_lines_of_the_ranks_that_lost_it
     ranks = [exited_with(lost, 1), exited_with(lost, 2), exited_with(refusal, 3)]
     assert said_refusals(ranks) == [refusal]
     assert said_refusals([exited_with(lost, 1), exited_with(lost, 2)]) == [lost]
+
+
+def lightnings_exit_on_ctrl_c() -> None:
+    """What Lightning's trainer/call.py does with a Ctrl-C outside the training loop."""
+    try:
+        raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        sys.exit(1)
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, lightnings_exit_on_ctrl_c])
+def test_ctrl_c_is_exit_130_and_its_line(stop, caplog: pytest.LogCaptureFixture) -> None:
+    def raised() -> None:
+        if stop is KeyboardInterrupt:
+            raise KeyboardInterrupt
+        stop()
+
+    with pytest.raises(SystemExit) as ended, ctrl_c_in_one_line(lambda: "what was saved"):
+        raised()
+    assert ended.value.code == 130
+    assert "SIGINT: what was saved" in [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.parametrize("code", [0, 1, 2])
+def test_another_exit_passes_as_it_is(code: int) -> None:
+    """A refusal's or a bug's exit code is not a Ctrl-C's, whatever its number."""
+    with pytest.raises(SystemExit) as ended, ctrl_c_in_one_line(lambda: "never said"):
+        sys.exit(code)
+    assert ended.value.code == code

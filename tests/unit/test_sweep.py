@@ -37,7 +37,13 @@ from trainkit.config import CONF_DIR, compose_config
 from trainkit.launch import ENTRY_POINT_ENV, isolated_job, job_command, resume_job_from
 from trainkit.loggers import flat_hparams, log_final
 from trainkit.resolvers import job_dirname
-from trainkit.sweep import SweepTaken, check_same_sweep, newest_sweep_named, sweep_definition
+from trainkit.sweep import (
+    SweepTaken,
+    check_same_sweep,
+    newest_sweep_named,
+    resume_hint,
+    sweep_definition,
+)
 
 
 def compose_with_hydra(overrides: Sequence[str]) -> DictConfig:
@@ -198,6 +204,19 @@ def test_job_command_runs_the_sweeps_script(
     monkeypatch.delenv(ENTRY_POINT_ENV)
     monkeypatch.setattr(sys, "argv", ["train.py", "-m", "devices=1,2"])
     assert job_command(1)[:2] == [sys.executable, os.path.abspath("train.py")]
+
+
+def test_a_stopped_sweep_job_is_continued_by_its_sweeps_command_not_ckpt_path_last(
+    hydra_job: Callable[..., DictConfig], job_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ckpt_path=last looks among single runs: a job's stop line names its sweep's command."""
+    assert resume_hint() == "resume with ckpt_path=last"  # (no Hydra job here)
+    hydra_job(job_dir, hydra_overrides=["hydra.sweep.dir=/tmp/sweep"])
+    monkeypatch.setattr(sys, "argv", ["train.py", "-m", "seed=1,2"])
+    monkeypatch.delenv(ENTRY_POINT_ENV, raising=False)
+    said = resume_hint()
+    assert said.startswith("its sweep's command continues it: ")
+    assert said.endswith("train.py -m seed=1,2 hydra.sweep.dir=/tmp/sweep")
 
 
 def test_job_command_runs_exactly_this_job(

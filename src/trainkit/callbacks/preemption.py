@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from trainkit.console import epoch_text
 from trainkit.launch import slurm_job_id, under_slurm
+from trainkit.sweep import resume_hint
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +64,16 @@ class Preemption(L.Callback):
             self.signum = self.signum or signal.SIGTERM
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        several = dist.is_available() and dist.is_initialized() and trainer.world_size > 1
+        if several and trainer.global_step % self.check_every:
+            return
+        self._stop_if_signalled(trainer, pl_module)
+
+    def _stop_if_signalled(self, trainer, pl_module, ended: bool = False) -> None:
+        """Where any rank was signalled, every rank saves and stops here (all call this);
+        ``ended``: at the end of training, before its test."""
         signum = self.signum or 0
         if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
-            if trainer.global_step % self.check_every:
-                return
             flag = torch.tensor([signum], device=pl_module.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # any rank signalled: all stop here
             signum = int(flag.item())
@@ -80,10 +87,13 @@ class Preemption(L.Callback):
         trainer.save_checkpoint(self.checkpoint_path, weights_only=False)
         name = signal.Signals(signum).name
         stopped = f"{name}: stopped at step {trainer.global_step} ({epoch_text(trainer)})"
+        if ended:  # (the epoch count has passed the last epoch: that one is named)
+            done = f"step {trainer.global_step}, epoch {trainer.current_epoch}/{trainer.max_epochs}"
+            stopped = f"{name}: stopped at the end of training ({done}), before its test"
         if self.requeued:
             message = f"{stopped}; saved {self.checkpoint_path}; {self._requeue(trainer)}"
         else:
-            message = f"{stopped}; saved {self.checkpoint_path}. Resume with ckpt_path=last"
+            message = f"{stopped}; saved {self.checkpoint_path}; {resume_hint()}"
         # rank 0's on the console; every rank's in its log file
         (log.warning if trainer.is_global_zero else log.info)(message)
         raise Preempted(signum, message)
@@ -102,11 +112,16 @@ class Preemption(L.Callback):
             subprocess.run(command, check=True, capture_output=True, text=True, timeout=60)
         except (OSError, subprocess.SubprocessError) as err:  # no scontrol, refused, timed out
             why = (getattr(err, "stderr", None) or str(err)).strip()
-            return f"could not requeue SLURM job {job} ({why}); resume with ckpt_path=last"
+            return f"could not requeue SLURM job {job} ({why}); {resume_hint()}"
         return f"requeued SLURM job {job}, whose next start resumes from it"
 
     def on_train_end(self, trainer, pl_module) -> None:
         self._restore(signal.SIGTERM, signal.SIGINT)
+        if self.signum == self.requeue_signal:  # (the run is done: nothing to requeue)
+            self.signum = None
+        # a signal after the last step's check (the last validation, its saves) stops the run
+        # here, not after its test
+        self._stop_if_signalled(trainer, pl_module, ended=True)
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         if not self.requeued:  # requeued: SLURM's SIGTERM follows, and must find our handler
