@@ -15,7 +15,9 @@ import contextlib
 import dataclasses
 import logging
 import logging.config
+import os
 import re
+import signal
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -24,6 +26,10 @@ from pathlib import Path
 from hydra.errors import CompactHydraException
 
 from trainkit.refusals import RankLost, send_refusal
+
+# The exit codes of a process stopped by a signal (Ctrl-C, a scheduler's SIGTERM): not a refusal
+SIGINT_EXIT = 128 + signal.SIGINT
+SIGNAL_EXITS = {SIGINT_EXIT, 128 + signal.SIGTERM}
 
 # (message, why it does not apply), matched at the start of the message
 SILENCED_WARNINGS = [
@@ -367,18 +373,18 @@ class _OneLineRefusals:
         return getattr(self.stream, name)
 
 
-_sweep_command: str | None = None  # the command that continues this process's sweep
-
-
-def sweep_continues_with(command: str) -> None:
-    """This process runs a sweep, which ``command`` continues (``sweep.own_sweep_dir``)."""
-    global _sweep_command
-    _sweep_command = command
+# Set by sweep.own_sweep_dir in the process that starts a sweep, and so in its jobs' processes
+# (a joblib worker, a submitit job, whose argv is the launcher's): the command that continues it
+SWEEP_COMMAND_ENV = "TRAINKIT_SWEEP_COMMAND"
+# A rank > 0 by its launcher's variables, read before Lightning loads (launch.first_process):
+# torchrun's, SLURM's, Lightning's ddp launcher's
+_RANK_ENV = ("RANK", "SLURM_PROCID", "LOCAL_RANK")
 
 
 def _stopped_outside_a_run() -> str:
-    if _sweep_command:
-        return f"the sweep stopped before its next job started; continue it with: {_sweep_command}"
+    command = os.environ.get(SWEEP_COMMAND_ENV)
+    if command:
+        return f"the sweep stopped; continue it with: {command}"
     return "stopped before the run started; nothing was saved"
 
 
@@ -400,10 +406,12 @@ def one_line_refusals() -> Iterator[None]:
     try:
         yield
     except KeyboardInterrupt:  # (before a run, or between a sweep's jobs: a run says its own)
-        sys.stderr.write(f"SIGINT: {_stopped_outside_a_run()}\n")
-        raise SystemExit(130) from None
+        if all(os.environ.get(name, "0") == "0" for name in _RANK_ENV):  # (said once)
+            sys.stderr.write(f"SIGINT: {_stopped_outside_a_run()}\n")
+        raise SystemExit(SIGINT_EXIT) from None
     except SystemExit as stop:
-        if stop.code and not said.traced:  # (a bug's traceback: what is held is shown, kept)
+        refused = stop.code and stop.code not in SIGNAL_EXITS  # (not a signal's stop)
+        if refused and not said.traced:  # (a bug's traceback: what is held is shown, kept)
             _held_warnings_only()
             for undo in _undone_on_refusal:
                 undo()

@@ -5,15 +5,23 @@ data, a lost rank)."""
 import contextlib
 import logging
 import re
-import signal
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from hydra.errors import CompactHydraException
 
-from trainkit.console import shown
+from trainkit.console import SIGINT_EXIT, shown
 from trainkit.refusals import RankLost
+
+
+class Preempted(Exception):
+    """Training stopped on a signal after saving (``callbacks.Preemption``): the process exits
+    with 128 + signal (``train.run``; a ddp_spawn rank, ``strategies.ddp``)."""
+
+    def __init__(self, signum: int, message: str) -> None:
+        super().__init__(message)
+        self.signum = signum
 
 
 class ConfigError(CompactHydraException, ValueError):
@@ -132,9 +140,12 @@ def ctrl_c_in_one_line(stopped: Callable[[], str]) -> Iterator[None]:
     except (KeyboardInterrupt, SystemExit) as stop:
         if not ctrl_c(stop):
             raise
+        from lightning.fabric.utilities.rank_zero import rank_zero_only
+
         from trainkit.launch import first_process  # (launch imports Lightning)
 
         where = stop if isinstance(stop, KeyboardInterrupt) else stop.__context__
         log.info("interrupted here", exc_info=where)
-        (log.warning if first_process() else log.info)("SIGINT: %s", stopped())
-        raise SystemExit(128 + signal.SIGINT) from None
+        said = first_process() and rank_zero_only.rank == 0  # (a ddp_spawn rank: its own rank)
+        (log.warning if said else log.info)("SIGINT: %s", stopped())
+        raise SystemExit(SIGINT_EXIT) from None

@@ -22,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -153,6 +154,22 @@ class _JobObserver(_ChildProcessObserver):
         return None
 
 
+@contextlib.contextmanager
+def sigint_ignored() -> Iterator[None]:
+    """The ranks this process starts ignore SIGINT: Ctrl-C is the first process's, which stops
+    every rank at one step in training (callbacks.Preemption's all-reduce) and ends them outside
+    it. A rank that ended on its own would leave the first blocked in a collective, or in its
+    wait for the ranks to join, where Python sees no signal."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # (signals reach the main thread only: a Ctrl-C is not this thread's to handle)
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 class JobScriptLauncher(_SubprocessScriptLauncher):
     """Lightning's script launcher with children that run this job only (see the module doc)."""
 
@@ -191,7 +208,8 @@ class JobScriptLauncher(_SubprocessScriptLauncher):
                 "PYTHONFAULTHANDLER": "1",
                 REFUSAL_FD_ENV: str(write),
             }
-            proc = subprocess.Popen(job_command(local_rank), env=child_env, pass_fds=(write,))
+            with sigint_ignored():  # (inherited, and kept through exec)
+                proc = subprocess.Popen(job_command(local_rank), env=child_env, pass_fds=(write,))
             os.close(write)
             _refusal_pipes[proc.pid] = read
             self.procs.append(proc)

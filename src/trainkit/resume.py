@@ -11,6 +11,7 @@ line changed (``resumed_config``).
 
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,8 +29,9 @@ from trainkit.checkpoint_io import (
     read_checkpoint,
 )
 from trainkit.config import expand_shorthands, settle, with_library_defaults
+from trainkit.console import SWEEP_COMMAND_ENV, shown
 from trainkit.errors import ConfigError
-from trainkit.launch import launcher_run_id, override_key
+from trainkit.launch import in_multirun, launcher_run_id, override_key
 
 log = logging.getLogger(__name__)
 
@@ -364,3 +366,23 @@ def check_same_model(path: Path, cfg: DictConfig, trained: dict) -> None:
             f"ckpt_path={path} holds a different model: model.net={theirs}, this run builds "
             f"model.net={ours}; resume with the checkpoint's model options"
         )
+
+
+def resume_hint() -> str:
+    """How a run stopped part-way goes on, for the line that says it stopped: ``ckpt_path=last``;
+    a sweep job, by its sweep's command (which continues each unfinished job from its own
+    last.ckpt: ``ckpt_path=last`` looks among single runs, not a sweep's jobs)."""
+    if not in_multirun():
+        return "resume with ckpt_path=last"
+    command = os.environ.get(SWEEP_COMMAND_ENV)  # (a submitit job's argv is submitit's)
+    return f"its sweep's command continues it: {command or 'the one its first line names'}"
+
+
+def saved_by(output_dir: str | None) -> str:
+    """What a run stopped by Ctrl-C outside training (setup, sanity check, test) had saved."""
+    saved = Path(output_dir or ".") / "checkpoints"
+    kept = [p.name for p in sorted(saved.glob("*.ckpt")) if output_dir and is_checkpoint(p)]
+    if not kept:  # (a sweep job starts again when its sweep's command is run again)
+        hint = f"; {resume_hint()}" if in_multirun() else ""
+        return f"stopped before this run saved a checkpoint{hint}"
+    return f"stopped; its checkpoints stay in {shown(saved)} ({', '.join(kept)}); {resume_hint()}"

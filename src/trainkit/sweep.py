@@ -47,10 +47,10 @@ import trainkit.startup  # noqa: F401  first: a joblib worker loads the job from
 from trainkit.checkpoint_io import atomic_write_text, is_checkpoint, saved_step
 from trainkit.config import LAST_SWEEP, project_config_file, settle
 from trainkit.console import (
+    SWEEP_COMMAND_ENV,
     accepted,
     held_until_launched,
     shown,
-    sweep_continues_with,
     undo_on_refusal,
 )
 from trainkit.errors import ConfigError
@@ -235,7 +235,7 @@ def own_sweep_dir(config: DictConfig) -> None:
         )
     else:
         atomic_write_text(record, yaml.safe_dump(now, sort_keys=False))
-    sweep_continues_with(continuing_command(config))  # (what a Ctrl-C between its jobs says)
+    os.environ[SWEEP_COMMAND_ENV] = continuing_command(config)  # (for the lines that stop it)
     log.info("sweep: %s (continue it with: %s)", shown(sweep_dir), continuing_command(config))
 
 
@@ -364,16 +364,6 @@ def _value_of(job: dict[str, Any]) -> str:
     """``val/acc 0.784``: a job's returned value with the metric it is of."""
     monitor = job.get("monitor")
     return f"{monitor} {job['return_value']:.4g}" if monitor else f"{job['return_value']:.4g}"
-
-
-def resume_hint() -> str:
-    """How a run stopped part-way goes on, for the line that says it stopped: ``ckpt_path=last``;
-    a sweep job, by its sweep's command (which continues each unfinished job from its own
-    last.ckpt: ``ckpt_path=last`` looks among single runs, not a sweep's jobs)."""
-    if not in_multirun():
-        return "resume with ckpt_path=last"
-    hydra = OmegaConf.create({"hydra": {"sweep": {"dir": HydraConfig.get().sweep.dir}}})
-    return f"its sweep's command continues it: {continuing_command(hydra)}"
 
 
 @dataclass(frozen=True)

@@ -22,22 +22,21 @@ from trainkit.callbacks import (
     TrialPruning,
 )
 from trainkit.callbacks.ema import exponential_average
-from trainkit.callbacks.preemption import Preempted
 from trainkit.callbacks.trial_pruning import prunes_epochs
-from trainkit.checkpoint_io import is_checkpoint, remove_stale_temp_files
+from trainkit.checkpoint_io import remove_stale_temp_files
 from trainkit.config import with_library_defaults
 from trainkit.console import quiet, results_line, shown
-from trainkit.errors import ctrl_c_in_one_line, lost_rank_in_one_line
+from trainkit.errors import Preempted, ctrl_c_in_one_line, lost_rank_in_one_line
 from trainkit.launch import first_process, in_multirun, isolated_job
 from trainkit.loggers import ending_tracker_runs, flat_hparams, log_final, log_run_config, run_tags
 from trainkit.plan import Settings, check_fits, table
 from trainkit.preflight import check_built_run, why_cannot
-from trainkit.resume import composing_overrides, job_overrides, record_launch
+from trainkit.resume import composing_overrides, job_overrides, record_launch, saved_by
 from trainkit.run_dir import left_unused, owning_run_dir
 from trainkit.run_files import as_floats, stage_metrics, write_config, write_json
 from trainkit.run_plan import RunPlan, training_plan
 from trainkit.runtime import tune_malloc
-from trainkit.sweep import Pruned, continue_job, job_as_left, resume_hint
+from trainkit.sweep import Pruned, continue_job, job_as_left
 
 log = logging.getLogger(__name__)
 
@@ -89,19 +88,9 @@ def run(cfg: DictConfig) -> float | None:
             return left.value  # counted as before; nothing is rewritten
         cfg = continue_job(cfg, left)
     lost_rank = lost_rank_in_one_line(cfg.paths.get("output_dir"), in_multirun())
-    ctrl_c = ctrl_c_in_one_line(lambda: _saved_by(Path(cfg.paths.output_dir)))
+    ctrl_c = ctrl_c_in_one_line(lambda: saved_by(cfg.paths.output_dir))
     with isolated_job(), owning_run_dir(cfg), lost_rank, ctrl_c:
         return _train_and_test(cfg)
-
-
-def _saved_by(output_dir: Path) -> str:
-    """What a run stopped by Ctrl-C outside training (setup, sanity check, test) had saved."""
-    saved = output_dir / "checkpoints"
-    kept = [p.name for p in sorted(saved.glob("*.ckpt")) if is_checkpoint(p)]
-    if not kept:  # (a sweep job starts again when its sweep's command is run again)
-        hint = f"; {resume_hint()}" if in_multirun() else ""
-        return f"stopped before this run saved a checkpoint{hint}"
-    return f"stopped; its checkpoints stay in {shown(saved)} ({', '.join(kept)}); {resume_hint()}"
 
 
 def show_plan(cfg: DictConfig) -> None:

@@ -259,31 +259,63 @@ def test_signal_saves_exits_nonzero_and_resumes_exactly(
         assert torch.equal(tensor, reference[name]), name  # the same samples, in the same order
 
 
-# Ctrl-C where the training loop is not running: before the run, in Lightning's setup, after
-# the last step's check (in the last validation: the only one of a one-epoch run), in the test
-CTRL_C_OUTSIDE_TRAINING = {
-    "imports": (),
-    "setup": ("+callbacks.ctrl_c._target_=helpers.SignalIn", "+callbacks.ctrl_c.hook=setup"),
-    "last validation": (
-        "+callbacks.ctrl_c._target_=helpers.SignalIn",
-        "+callbacks.ctrl_c.hook=on_validation_start",
+# Where a Ctrl-C lands: (the run's overrides, the line of its log after which the test sends
+# it to the run's process group, as a terminal does; None: a callback of the run sends it)
+CTRL_C = {
+    "imports": ((), "(torch loading)"),
+    "setup": (
+        ("+callbacks.ctrl_c._target_=helpers.SignalIn", "+callbacks.ctrl_c.hook=setup"),
+        None,
     ),
-    "test": ("+callbacks.ctrl_c._target_=helpers.SignalIn", "+callbacks.ctrl_c.hook=on_test_start"),
+    "last validation": (  # (after the last step's check; ema's average is copied in at the end)
+        (
+            "+callbacks.ctrl_c._target_=helpers.SignalIn",
+            "+callbacks.ctrl_c.hook=on_validation_start",
+            "ema.decay=0.5",
+        ),
+        None,
+    ),
+    "test": (
+        ("+callbacks.ctrl_c._target_=helpers.SignalIn", "+callbacks.ctrl_c.hook=on_test_start"),
+        None,
+    ),
+    # rank 0 waits in its process group's start for rank 1, which imports: a wait where Python
+    # sees no signal (the line just before it)
+    "ddp start": (("strategy=ddp", "devices=2"), "Initializing distributed: GLOBAL_RANK: 0"),
+    # the launching process waits on the ranks it spawned, which stop at one step
+    "ddp_spawn training": (
+        ("strategy=ddp_spawn", "devices=2", "trainer.max_epochs=2"),
+        "epoch 1/2 ",
+    ),
 }
 
 
-@pytest.mark.parametrize("where", list(CTRL_C_OUTSIDE_TRAINING))
-def test_ctrl_c_outside_the_training_loop_is_one_line_and_exit_130(
+def logged(log_dir: Path, line: str) -> bool:
+    return any(line in log.read_text() for log in log_dir.glob("train/runs/*/train.log"))
+
+
+@pytest.mark.parametrize("where", list(CTRL_C))
+def test_ctrl_c_is_one_line_and_exit_130_wherever_it_lands(
     where: str, base, tmp_path: Path
 ) -> None:
     """Not a KeyboardInterrupt's traceback, nor Lightning's exit code 1 (its setup and test end
-    a Ctrl-C in sys.exit(1)), nor a Ctrl-C after the last step ignored until the test is done."""
-    short = ("trainer.max_epochs=1", "trainer.limit_train_batches=4")
-    argv = (*base, *short, *CTRL_C_OUTSIDE_TRAINING[where])
-    proc = train(tmp_path, *argv, wait=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    if where == "imports":
-        time.sleep(0.5)  # (train.py's imports take seconds)
-        proc.send_signal(signal.SIGINT)
+    a Ctrl-C in sys.exit(1)), nor a Ctrl-C after the last step ignored until the test is done,
+    nor a rank 0 left waiting for a rank that ended, nor two lines that disagree."""
+    overrides, after = CTRL_C[where]
+    argv = (*base, "trainer.max_epochs=1", "trainer.limit_train_batches=4", *overrides)
+    proc = train(
+        tmp_path, *argv, wait=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        start_new_session=True,  # (a terminal's process group: the test's Ctrl-C reaches it all)
+    )  # fmt: skip
+    if after is not None:
+        maps = Path(f"/proc/{proc.pid}/maps")  # (torch loads in main's import of trainkit.train)
+        while proc.poll() is None and not (
+            logged(tmp_path, after)
+            if after != "(torch loading)"
+            else "libtorch" in maps.read_text()
+        ):
+            time.sleep(0.01)
+        os.killpg(proc.pid, signal.SIGINT)
     output = proc.communicate(timeout=120)[0]
     assert proc.returncode == 130, output[-3000:]
     assert "Traceback" not in output and "KeyboardInterrupt" not in output, output[-3000:]
@@ -296,21 +328,26 @@ def test_ctrl_c_outside_the_training_loop_is_one_line_and_exit_130(
     (run,) = made
     assert not (run / "metrics.json").exists()  # (no test was run, or finished)
     checkpoints = run / "checkpoints"
-    if where == "setup":
+    if where in ("setup", "ddp start"):
         assert said == "warning: SIGINT: stopped before this run saved a checkpoint"
         assert not checkpoints.exists()
-    elif where == "last validation":  # (after the last step's check: read at the end)
-        last = checkpoints / "last.ckpt"
+    elif where == "last validation":
         assert said == (
-            "warning: SIGINT: stopped at the end of training (step 4, epoch 1/1), before its "
-            f"test; saved {last}; resume with ckpt_path=last"
+            "warning: SIGINT: stopped at the end of training (step 4), before its test; its "
+            f"checkpoints stay in {checkpoints}; resume with ckpt_path=last"
         )
-        assert torch.load(last, weights_only=True)["global_step"] == 4
-    else:
+        last = torch.load(checkpoints / "last.ckpt", weights_only=True)
+        assert last["global_step"] == 4
+        raw, average = last["current_model_state"], last["state_dict"]  # (not saved again once
+        assert any(not torch.equal(raw[k], average[k]) for k in raw)  # the module is the average)
+    elif where == "test":
         assert said == (
             f"warning: SIGINT: stopped; its checkpoints stay in {checkpoints} (best.ckpt, "
             "last.ckpt); resume with ckpt_path=last"
         )
+    else:  # (in epoch 2 of 2: at its 10th step, or at its end: each saved, the ranks agreeing)
+        assert re.fullmatch(r"warning: SIGINT: stopped at (step \d+|the end of training).*", said)
+        assert torch.load(checkpoints / "last.ckpt", weights_only=True)["global_step"] > 4
 
 
 @pytest.fixture(scope="module")

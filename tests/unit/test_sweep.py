@@ -34,14 +34,16 @@ from torch.utils.tensorboard.summary import hparams
 from helpers import SLURM_TASK
 from trainkit.callbacks import Preemption
 from trainkit.config import CONF_DIR, compose_config
+from trainkit.console import SWEEP_COMMAND_ENV
 from trainkit.launch import ENTRY_POINT_ENV, isolated_job, job_command, resume_job_from
 from trainkit.loggers import flat_hparams, log_final
 from trainkit.resolvers import job_dirname
+from trainkit.resume import resume_hint
 from trainkit.sweep import (
     SweepTaken,
     check_same_sweep,
+    continuing_command,
     newest_sweep_named,
-    resume_hint,
     sweep_definition,
 )
 
@@ -211,12 +213,15 @@ def test_a_stopped_sweep_job_is_continued_by_its_sweeps_command_not_ckpt_path_la
 ) -> None:
     """ckpt_path=last looks among single runs: a job's stop line names its sweep's command."""
     assert resume_hint() == "resume with ckpt_path=last"  # (no Hydra job here)
-    hydra_job(job_dir, hydra_overrides=["hydra.sweep.dir=/tmp/sweep"])
+    cfg = hydra_job(job_dir, hydra_overrides=["hydra.sweep.dir=/tmp/sweep"])
     monkeypatch.setattr(sys, "argv", ["train.py", "-m", "seed=1,2"])
     monkeypatch.delenv(ENTRY_POINT_ENV, raising=False)
-    said = resume_hint()
-    assert said.startswith("its sweep's command continues it: ")
-    assert said.endswith("train.py -m seed=1,2 hydra.sweep.dir=/tmp/sweep")
+    command = continuing_command(cfg)  # (what the sweep's start hands its jobs' processes)
+    assert command.endswith("train.py -m seed=1,2 hydra.sweep.dir=/tmp/sweep")
+    monkeypatch.setenv(SWEEP_COMMAND_ENV, command)
+    # in a job's process whose argv is its launcher's (submitit: python -m submitit...)
+    monkeypatch.setattr(sys, "argv", ["submitit/core/_submit.py", "/tmp/sweep/.submitit/1"])
+    assert resume_hint() == f"its sweep's command continues it: {command}"
 
 
 def test_job_command_runs_exactly_this_job(

@@ -13,18 +13,11 @@ import torch
 import torch.distributed as dist
 
 from trainkit.console import epoch_text
+from trainkit.errors import Preempted
 from trainkit.launch import slurm_job_id, under_slurm
-from trainkit.sweep import resume_hint
+from trainkit.resume import resume_hint
 
 log = logging.getLogger(__name__)
-
-
-class Preempted(Exception):
-    """Training stopped on a signal after saving; ``run`` turns it into exit code 128 + signal."""
-
-    def __init__(self, signum: int, message: str) -> None:
-        super().__init__(message)
-        self.signum = signum
 
 
 class Preemption(L.Callback):
@@ -67,16 +60,7 @@ class Preemption(L.Callback):
         several = dist.is_available() and dist.is_initialized() and trainer.world_size > 1
         if several and trainer.global_step % self.check_every:
             return
-        self._stop_if_signalled(trainer, pl_module)
-
-    def _stop_if_signalled(self, trainer, pl_module, ended: bool = False) -> None:
-        """Where any rank was signalled, every rank saves and stops here (all call this);
-        ``ended``: at the end of training, before its test."""
-        signum = self.signum or 0
-        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
-            flag = torch.tensor([signum], device=pl_module.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # any rank signalled: all stop here
-            signum = int(flag.item())
+        signum = self._signal_of_any_rank(trainer, pl_module)
         if not signum:
             return
         self.signum = signum
@@ -87,9 +71,6 @@ class Preemption(L.Callback):
         trainer.save_checkpoint(self.checkpoint_path, weights_only=False)
         name = signal.Signals(signum).name
         stopped = f"{name}: stopped at step {trainer.global_step} ({epoch_text(trainer)})"
-        if ended:  # (the epoch count has passed the last epoch: that one is named)
-            done = f"step {trainer.global_step}, epoch {trainer.current_epoch}/{trainer.max_epochs}"
-            stopped = f"{name}: stopped at the end of training ({done}), before its test"
         if self.requeued:
             message = f"{stopped}; saved {self.checkpoint_path}; {self._requeue(trainer)}"
         else:
@@ -115,13 +96,35 @@ class Preemption(L.Callback):
             return f"could not requeue SLURM job {job} ({why}); {resume_hint()}"
         return f"requeued SLURM job {job}, whose next start resumes from it"
 
+    def _signal_of_any_rank(self, trainer, pl_module) -> int:
+        """The signal this rank or any other recorded (0: none); every rank calls this at once."""
+        signum = self.signum or 0
+        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
+            flag = torch.tensor([signum], device=pl_module.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # any rank signalled: all stop here
+            signum = int(flag.item())
+        return signum
+
     def on_train_end(self, trainer, pl_module) -> None:
+        """A signal after the last step's check (in the last validation, its saves) stops the
+        run here, before its test, with nothing saved: training is over and its checkpoints are
+        the run's (the callbacks before this one may have changed the module by now: ema's
+        average is copied into it)."""
         self._restore(signal.SIGTERM, signal.SIGINT)
         if self.signum == self.requeue_signal:  # (the run is done: nothing to requeue)
             self.signum = None
-        # a signal after the last step's check (the last validation, its saves) stops the run
-        # here, not after its test
-        self._stop_if_signalled(trainer, pl_module, ended=True)
+        signum = self._signal_of_any_rank(trainer, pl_module)
+        if not signum:
+            return
+        kept = "no last.ckpt was saved"
+        if self.checkpoint_path.exists():
+            kept = f"its checkpoints stay in {self.dirpath}; {resume_hint()}"
+        message = (
+            f"{signal.Signals(signum).name}: stopped at the end of training (step "
+            f"{trainer.global_step}), before its test; {kept}"
+        )
+        (log.warning if trainer.is_global_zero else log.info)(message)
+        raise Preempted(signum, message)
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         if not self.requeued:  # requeued: SLURM's SIGTERM follows, and must find our handler

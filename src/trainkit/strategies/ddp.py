@@ -3,10 +3,14 @@ overrides, started by ``trainkit.launch.JobScriptLauncher``."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
 import re
+import signal
+import threading
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -18,11 +22,25 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcess
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from trainkit.console import hand_over_held, has_started, log_as_rank, not_accepted, run_logging
-from trainkit.errors import ConfigError, listed, lost_rank_in_one_line
+from trainkit.console import (
+    SIGNAL_EXITS,
+    hand_over_held,
+    has_started,
+    log_as_rank,
+    not_accepted,
+    run_logging,
+)
+from trainkit.errors import (
+    ConfigError,
+    Preempted,
+    ctrl_c_in_one_line,
+    listed,
+    lost_rank_in_one_line,
+)
 from trainkit.launch import JobScriptLauncher, RankRefused, in_multirun
 from trainkit.parallel import LIGHTNING
 from trainkit.refusals import RankLost
+from trainkit.resume import saved_by
 
 # DDP's error at a forward when the previous backward left parameters without a gradient
 UNFINISHED_REDUCTION = "Expected to have finished reduction in the prior iteration"
@@ -185,12 +203,15 @@ class SpawnLauncher(_MultiProcessingLauncher):
         root = trainer.default_root_dir if trainer is not None else None  # (the run's directory)
         says = _SaysRefusal(function, refusals, root, in_multirun())
         try:
-            return super().launch(says, *args, trainer=trainer, **kwargs)
+            with signals_left_to_the_ranks():
+                return super().launch(says, *args, trainer=trainer, **kwargs)
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as failed:  # (torch's)
             said = {}  # each refusing rank's pid: (its line, whether its run started)
             while not refusals.empty():
                 pid, *entry = refusals.get()
                 said[pid] = entry
+            if not said and getattr(failed, "exit_code", None) in SIGNAL_EXITS:
+                raise SystemExit(failed.exit_code) from None  # (stopped by a signal: said)
             # the rank that failed first raised a bug (torch's traceback of it), not a refusal
             # or a lost rank: the other ranks' lines of losing it would hide it
             raised_a_bug = isinstance(failed, mp.ProcessRaisedException) and (
@@ -225,12 +246,52 @@ class _SaysRefusal:
         self.output_dir, self.in_sweep = output_dir, in_sweep
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # Ctrl-C, ignored from the rank's start (signals_left_to_the_ranks), is Python's again
+        # while the rank runs its stage, and ignored after it
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
-            with lost_rank_in_one_line(self.output_dir, self.in_sweep):
-                return self.function(*args, **kwargs)
+            with (
+                lost_rank_in_one_line(self.output_dir, self.in_sweep),
+                # (Lightning's handling of Ctrl-C is the launching process's, not a rank's)
+                ctrl_c_in_one_line(lambda: saved_by(self.output_dir)),
+            ):
+                try:
+                    return self.function(*args, **kwargs)
+                except Preempted as stop:  # (its line said): an exit code, not a traceback
+                    raise SystemExit(128 + stop.signum) from None
         except CompactHydraException as refused:
             self.refusals.put((os.getpid(), str(refused), has_started()))
             raise
+        finally:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@contextlib.contextmanager
+def signals_left_to_the_ranks() -> Iterator[None]:
+    """While its spawned ranks run, the launching process does not stop on Ctrl-C or SIGTERM:
+    the ranks stop (callbacks.Preemption: all at one step, saved) and it ends with their exit
+    code. A terminal's Ctrl-C reaches every process of its group, the ranks included, which
+    inherit its being ignored through their start (a KeyboardInterrupt in multiprocessing's
+    bootstrap is a traceback and exit code 1; a Ctrl-C there is lost) until ``_SaysRefusal``
+    runs their stage; a SIGTERM sent to this process alone is passed on to them (twice is
+    harmless: Preemption keeps the first, and outside training the first ends the rank)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # (signals reach the main thread only)
+        return
+
+    def pass_on(signum: int, frame: Any) -> None:
+        for rank in multiprocessing.active_children():  # (spawned: exec'd with default handlers)
+            os.kill(rank.pid, signum)
+
+    previous = {
+        signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN),  # (the ranks inherit it)
+        signal.SIGTERM: signal.signal(signal.SIGTERM, pass_on),
+    }
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def trainable(module: nn.Module) -> tuple[bool, ...]:
