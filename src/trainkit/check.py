@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -234,16 +235,28 @@ def launch(argv: list[str], out: Path) -> dict[str, Any]:
     """One layout's ``train.py`` process, on CPU ranks (no GPU visible): its exit code, the line
     that explains a failure, and each rank's probe."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run(
-        [sys.executable, sys.argv[0], *argv], env=env, capture_output=True, text=True
-    )
+    # in a session of its own, ended whole where this process stops (Ctrl-C): its ranks > 0
+    # ignore SIGINT, which a run's first process owns (launch.sigint_ignored)
+    with subprocess.Popen(
+        [sys.executable, sys.argv[0], *argv],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as proc:
+        try:
+            _, stderr = proc.communicate()
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
     ranks = sorted(out.glob("rank*.pt"))
     probes = [torch.load(p, weights_only=True) for p in ranks]
     # a refusal (before training) and a stop (after it) are one line after Hydra's "Error
     # executing job"; anything else has a traceback
     stopped = "stopped" if any(out.glob("started.rank*")) else "refused"
-    kind = "failed" if "Traceback (most recent call last)" in proc.stderr else stopped
-    line = failure_line(proc.stderr)
+    kind = "failed" if "Traceback (most recent call last)" in stderr else stopped
+    line = failure_line(stderr)
     return {"code": proc.returncode, "line": line, "kind": kind, "probes": probes}
 
 

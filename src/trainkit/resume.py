@@ -372,10 +372,16 @@ def resume_hint() -> str:
     """How a run stopped part-way goes on, for the line that says it stopped: ``ckpt_path=last``;
     a sweep job, by its sweep's command (which continues each unfinished job from its own
     last.ckpt: ``ckpt_path=last`` looks among single runs, not a sweep's jobs)."""
-    if not in_multirun():
+    if not in_sweep():
         return "resume with ckpt_path=last"
     command = os.environ.get(SWEEP_COMMAND_ENV)  # (a submitit job's argv is submitit's)
     return f"its sweep's command continues it: {command or 'the one its first line names'}"
+
+
+def in_sweep() -> bool:
+    """A process of a sweep's job: the sweep's (Hydra's multirun), or one of the job's ranks,
+    which run without it but inherit the command the sweep's start exported."""
+    return in_multirun() or SWEEP_COMMAND_ENV in os.environ
 
 
 def saved_by(output_dir: str | None) -> str:
@@ -383,6 +389,6 @@ def saved_by(output_dir: str | None) -> str:
     saved = Path(output_dir or ".") / "checkpoints"
     kept = [p.name for p in sorted(saved.glob("*.ckpt")) if output_dir and is_checkpoint(p)]
     if not kept:  # (a sweep job starts again when its sweep's command is run again)
-        hint = f"; {resume_hint()}" if in_multirun() else ""
+        hint = f"; {resume_hint()}" if in_sweep() else ""
         return f"stopped before this run saved a checkpoint{hint}"
     return f"stopped; its checkpoints stay in {shown(saved)} ({', '.join(kept)}); {resume_hint()}"

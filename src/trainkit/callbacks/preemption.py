@@ -106,22 +106,21 @@ class Preemption(L.Callback):
         return signum
 
     def on_train_end(self, trainer, pl_module) -> None:
-        """A signal after the last step's check (in the last validation, its saves) stops the
-        run here, before its test, with nothing saved: training is over and its checkpoints are
-        the run's (the callbacks before this one may have changed the module by now: ema's
-        average is copied into it)."""
+        """A signal after the last step's check (the last steps, with several ranks up to
+        ``check_every - 1``; the last validation, its saves) stops the run here, before its test,
+        with nothing saved: training is over and its last.ckpt is the run's (the callbacks
+        before this one may have changed the module by now: ema's average is copied into it).
+        Without a last.ckpt (no checkpoint callback) the run goes on to its test."""
         self._restore(signal.SIGTERM, signal.SIGINT)
         if self.signum == self.requeue_signal:  # (the run is done: nothing to requeue)
             self.signum = None
         signum = self._signal_of_any_rank(trainer, pl_module)
-        if not signum:
+        if not signum or not self.checkpoint_path.exists():  # (none saved: the test goes on)
             return
-        kept = "no last.ckpt was saved"
-        if self.checkpoint_path.exists():
-            kept = f"its checkpoints stay in {self.dirpath}; {resume_hint()}"
         message = (
             f"{signal.Signals(signum).name}: stopped at the end of training (step "
-            f"{trainer.global_step}), before its test; {kept}"
+            f"{trainer.global_step}), before its test; its checkpoints stay in {self.dirpath}; "
+            f"{resume_hint()}"
         )
         (log.warning if trainer.is_global_zero else log.info)(message)
         raise Preempted(signum, message)

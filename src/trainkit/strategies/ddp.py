@@ -268,30 +268,20 @@ class _SaysRefusal:
 
 @contextlib.contextmanager
 def signals_left_to_the_ranks() -> Iterator[None]:
-    """While its spawned ranks run, the launching process does not stop on Ctrl-C or SIGTERM:
-    the ranks stop (callbacks.Preemption: all at one step, saved) and it ends with their exit
-    code. A terminal's Ctrl-C reaches every process of its group, the ranks included, which
-    inherit its being ignored through their start (a KeyboardInterrupt in multiprocessing's
-    bootstrap is a traceback and exit code 1; a Ctrl-C there is lost) until ``_SaysRefusal``
-    runs their stage; a SIGTERM sent to this process alone is passed on to them (twice is
-    harmless: Preemption keeps the first, and outside training the first ends the rank)."""
+    """While its spawned ranks run, the launching process ignores Ctrl-C: a terminal's reaches
+    every process of its group, and the ranks stop (in training, callbacks.Preemption: all at
+    one step, saved; outside it, each with its line) and it ends with their exit code. The ranks
+    inherit the ignoring through their start (a KeyboardInterrupt in multiprocessing's bootstrap
+    is a traceback and exit code 1; a Ctrl-C there is lost) and take Ctrl-C back for their
+    stage (``_SaysRefusal``). SIGTERM keeps its default here."""
     if threading.current_thread() is not threading.main_thread():
         yield  # (signals reach the main thread only)
         return
-
-    def pass_on(signum: int, frame: Any) -> None:
-        for rank in multiprocessing.active_children():  # (spawned: exec'd with default handlers)
-            os.kill(rank.pid, signum)
-
-    previous = {
-        signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN),  # (the ranks inherit it)
-        signal.SIGTERM: signal.signal(signal.SIGTERM, pass_on),
-    }
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         yield
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        signal.signal(signal.SIGINT, previous)
 
 
 def trainable(module: nn.Module) -> tuple[bool, ...]:
