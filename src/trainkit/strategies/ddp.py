@@ -3,14 +3,11 @@ overrides, started by ``trainkit.launch.JobScriptLauncher``."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import multiprocessing
 import os
 import re
 import signal
-import threading
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -37,7 +34,7 @@ from trainkit.errors import (
     listed,
     lost_rank_in_one_line,
 )
-from trainkit.launch import JobScriptLauncher, RankRefused, in_multirun
+from trainkit.launch import JobScriptLauncher, RankRefused, in_multirun, sigint_ignored
 from trainkit.parallel import LIGHTNING
 from trainkit.refusals import RankLost
 from trainkit.resume import saved_by
@@ -203,7 +200,13 @@ class SpawnLauncher(_MultiProcessingLauncher):
         root = trainer.default_root_dir if trainer is not None else None  # (the run's directory)
         says = _SaysRefusal(function, refusals, root, in_multirun())
         try:
-            with signals_left_to_the_ranks():
+            # Ctrl-C reaches the ranks too (a terminal's process group): they stop (in training
+            # all at one step, saved) and this process ends with their exit code. They inherit
+            # the ignoring through their start (a KeyboardInterrupt in multiprocessing's
+            # bootstrap is a traceback; a Ctrl-C there is lost) and take it back for their stage
+            # (_SaysRefusal). SIGTERM keeps its default here: passed on, a rank outside training
+            # ends in Lightning's handler with exit 0, and this process would wait for its result
+            with sigint_ignored():
                 return super().launch(says, *args, trainer=trainer, **kwargs)
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as failed:  # (torch's)
             said = {}  # each refusing rank's pid: (its line, whether its run started)
@@ -246,7 +249,7 @@ class _SaysRefusal:
         self.output_dir, self.in_sweep = output_dir, in_sweep
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # Ctrl-C, ignored from the rank's start (signals_left_to_the_ranks), is Python's again
+        # Ctrl-C, ignored from the rank's start (SpawnLauncher.launch), is Python's again
         # while the rank runs its stage, and ignored after it
         signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
@@ -264,24 +267,6 @@ class _SaysRefusal:
             raise
         finally:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-@contextlib.contextmanager
-def signals_left_to_the_ranks() -> Iterator[None]:
-    """While its spawned ranks run, the launching process ignores Ctrl-C: a terminal's reaches
-    every process of its group, and the ranks stop (in training, callbacks.Preemption: all at
-    one step, saved; outside it, each with its line) and it ends with their exit code. The ranks
-    inherit the ignoring through their start (a KeyboardInterrupt in multiprocessing's bootstrap
-    is a traceback and exit code 1; a Ctrl-C there is lost) and take Ctrl-C back for their
-    stage (``_SaysRefusal``). SIGTERM keeps its default here."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # (signals reach the main thread only)
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def trainable(module: nn.Module) -> tuple[bool, ...]:
