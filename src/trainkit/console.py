@@ -17,7 +17,6 @@ import logging
 import logging.config
 import os
 import re
-import signal
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -25,11 +24,7 @@ from pathlib import Path
 
 from hydra.errors import CompactHydraException
 
-from trainkit.refusals import RankLost, send_refusal
-
-# The exit codes of a process stopped by a signal (Ctrl-C, a scheduler's SIGTERM): not a refusal
-SIGINT_EXIT = 128 + signal.SIGINT
-SIGNAL_EXITS = {SIGINT_EXIT, 128 + signal.SIGTERM}
+from trainkit.refusals import SIGINT_EXIT, SIGNAL_EXITS, RankLost, send_refusal
 
 # (message, why it does not apply), matched at the start of the message
 SILENCED_WARNINGS = [

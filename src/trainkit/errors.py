@@ -11,8 +11,8 @@ from pathlib import Path
 
 from hydra.errors import CompactHydraException
 
-from trainkit.console import SIGINT_EXIT, shown
-from trainkit.refusals import RankLost
+from trainkit.console import shown
+from trainkit.refusals import SIGINT_EXIT, RankLost
 
 
 class Preempted(Exception):

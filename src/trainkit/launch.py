@@ -38,7 +38,7 @@ from lightning.fabric.strategies.launchers.subprocess_script import (
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 from trainkit.overrides import hydra_quoted
-from trainkit.refusals import REFUSAL_FD_ENV, TORCHELASTIC_ERROR_FILE_ENV, RankLost
+from trainkit.refusals import REFUSAL_FD_ENV, SIGNAL_EXITS, TORCHELASTIC_ERROR_FILE_ENV, RankLost
 
 log = logging.getLogger(__name__)
 
@@ -113,9 +113,6 @@ def job_command(local_rank: int) -> list[str]:
     ]
 
 
-# A rank's exit after a signal stop (callbacks.Preemption): every rank stops at the same step, so
-# this process is stopping too and must not be killed while it saves and exits
-SIGNAL_STOPS = {128 + signal.SIGTERM, 128 + signal.SIGINT}
 STOP_GRACE_S = 60.0
 
 
@@ -137,8 +134,10 @@ class _JobObserver(_ChildProcessObserver):
         if not self.failing:  # a rank refused alone: said before every process is stopped
             for line in said_refusals([p for p in self._child_processes if p.returncode]):
                 sys.stderr.write(line)
-        signal_stop = any(code in SIGNAL_STOPS for code in codes) and all(
-            code in (0, *SIGNAL_STOPS) for code in codes
+        # a stop every rank makes at one step (callbacks.Preemption): this process is stopping
+        # too and must not be killed while it saves and exits
+        signal_stop = any(code in SIGNAL_EXITS for code in codes) and all(
+            code in (0, *SIGNAL_EXITS) for code in codes
         )
         if self.failing or signal_stop:
             self._stopped_at = self._stopped_at or time.monotonic()

@@ -12,6 +12,7 @@
 
 import json
 import os
+import signal
 import time
 
 from hydra.errors import CompactHydraException
@@ -30,6 +31,11 @@ class RankLost(CompactHydraException, RuntimeError):
     def said_in(cls, text: str) -> bool:
         return text.lstrip().startswith((cls.TIMED_OUT, cls.ENDED))
 
+
+# The exit codes of a process stopped by a signal (Ctrl-C, a scheduler's SIGTERM): not a refusal,
+# and under several ranks a stop they all make at one step (launch's observer, ddp_spawn's ranks)
+SIGINT_EXIT = 128 + signal.SIGINT
+SIGNAL_EXITS = {SIGINT_EXIT, 128 + signal.SIGTERM}
 
 # Set by launch.JobScriptLauncher in the ranks it starts: the pipe back to it
 REFUSAL_FD_ENV = "TRAINKIT_REFUSAL_FD"

@@ -386,8 +386,8 @@ def in_sweep() -> bool:
 
 def saved_by(output_dir: str | None) -> str:
     """What a run stopped by Ctrl-C outside training (setup, sanity check, test) had saved."""
-    saved = Path(output_dir or ".") / "checkpoints"
-    kept = [p.name for p in sorted(saved.glob("*.ckpt")) if output_dir and is_checkpoint(p)]
+    saved = Path(output_dir) / "checkpoints" if output_dir else None
+    kept = [p.name for p in sorted(saved.glob("*.ckpt")) if is_checkpoint(p)] if saved else []
     if not kept:  # (a sweep job starts again when its sweep's command is run again)
         hint = f"; {resume_hint()}" if in_sweep() else ""
         return f"stopped before this run saved a checkpoint{hint}"

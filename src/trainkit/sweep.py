@@ -235,8 +235,9 @@ def own_sweep_dir(config: DictConfig) -> None:
         )
     else:
         atomic_write_text(record, yaml.safe_dump(now, sort_keys=False))
-    os.environ[SWEEP_COMMAND_ENV] = continuing_command(config)  # (for the lines that stop it)
-    log.info("sweep: %s (continue it with: %s)", shown(sweep_dir), continuing_command(config))
+    command = continuing_command(config)
+    os.environ[SWEEP_COMMAND_ENV] = command  # (for the lines that say a job or the sweep stopped)
+    log.info("sweep: %s (continue it with: %s)", shown(sweep_dir), command)
 
 
 def _remove_if_no_job_started(sweep_dir: Path) -> None:

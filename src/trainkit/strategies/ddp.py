@@ -20,7 +20,6 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from trainkit.console import (
-    SIGNAL_EXITS,
     hand_over_held,
     has_started,
     log_as_rank,
@@ -36,7 +35,7 @@ from trainkit.errors import (
 )
 from trainkit.launch import JobScriptLauncher, RankRefused, in_multirun, sigint_ignored
 from trainkit.parallel import LIGHTNING
-from trainkit.refusals import RankLost
+from trainkit.refusals import SIGNAL_EXITS, RankLost
 from trainkit.resume import saved_by
 
 # DDP's error at a forward when the previous backward left parameters without a gradient
