@@ -296,25 +296,30 @@ class SignalAt(L.Callback):
 
 class SignalIn(L.Callback):
     """Sends ``signal`` to this process in the callback hook ``hook`` (``setup``,
-    ``on_validation_start`` but the sanity check's, ``on_test_start``): Ctrl-C where the
-    training loop is not running."""
+    ``on_validation_start`` but the sanity check's, ``on_test_start``): a stop where the
+    training loop is not running. ``group``: to the run's process group, from rank 0 (as a
+    scheduler signals every process of a job)."""
 
-    def __init__(self, hook: str, signal: str = "SIGINT") -> None:
-        self.hook, self.signal = hook, signal
+    def __init__(self, hook: str, signal: str = "SIGINT", group: bool = False) -> None:
+        self.hook, self.signal, self.group = hook, signal, group
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        self._send("setup")
+        self._send(trainer, "setup")
 
     def on_validation_start(self, trainer, pl_module) -> None:
         if not trainer.sanity_checking:
-            self._send("on_validation_start")
+            self._send(trainer, "on_validation_start")
 
     def on_test_start(self, trainer, pl_module) -> None:
-        self._send("on_test_start")
+        self._send(trainer, "on_test_start")
 
-    def _send(self, hook: str) -> None:
-        if hook == self.hook:
+    def _send(self, trainer, hook: str) -> None:
+        if hook != self.hook:
+            return
+        if not self.group:
             os.kill(os.getpid(), getattr(signal, self.signal))
+        elif trainer.global_rank == 0:
+            os.killpg(os.getpgid(0), getattr(signal, self.signal))
 
 
 class KillInSave(L.Callback):

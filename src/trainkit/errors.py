@@ -5,6 +5,7 @@ data, a lost rank)."""
 import contextlib
 import logging
 import re
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 from hydra.errors import CompactHydraException
 
 from trainkit.console import shown
-from trainkit.refusals import SIGINT_EXIT, RankLost
+from trainkit.refusals import RankLost
 
 
 class Preempted(Exception):
@@ -120,32 +121,45 @@ def _lost_rank_line(output_dir: str | None, in_sweep: bool, timed_out: re.Match 
     )
 
 
-def ctrl_c(stop: BaseException) -> bool:
-    """Ctrl-C: Python's KeyboardInterrupt, or the ``sys.exit(1)`` that Lightning ends one in
-    outside the training loop (its setup, sanity check, test: trainer/call.py), raised while
-    handling it."""
+def stopping_signal(stop: BaseException) -> int | None:
+    """The signal that ``stop`` ends a run on outside the training loop (None: not a signal's):
+    Ctrl-C, as Python's KeyboardInterrupt or the ``sys.exit(1)`` Lightning ends one in outside
+    the training loop (its setup, sanity check, test: trainer/call.py), raised while handling
+    it; SIGTERM, as the ``SIGTERMException`` its evaluation loop raises once its handler saw one
+    (the sanity check, the test, an evaluation), a ``SystemExit`` whose code is 0."""
     if isinstance(stop, KeyboardInterrupt):
-        return True
-    return isinstance(stop, SystemExit) and isinstance(stop.__context__, KeyboardInterrupt)
+        return signal.SIGINT
+    if not isinstance(stop, SystemExit):
+        return None
+    if isinstance(stop.__context__, KeyboardInterrupt):
+        return signal.SIGINT
+    # (not imported here: a SystemExit before Lightning loaded is not Lightning's)
+    lightning_exceptions = sys.modules.get("lightning.pytorch.utilities.exceptions")
+    if lightning_exceptions and isinstance(stop, lightning_exceptions.SIGTERMException):
+        return signal.SIGTERM
+    return None
 
 
 @contextlib.contextmanager
-def ctrl_c_in_one_line(stopped: Callable[[], str]) -> Iterator[None]:
-    """Around a run: Ctrl-C outside the training loop (where ``callbacks.Preemption`` stops at a
-    step and saves) ends the process with exit code 130 and the line ``stopped()`` (what the
-    run had saved), not a KeyboardInterrupt's traceback through whatever it interrupted, nor
-    Lightning's exit code 1. Its traceback goes to the log file."""
+def signal_stops_in_one_line(stopped: Callable[[], str]) -> Iterator[None]:
+    """Around a run: a Ctrl-C or a SIGTERM outside the training loop (where
+    ``callbacks.Preemption`` stops at a step and saves) ends the process with exit code 128 +
+    signal and the line ``<SIGNAL>: stopped()`` (what the run had saved): not a
+    KeyboardInterrupt's traceback through whatever it interrupted, nor Lightning's exit code 1
+    after a Ctrl-C, nor its exit code 0 after a SIGTERM (a scheduler would count the run as
+    done). Its traceback goes to the log file."""
     try:
         yield
     except (KeyboardInterrupt, SystemExit) as stop:
-        if not ctrl_c(stop):
+        signum = stopping_signal(stop)
+        if signum is None:
             raise
         from lightning.fabric.utilities.rank_zero import rank_zero_only
 
         from trainkit.launch import first_process  # (launch imports Lightning)
 
-        where = stop if isinstance(stop, KeyboardInterrupt) else stop.__context__
+        where = stop if isinstance(stop, KeyboardInterrupt) else stop.__context__ or stop
         log.info("interrupted here", exc_info=where)
         said = first_process() and rank_zero_only.rank == 0  # (a ddp_spawn rank: its own rank)
-        (log.warning if said else log.info)("SIGINT: %s", stopped())
-        raise SystemExit(SIGINT_EXIT) from None
+        (log.warning if said else log.info)("%s: %s", signal.Signals(signum).name, stopped())
+        raise SystemExit(128 + signum) from None

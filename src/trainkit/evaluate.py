@@ -19,7 +19,7 @@ from trainkit.callbacks.ema import exponential_average
 from trainkit.checkpoint_io import damage, is_checkpoint, read_checkpoint_config
 from trainkit.config import settle, with_library_defaults
 from trainkit.console import quiet, results_line, shown
-from trainkit.errors import ConfigError, ctrl_c_in_one_line, lost_rank_in_one_line
+from trainkit.errors import ConfigError, lost_rank_in_one_line, signal_stops_in_one_line
 from trainkit.launch import in_multirun, isolated_job
 from trainkit.loggers import ending_tracker_runs
 from trainkit.preflight import check_built_run, check_runnable_stages
@@ -157,7 +157,7 @@ def run(cfg: DictConfig) -> dict[str, dict[str, float]]:
         isolated_job(),
         owning_run_dir(cfg),  # (a refusal in it leaves no directory)
         lost_rank_in_one_line(cfg.paths.get("output_dir"), in_multirun()),
-        ctrl_c_in_one_line(lambda: "stopped before the evaluation wrote its metrics.json"),
+        signal_stops_in_one_line(lambda: "stopped before the evaluation wrote its metrics.json"),
     ):
         cfg.ckpt_path = checkpoint_to_evaluate(cfg)
         return _evaluate(cfg)

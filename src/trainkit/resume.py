@@ -385,7 +385,7 @@ def in_sweep() -> bool:
 
 
 def saved_by(output_dir: str | None) -> str:
-    """What a run stopped by Ctrl-C outside training (setup, sanity check, test) had saved."""
+    """What a run stopped by a signal outside training (setup, sanity check, test) had saved."""
     saved = Path(output_dir) / "checkpoints" if output_dir else None
     kept = [p.name for p in sorted(saved.glob("*.ckpt")) if is_checkpoint(p)] if saved else []
     if not kept:  # (a sweep job starts again when its sweep's command is run again)

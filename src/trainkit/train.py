@@ -26,7 +26,7 @@ from trainkit.callbacks.trial_pruning import prunes_epochs
 from trainkit.checkpoint_io import remove_stale_temp_files
 from trainkit.config import with_library_defaults
 from trainkit.console import quiet, results_line, shown
-from trainkit.errors import Preempted, ctrl_c_in_one_line, lost_rank_in_one_line
+from trainkit.errors import Preempted, lost_rank_in_one_line, signal_stops_in_one_line
 from trainkit.launch import first_process, in_multirun, isolated_job
 from trainkit.loggers import ending_tracker_runs, flat_hparams, log_final, log_run_config, run_tags
 from trainkit.plan import Settings, check_fits, table
@@ -88,8 +88,8 @@ def run(cfg: DictConfig) -> float | None:
             return left.value  # counted as before; nothing is rewritten
         cfg = continue_job(cfg, left)
     lost_rank = lost_rank_in_one_line(cfg.paths.get("output_dir"), in_multirun())
-    ctrl_c = ctrl_c_in_one_line(lambda: saved_by(cfg.paths.output_dir))
-    with isolated_job(), owning_run_dir(cfg), lost_rank, ctrl_c:
+    stopped = signal_stops_in_one_line(lambda: saved_by(cfg.paths.output_dir))
+    with isolated_job(), owning_run_dir(cfg), lost_rank, stopped:
         return _train_and_test(cfg)
 
 

@@ -259,33 +259,40 @@ def test_signal_saves_exits_nonzero_and_resumes_exactly(
         assert torch.equal(tensor, reference[name]), name  # the same samples, in the same order
 
 
-# Where a Ctrl-C lands: (the run's overrides, the line of its log after which the test sends
-# it to the run's process group, as a terminal does; None: a callback of the run sends it)
-CTRL_C = {
-    "imports": ((), "(torch loading)"),
-    "setup": (
-        ("+callbacks.ctrl_c._target_=helpers.SignalIn", "+callbacks.ctrl_c.hook=setup"),
-        None,
-    ),
+# Where a stop lands: (its signal, the run's overrides, the line of its log after which the test
+# sends it to the run's process group, as a terminal does; None: a callback of the run sends it)
+SIGNAL_IN = "+callbacks.signal._target_=helpers.SignalIn"
+STOPS = {
+    "imports": ("SIGINT", (), "(torch loading)"),
+    "setup": ("SIGINT", (SIGNAL_IN, "+callbacks.signal.hook=setup"), None),
     "last validation": (  # (after the last step's check; ema's average is copied in at the end)
-        (
-            "+callbacks.ctrl_c._target_=helpers.SignalIn",
-            "+callbacks.ctrl_c.hook=on_validation_start",
-            "ema.decay=0.5",
-        ),
+        "SIGINT",
+        (SIGNAL_IN, "+callbacks.signal.hook=on_validation_start", "ema.decay=0.5"),
         None,
     ),
-    "test": (
-        ("+callbacks.ctrl_c._target_=helpers.SignalIn", "+callbacks.ctrl_c.hook=on_test_start"),
-        None,
-    ),
+    "test": ("SIGINT", (SIGNAL_IN, "+callbacks.signal.hook=on_test_start"), None),
     # rank 0 waits in its process group's start for rank 1, which imports: a wait where Python
     # sees no signal (the line just before it)
-    "ddp start": (("strategy=ddp", "devices=2"), "Initializing distributed: GLOBAL_RANK: 0"),
+    "ddp start": (
+        "SIGINT",
+        ("strategy=ddp", "devices=2"),
+        "Initializing distributed: GLOBAL_RANK: 0",
+    ),
     # the launching process waits on the ranks it spawned, which stop at one step
     "ddp_spawn training": (
+        "SIGINT",
         ("strategy=ddp_spawn", "devices=2", "trainer.max_epochs=2"),
         "epoch 1/2 ",
+    ),
+    # a scheduler's SIGTERM to every rank in the test: Lightning's evaluation loop ends it in a
+    # SystemExit whose code is 0, which a scheduler or a sweep would count as a finished run
+    "ddp test, SIGTERM": (
+        "SIGTERM",
+        (
+            *("strategy=ddp", "devices=2", SIGNAL_IN, "+callbacks.signal.hook=on_test_start"),
+            *("+callbacks.signal.signal=SIGTERM", "+callbacks.signal.group=true"),
+        ),
+        None,
     ),
 }
 
@@ -294,15 +301,16 @@ def logged(log_dir: Path, line: str) -> bool:
     return any(line in log.read_text() for log in log_dir.glob("train/runs/*/train.log"))
 
 
-@pytest.mark.parametrize("where", list(CTRL_C))
-def test_ctrl_c_is_one_line_and_exit_130_wherever_it_lands(
+@pytest.mark.parametrize("where", list(STOPS))
+def test_a_stop_outside_training_is_one_line_and_its_exit_code_wherever_it_lands(
     where: str, base, tmp_path: Path
 ) -> None:
-    """One SIGINT line, not a KeyboardInterrupt's traceback, nor Lightning's exit code 1 (its
-    setup and test end a Ctrl-C in sys.exit(1)), nor a Ctrl-C after the last step ignored until
-    the test is done, nor a rank 0 left waiting for a rank that ended, nor two lines that
-    disagree (ddp_spawn's launching process and its ranks)."""
-    overrides, after = CTRL_C[where]
+    """One line naming the signal and exit code 128 + signal: not a KeyboardInterrupt's
+    traceback, nor Lightning's exit code 1 (its setup and test end a Ctrl-C in sys.exit(1)) or 0
+    (its test ends a SIGTERM in a SystemExit of code 0), nor a Ctrl-C after the last step
+    ignored until the test is done, nor a rank 0 left waiting for a rank that ended, nor two
+    lines that disagree (ddp_spawn's launching process and its ranks)."""
+    name, overrides, after = STOPS[where]
     argv = (*base, "trainer.max_epochs=1", "trainer.limit_train_batches=4", *overrides)
     proc = train(
         tmp_path, *argv, wait=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -318,11 +326,11 @@ def test_ctrl_c_is_one_line_and_exit_130_wherever_it_lands(
         ):
             assert time.monotonic() < deadline, f"never saw {after!r}"
             time.sleep(0.01)
-        os.killpg(proc.pid, signal.SIGINT)
+        os.killpg(proc.pid, getattr(signal, name))
     output = proc.communicate(timeout=120)[0]
-    assert proc.returncode == 130, output[-3000:]
+    assert proc.returncode == 128 + getattr(signal, name), output[-3000:]
     assert "Traceback" not in output and "KeyboardInterrupt" not in output, output[-3000:]
-    (said,) = [line for line in output.splitlines() if "SIGINT" in line]
+    (said,) = [line for line in output.splitlines() if name in line]
     made = runs(tmp_path) if (tmp_path / "train" / "runs").is_dir() else []
     if where == "imports":
         assert said == "SIGINT: stopped before the run started; nothing was saved"
@@ -343,9 +351,9 @@ def test_ctrl_c_is_one_line_and_exit_130_wherever_it_lands(
         assert last["global_step"] == 4
         raw, average = last["current_model_state"], last["state_dict"]  # (not saved again once
         assert any(not torch.equal(raw[k], average[k]) for k in raw)  # the module is the average)
-    elif where == "test":
+    elif where in ("test", "ddp test, SIGTERM"):
         assert said == (
-            f"warning: SIGINT: stopped; its checkpoints stay in {checkpoints} (best.ckpt, "
+            f"warning: {name}: stopped; its checkpoints stay in {checkpoints} (best.ckpt, "
             "last.ckpt); resume with ckpt_path=last"
         )
     else:  # (in epoch 2 of 2, of 4 steps: at its end, the ranks agreeing; last.ckpt its)

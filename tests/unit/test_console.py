@@ -1,6 +1,6 @@
 """console.one_line_refusals around an entry point's main(): a Ctrl-C before a run started
 (imports, Hydra's composition, between a sweep's jobs) is one line and exit code 130. Within a
-run, errors.ctrl_c_in_one_line says its own (tests/unit/test_errors.py; the real signals are
+run, errors.signal_stops_in_one_line says its own (tests/unit/test_errors.py; the real signals are
 tests/e2e/test_reliability.py's)."""
 
 import pytest

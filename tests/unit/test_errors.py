@@ -1,5 +1,5 @@
-"""errors.ctrl_c_in_one_line: which exits are a Ctrl-C. errors.lost_rank_in_one_line: which
-errors become RankLost's line, and what it says; and
+"""errors.signal_stops_in_one_line: which exits are a signal's stop (Ctrl-C, SIGTERM).
+errors.lost_rank_in_one_line: which errors become RankLost's line, and what it says; and
 launch.said_refusals' choice of a rank's refusal over the lines of the ranks that lost it. The
 real collectives (a stopped and a killed rank) are tests/e2e/test_reliability.py's."""
 
@@ -9,8 +9,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from trainkit.errors import ctrl_c_in_one_line, lost_rank_in_one_line
+from trainkit.errors import lost_rank_in_one_line, signal_stops_in_one_line
 from trainkit.launch import _refusal_pipes, said_refusals
 from trainkit.refusals import RankLost
 
@@ -92,22 +93,38 @@ def lightnings_exit_on_ctrl_c() -> None:
         sys.exit(1)
 
 
-@pytest.mark.parametrize("stop", [KeyboardInterrupt, lightnings_exit_on_ctrl_c])
-def test_ctrl_c_is_exit_130_and_its_line(stop, caplog: pytest.LogCaptureFixture) -> None:
+def lightnings_exit_on_sigterm() -> None:
+    """What Lightning's evaluation loop does once its handler saw a SIGTERM (a SystemExit whose
+    code is 0)."""
+    raise SIGTERMException
+
+
+@pytest.mark.parametrize(
+    ("stop", "code", "name"),
+    [
+        (KeyboardInterrupt, 130, "SIGINT"),
+        (lightnings_exit_on_ctrl_c, 130, "SIGINT"),
+        (lightnings_exit_on_sigterm, 143, "SIGTERM"),
+    ],
+)
+def test_a_signals_stop_is_its_exit_code_and_its_line(
+    stop, code: int, name: str, caplog: pytest.LogCaptureFixture
+) -> None:
     def raised() -> None:
         if stop is KeyboardInterrupt:
             raise KeyboardInterrupt
         stop()
 
-    with pytest.raises(SystemExit) as ended, ctrl_c_in_one_line(lambda: "what was saved"):
+    with pytest.raises(SystemExit) as ended, signal_stops_in_one_line(lambda: "what was saved"):
         raised()
-    assert ended.value.code == 130
-    assert "SIGINT: what was saved" in [r.getMessage() for r in caplog.records]
+    assert ended.value.code == code
+    assert f"{name}: what was saved" in [r.getMessage() for r in caplog.records]
 
 
 @pytest.mark.parametrize("code", [0, 1, 2])
 def test_another_exit_passes_as_it_is(code: int) -> None:
-    """A refusal's or a bug's exit code is not a Ctrl-C's, whatever its number."""
-    with pytest.raises(SystemExit) as ended, ctrl_c_in_one_line(lambda: "never said"):
+    """A refusal's or a bug's exit code (a finished run's 0 included) is not a signal's stop,
+    whatever its number."""
+    with pytest.raises(SystemExit) as ended, signal_stops_in_one_line(lambda: "never said"):
         sys.exit(code)
     assert ended.value.code == code

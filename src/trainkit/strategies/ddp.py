@@ -29,9 +29,9 @@ from trainkit.console import (
 from trainkit.errors import (
     ConfigError,
     Preempted,
-    ctrl_c_in_one_line,
     listed,
     lost_rank_in_one_line,
+    signal_stops_in_one_line,
 )
 from trainkit.launch import JobScriptLauncher, RankRefused, in_multirun, sigint_ignored
 from trainkit.parallel import LIGHTNING
@@ -255,7 +255,7 @@ class _SaysRefusal:
             with (
                 lost_rank_in_one_line(self.output_dir, self.in_sweep),
                 # (Lightning's handling of Ctrl-C is the launching process's, not a rank's)
-                ctrl_c_in_one_line(lambda: saved_by(self.output_dir)),
+                signal_stops_in_one_line(lambda: saved_by(self.output_dir)),
             ):
                 try:
                     return self.function(*args, **kwargs)
