@@ -101,7 +101,7 @@ class _EpochValuesOverAllRanks(_LoggerConnector):
     def epoch_end_reached(self) -> None:
         super().epoch_end_reached()
         results = self.trainer._results
-        if results is None or self.trainer.world_size == 1 or not dist.is_initialized():
+        if results is None or not dist.is_initialized():
             return
         pending = {
             key: value
@@ -111,6 +111,10 @@ class _EpochValuesOverAllRanks(_LoggerConnector):
             and value._computed is None
             and not value.meta.sync.rank_zero_only
         }
+        if self.trainer.world_size == 1:  # (ddp or fsdp on one device): nothing to reduce, and
+            for value in pending.values():  # computed here, not where Lightning would warn
+                value.compute()  # of each to use sync_dist, which would change nothing
+            return
         replicas = data_parallel_group(self.trainer.strategy)
         for key in _on_every_rank(sorted(pending)):
             value = pending[key]

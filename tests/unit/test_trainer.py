@@ -3,10 +3,12 @@ times every hook, and the datamodule's batch hooks win over the module's; a logg
 stays on its device. Its three other changes: the sharding and reliability tests
 (unit/test_data_sharding.py, e2e/test_distributed_eval.py, e2e/test_reliability.py)."""
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
 from lightning.pytorch.profilers import SimpleProfiler
 
@@ -76,3 +78,58 @@ def test_a_logged_result_stays_where_it_is_and_sums_every_value() -> None:
     assert result.compute().item() == 2.5  # (1 x 1 + 3 x 3) / 4
     results.cpu()  # Lightning's own move, at an epoch's end
     assert result.compute().item() == 2.5
+
+
+class LogsEpochMeans(BoringModel):
+    """Logs as Lightning's docs write it: an epoch's mean, without ``sync_dist``."""
+
+    def training_step(self, batch, batch_idx: int):
+        out = super().training_step(batch, batch_idx)
+        self.log("epoch_mean_of_the_training_loss", out["loss"], on_epoch=True)
+        return out
+
+    def validation_step(self, batch, batch_idx: int):
+        out = super().validation_step(batch, batch_idx)
+        self.log("epoch_mean_of_the_validation_loss", out["x"])
+        return out
+
+
+@pytest.fixture
+def own_process_group():
+    """A one-process group made by the run in this process, destroyed after it, with the
+    variables Lightning's launcher exported for it."""
+    environ = dict(os.environ)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(environ)
+
+
+def test_one_process_of_a_distributed_strategy_says_nothing_of_sync_dist(
+    tmp_path: Path, own_process_group, recwarn: pytest.WarningsRecorder
+) -> None:
+    """ddp on one device (as fsdp and ddp_spawn: a process group of one): nothing to reduce, so
+    Lightning's recommendation of ``sync_dist`` at every epoch value, which would change nothing,
+    is not made; the values are the epoch's means all the same."""
+    trainer = fit_logging(tmp_path, strategy="ddp", devices=1, accelerator="cpu")
+    assert dist.is_initialized() and trainer.world_size == 1
+    assert not [w for w in recwarn if "sync_dist" in str(w.message)], [
+        str(w.message) for w in recwarn
+    ]
+    one_process = trainer.callback_metrics
+    dist.destroy_process_group()
+    plain = fit_logging(tmp_path / "plain").callback_metrics
+    for name in ("epoch_mean_of_the_training_loss", "epoch_mean_of_the_validation_loss"):
+        assert one_process[name] == pytest.approx(plain[name].item(), rel=1e-6), name
+
+
+def fit_logging(tmp_path: Path, **kwargs) -> Trainer:
+    torch.manual_seed(0)
+    trainer = Trainer(
+        **{**QUIET, "max_epochs": 1, "limit_train_batches": 3, "limit_val_batches": 2},
+        default_root_dir=tmp_path,
+        **kwargs,
+    )
+    trainer.fit(LogsEpochMeans())
+    return trainer
