@@ -248,6 +248,11 @@ def unknown_keys(config_name: str, overrides: Sequence[str]) -> list[str]:
             continue  # (a group path: hydra/launcher=...)
         if _in_open(cfg, key):
             continue
+        group = key.split(".", 1)[0]
+        if group in groups and group not in cfg:  # (eval.py's model.*: never a new key)
+            why = f" ({UNCHOSEN[config_name]})" if config_name in UNCHOSEN else ""
+            lines.append(f"{key}: {config_name}.py chooses no {group}{why}")
+            continue
         close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
         hint = f"did you mean {close[0]}?" if close else f"add it with +{key}=... if it is new"
         lines.append(f"{key}: not a key of the config; {hint}")

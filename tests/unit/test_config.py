@@ -656,8 +656,11 @@ def test_an_unknown_key_is_named_with_the_closest_key_the_config_has() -> None:
         "zzz_nothing_like_it: not a key of the config; add it with +zzz_nothing_like_it=... if "
         "it is new",
     ]
-    assert unknown_keys("eval", ["stage=test"]) == [
-        "stage: not a key of the config; did you mean stages?"
+    assert unknown_keys("eval", ["stage=test", "model.net.hidden=[10]"]) == [
+        "stage: not a key of the config; did you mean stages?",
+        # (not "add it with +": eval.py refuses any model key, the checkpoint's config decides)
+        "model.net.hidden: eval.py chooses no model (eval.py builds the checkpoint's model and "
+        "data from the config it carries)",
     ]
 
 
