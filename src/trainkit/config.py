@@ -89,8 +89,9 @@ def expand_shorthands(argv: Sequence[str], config_name: str = "train") -> list[s
     """``plan=true`` (or false) as ``plan.show=true``, ``check=true`` as ``check.run=true``, a
     library run key (``conf/run_keys.yaml``) that the project's ``<config_name>.yaml`` lacks (a
     fork's file from before the key existed, which Hydra would refuse it on) typed with Hydra's
-    ``++`` (add or override), and a path with '=' quoted (``overrides.with_path_quoted``). The other
-    arguments as they are: a misspelt key is still refused."""
+    ``++`` (add or override), a path with '=' quoted (``overrides.with_path_quoted``), and
+    Hydra's flags without a value (``-m``) put before the first override. The other arguments as
+    they are: a misspelt key is still refused."""
     run_keys = _leaf_keys(OmegaConf.load(LIBRARY_CONF_DIR / "run_keys.yaml"))
     project_file = project_config_file(argv, config_name)
     project = _leaf_keys(OmegaConf.load(project_file)) if project_file.is_file() else run_keys
@@ -106,7 +107,22 @@ def expand_shorthands(argv: Sequence[str], config_name: str = "train") -> list[s
         if eq and "=" in value and not key.startswith("-"):
             arg = with_path_quoted(arg, multirun)
         expanded.append(arg)
-    return expanded
+    return _flags_first(expanded)
+
+
+# Hydra's flags that take no value. Hydra 1.3.8's argparse rejects the overrides after one placed
+# between them ("train.py a=1 -m b=1,2": unrecognized arguments: b=1,2; hydra#3053, fixed by its
+# PR #3133, in no release yet)
+_VALUELESS_FLAGS = ("-m", "--multirun", "-r", "--run", "--resolve")
+
+
+def _flags_first(argv: list[str]) -> list[str]:
+    """``argv`` with Hydra's valueless flags moved before its first override (a ``key=value``)."""
+    first = next((i for i, a in enumerate(argv) if "=" in a and not a.startswith("-")), None)
+    if first is None:
+        return argv
+    flags = [a for a in argv[first:] if a in _VALUELESS_FLAGS]
+    return [*argv[:first], *flags, *(a for a in argv[first:] if a not in _VALUELESS_FLAGS)]
 
 
 def project_config_file(argv: Sequence[str], config_name: str) -> Path:

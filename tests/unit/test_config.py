@@ -725,6 +725,22 @@ def test_a_group_eval_does_not_choose_is_one_line_saying_why(
     ]
 
 
+def test_a_flag_between_overrides_goes_before_them() -> None:
+    """Hydra 1.3.8 refuses the overrides after ``-m`` where overrides come before it too
+    (hydra#3053): the flag goes first, the rest as typed; a flag's value stays by its flag."""
+    typed = ["train.py", "data.root=x", "-m", "seed=0,1", "--config-name", "train"]
+    assert expand_shorthands(typed) == [
+        "train.py",
+        "-m",
+        "data.root=x",
+        "seed=0,1",
+        "--config-name",
+        "train",
+    ]
+    assert expand_shorthands(["train.py", "-m", "seed=0,1"]) == ["train.py", "-m", "seed=0,1"]
+    assert expand_shorthands(["train.py", "--cfg", "job"]) == ["train.py", "--cfg", "job"]
+
+
 def test_a_library_key_an_older_train_yaml_lacks_is_typed_with_plus_plus(tmp_path: Path) -> None:
     """On the project's train.yaml the shorthands expand to its keys; on a fork's older file
     without a plan block or weights_only, Hydra's ++ adds them; a misspelt key stays as typed."""
