@@ -232,8 +232,8 @@ def recorded_sweep(sweep_dir: Path) -> dict[str, Any] | None:
 
 
 def _best(jobs: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The completed (not pruned) job with the best returned value so far: its number, value
-    and directory."""
+    """The completed (not pruned) job with the best returned value so far: its number, value,
+    the metric the value is of, and directory."""
     done = [
         j
         for j in jobs
@@ -245,7 +245,8 @@ def _best(jobs: list[dict[str, Any]]) -> dict[str, Any] | None:
         return None
     pick = min if done[0].get("mode") == "min" else max
     job = pick(done, key=lambda j: j["return_value"])
-    return {"num": job["num"], "return_value": job["return_value"], "dir": job["dir"]}
+    best = {"num": job["num"], "return_value": job["return_value"], "dir": job["dir"]}
+    return {**best, "monitor": job["monitor"]} if job.get("monitor") else best
 
 
 def _fold_of(job: dict[str, Any]) -> str | None:

@@ -104,6 +104,7 @@ def test_the_report_ranks_jobs_by_the_monitor_and_names_them_by_what_varies(
 
     summary = update_report(tmp_path)
     assert summary["best"]["num"] == 1 and summary["best"]["return_value"] == pytest.approx(0.2)
+    assert summary["best"]["monitor"] == "val/loss"  # (the sweep's last lines name it)
     assert (summary["completed"], summary["failed"], summary["unfinished"]) == (2, 1, 1)
     assert summary["not_started"] == 0 and summary["varying"] == ["model.optimizer.lr"]
     assert [j["status"] for j in summary["jobs"]] == ["completed"] * 2 + ["unfinished", "failed"]
