@@ -240,6 +240,12 @@ class StoredStudySweep(OptunaSweeperImpl):
             size = math.prod(map(len, choices.values()))
             self.n_trials = max(0, min(self.total, size) - self.ended)  # (each point once)
         directions = self._get_directions()
+        # Optuna's own handler printed its INFO line in colour ("A new study created in RDB with
+        # name: train", which the line below says better): its warnings go where the sweep's
+        # other lines go, and nothing else
+        optuna.logging.disable_default_handler()
+        optuna.logging.enable_propagation()
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
         study = optuna.create_study(
             study_name=self.study_name,
             storage=self.storage,

@@ -345,6 +345,9 @@ def test_optuna_trials_with_ddp_are_pruned_by_their_epochs(sweep_runner) -> None
     assert steps[1] * 2 == steps[0]  # one epoch of two
     assert "optuna: trial 1 pruned after epoch 0" in proc.stdout
     assert "alembic" not in proc.stdout  # (its study database's set-up lines: not the console's)
+    # (Optuna's own coloured line of the study's creation: ours names its storage too)
+    assert "A new study created" not in proc.stdout + proc.stderr
+    assert "the best job 0 (val/acc " in proc.stdout  # the summary names the value's metric
     results = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
     assert results["best_value"] == first.value
     summary = json.loads((sweep / "sweep.json").read_text())
