@@ -292,11 +292,32 @@ def log_as_rank(config: dict | None, held: list[logging.LogRecord], rank: int) -
 
 class ConsoleFormat(logging.Formatter):
     """A console line is its message; a warning or error says so first (the log file keeps
-    Hydra's time and logger name)."""
+    Hydra's time and logger name); a job that shares the console with others at once says its
+    number first (``side_by_side_job``)."""
 
     def format(self, record: logging.LogRecord) -> str:
         text = getattr(record, "console", None) or record.getMessage()  # (a warning: log_warning)
-        return text if record.levelno < logging.WARNING else f"{record.levelname.lower()}: {text}"
+        if record.levelno >= logging.WARNING:
+            text = f"{record.levelname.lower()}: {text}"
+        job = side_by_side_job()
+        return text if job is None else f"job {job}: {text}"
+
+
+def side_by_side_job() -> int | None:
+    """This sweep job's number where its launcher runs several jobs at once, whose lines share
+    one console (joblib with n_jobs other than 1); None otherwise (a sweep's own lines, one job
+    at a time, a run)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():
+        return None
+    hydra = HydraConfig.get()
+    if hydra.mode != RunMode.MULTIRUN or hydra.job.get("num") is None:
+        return None
+    launcher = hydra.launcher
+    parallel = str(launcher.get("_target_", "")).endswith("JoblibLauncher")
+    return hydra.job.num if parallel and launcher.get("n_jobs") != 1 else None
 
 
 log = logging.getLogger(__name__)

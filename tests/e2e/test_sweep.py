@@ -134,22 +134,23 @@ def ddp_sweep(sweep_runner) -> Path:
 
 
 @pytest.fixture(scope="module")
-def joblib_sweep(sweep_runner) -> Path:
-    """The ddp sweep's two devices=2 jobs again, at once, each the only job of a joblib worker."""
+def joblib_sweep(sweep_runner) -> tuple[Path, subprocess.CompletedProcess]:
+    """The ddp sweep's two devices=2 jobs again, at once, each the only job of a joblib worker:
+    the sweep's directory and its process."""
     return sweep_runner(
         "-m", "launcher=joblib", "strategy=ddp", "devices=2", "model.optimizer.lr=1e-3,3e-3", BATCH
-    )[0]
+    )
 
 
 @pytest.fixture(scope="module")
-def alone(ddp_sweep: Path, joblib_sweep: Path, run_here: Callable[..., Path]) -> dict[int, Path]:
+def alone(ddp_sweep: Path, joblib_sweep: tuple, run_here: Callable[..., Path]) -> dict[int, Path]:
     """Each job of the ddp sweep run again on its own: job number -> run directory.
 
     The devices=1 jobs run in this process; a devices=2 job's twin is the joblib sweep's job of
     the same overrides, the only job of a fresh worker process (rank 1 a fresh process too), so
     nothing of an earlier job can reach it."""
     lr = "model.optimizer.lr"
-    twins = {value(j["overrides"], lr): Path(j["dir"]) for j in jobs(joblib_sweep)}
+    twins = {value(j["overrides"], lr): Path(j["dir"]) for j in jobs(joblib_sweep[0])}
     found = {}
     for job in jobs(ddp_sweep):
         if value(job["overrides"], "devices") == "1":
@@ -359,11 +360,21 @@ def test_optuna_trials_with_ddp_are_pruned_by_their_epochs(sweep_runner) -> None
 
 
 @shares_ddp_sweep
-def test_joblib_runs_ddp_jobs_in_parallel(joblib_sweep: Path) -> None:
+def test_joblib_runs_ddp_jobs_in_parallel(joblib_sweep: tuple) -> None:
     """Two ddp jobs at once in two joblib workers, each with its own two processes (on its own
     free port: sharing one, a job would fail or join the other's group); their weights equal the
-    ddp sweep's jobs of the same overrides (test_each_ddp_job_equals_the_job_run_alone)."""
-    records = jobs(joblib_sweep)
+    ddp sweep's jobs of the same overrides (test_each_ddp_job_equals_the_job_run_alone). Their
+    lines share the console: each says its job's number first, and no progress bar is drawn
+    (two live bars would redraw over each other)."""
+    sweep, proc = joblib_sweep
+    records = jobs(sweep)
+    said = proc.stdout.splitlines()
+    for job in records:
+        num = job["num"]
+        assert f"job {num}: run: {job['dir']}" in said, proc.stdout
+        assert sum(line.startswith(f"job {num}: epoch ") for line in said) == 2, proc.stdout
+    assert not [line for line in said if line.startswith(("epoch ", "run: "))], proc.stdout
+    assert "━" not in proc.stdout, proc.stdout
     rank0_pids = set()
     for job in records:
         assert job["status"] == "completed"

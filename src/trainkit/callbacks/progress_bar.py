@@ -16,7 +16,9 @@ only when it stops; its redraws would still build the whole bar each time (about
 a second), so they are not asked for there.
 
 Its epochs are counted as ``max_epochs`` counts them (``Epoch 2/2`` is the last of two), and it
-shows no value of the sanity check's few untrained batches.
+shows no value of the sanity check's few untrained batches. A sweep job that shares the console
+with others at once (joblib) draws none: their live bars would redraw over one another, and each
+job's epoch lines say its number.
 """
 
 import time
@@ -26,7 +28,7 @@ from typing import Any
 import torch
 from lightning.pytorch.callbacks import RichProgressBar
 
-from trainkit.console import epoch_text
+from trainkit.console import epoch_text, side_by_side_job
 from trainkit.logging_step import logging_step
 
 
@@ -38,6 +40,11 @@ class ProgressBar(RichProgressBar):
         self._next_update = 0.0  # time.monotonic() from which a step updates the bar again
         self._held: tuple[Any, Any, int] | None = None  # the last step's, if not handed over
         self._sanity_only: set[str] = set()  # values of the sanity check, until a validation
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if side_by_side_job() is not None:
+            self.disable()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if not self.is_enabled:  # (ranks other than 0, refresh_rate=0: Lightning draws nothing)
