@@ -136,6 +136,7 @@ CONSOLE_LOGGERS = {
     "trainkit.study": "an Optuna sweep's study: where, continued, a trial of folds pruned",
     "trainkit.callbacks.trial_pruning": "the epoch after which a trial's pruner stopped it",
     "trainkit.train": "a killed save's leftovers removed, training with no limit (max_epochs=-1)",
+    "trainkit.callbacks.profile_steps": "where debug=profile wrote its trace",
 }
 
 

@@ -3,6 +3,7 @@ a real ``tensorboard`` server's HTTP API."""
 
 import io
 import json
+import logging
 import math
 import shutil
 import subprocess
@@ -16,6 +17,7 @@ from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from helpers import shares_trained_run, start_python
+from trainkit.console import CONSOLE_LOGGERS
 
 LR = 2e-3
 EPOCHS = 2
@@ -165,17 +167,29 @@ def test_tensorboard_serves_scalars_and_hparams(
 
 
 def test_profile_writes_a_chrome_trace(
-    run_here: Callable[..., Path], overrides: tuple[str, ...], capfd: pytest.CaptureFixture
+    run_here: Callable[..., Path],
+    overrides: tuple[str, ...],
+    capfd: pytest.CaptureFixture,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """One device, in this process: the profiler's trace is what is checked, not a process. On
     the CPU, kineto's own lines stay off the console (its start and stop markers, and an ERROR
-    line for the GPU it finds none of)."""
+    line for the GPU it finds none of); the console says where the trace is. A run too short
+    for the warm-up steps says it traced nothing."""
+    caplog.set_level(logging.INFO)
     run = run_here("train.py", *overrides, "debug=profile", "data.batch_size=50")
     said = capfd.readouterr().err
     assert "USDT:" not in said and "gpuGetDeviceCount" not in said, said[-2000:]
     trace = run / "profile" / "train_steps.pt.trace.json"
     events = json.loads(trace.read_text())["traceEvents"]
     assert any("aten::" in event.get("name", "") for event in events)  # real operator events
+    said = [r.getMessage() for r in caplog.records if r.name in CONSOLE_LOGGERS]  # (console's)
+    assert any(f"profile of steps 3 to 7: {trace} (open it in " in m for m in said), said
+    caplog.clear()  # (skip 2 steps, trace 5)
+    short = run_here("train.py", *overrides, "debug=profile", "trainer.limit_train_batches=2")
+    assert not (short / "profile").exists()
+    (warned,) = [r for r in caplog.records if "debug=profile traced nothing" in r.getMessage()]
+    assert warned.levelname == "WARNING" and "training ran 2 step(s)" in warned.getMessage()
 
 
 @shares_trained_run

@@ -1,12 +1,17 @@
 """``debug=profile``: a ``torch.profiler`` trace of a few training steps, started and stopped by
 us (docs/design.md, "PyTorchProfiler segfault at teardown")."""
 
+import logging
 import os
 from pathlib import Path
 
 import lightning as L
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+from trainkit.console import shown
+
+log = logging.getLogger(__name__)
 
 
 class ProfileSteps(L.Callback):
@@ -42,10 +47,22 @@ class ProfileSteps(L.Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         if self._profiler is not None:
             self._stop(trainer)
+        elif not self._done and trainer.is_global_zero:
+            log.warning(
+                "debug=profile traced nothing: training ran %d step(s), and the profile begins "
+                "after %d warm-up steps; let it train longer (trainer.limit_train_batches)",
+                *(trainer.global_step, self.skip),
+            )
 
     def _stop(self, trainer: L.Trainer) -> None:
         self._profiler.__exit__(None, None, None)
         if trainer.is_global_zero:
             self.dirpath.mkdir(parents=True, exist_ok=True)
-            self._profiler.export_chrome_trace(str(self.dirpath / "train_steps.pt.trace.json"))
+            trace = self.dirpath / "train_steps.pt.trace.json"
+            self._profiler.export_chrome_trace(str(trace))
+            log.info(
+                "profile of steps %d to %d: %s (open it in https://ui.perfetto.dev or "
+                "chrome://tracing)",
+                *(self._first + 1, trainer.global_step, shown(trace)),
+            )
         self._profiler, self._done = None, True
