@@ -9,7 +9,7 @@ with imports_frozen():  # faster start and exit: runtime.py
     from omegaconf import DictConfig
 
     import trainkit.startup  # first: before anything imports torchmetrics
-    from trainkit.config import did_you_mean, expand_shorthands
+    from trainkit.config import command_line, did_you_mean
     from trainkit.console import one_line_refusals
 
     # torch and Lightning load once Hydra has composed the run (as train.py: a typo is refused in
@@ -27,7 +27,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    sys.argv = expand_shorthands(sys.argv, "eval")  # a library key an older eval.yaml lacks: ++
+    sys.argv = command_line(sys.argv, "eval")  # a library key an older eval.yaml lacks: ++
     # a line naming the closest key where Hydra refused an unknown one; a refusal as its line
     with imports_frozen(), did_you_mean("eval"), one_line_refusals():
         main()

@@ -9,7 +9,7 @@ with imports_frozen():  # faster start and exit: runtime.py
     from omegaconf import DictConfig
 
     import trainkit.startup  # first: before anything imports torchmetrics
-    from trainkit.config import LAST_SWEEP, did_you_mean, expand_shorthands
+    from trainkit.config import LAST_SWEEP, command_line, did_you_mean
     from trainkit.console import one_line_refusals
 
     # torch and Lightning load once Hydra has composed the run (a typo is refused in a second);
@@ -27,7 +27,7 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    sys.argv = expand_shorthands(sys.argv)  # ++ where train.yaml lacks a key; plan=true
+    sys.argv = command_line(sys.argv)  # ++ where train.yaml lacks a key; plan=true; -m first
     if LAST_SWEEP in sys.argv:  # the newest directory of this command's sweep
         from trainkit.sweep import newest_sweep_named
 

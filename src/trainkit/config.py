@@ -89,9 +89,8 @@ def expand_shorthands(argv: Sequence[str], config_name: str = "train") -> list[s
     """``plan=true`` (or false) as ``plan.show=true``, ``check=true`` as ``check.run=true``, a
     library run key (``conf/run_keys.yaml``) that the project's ``<config_name>.yaml`` lacks (a
     fork's file from before the key existed, which Hydra would refuse it on) typed with Hydra's
-    ``++`` (add or override), a path with '=' quoted (``overrides.with_path_quoted``), and
-    Hydra's flags without a value (``-m``) put before the first override. The other arguments as
-    they are: a misspelt key is still refused."""
+    ``++`` (add or override), and a path with '=' quoted (``overrides.with_path_quoted``). The
+    other arguments as they are: a misspelt key is still refused."""
     run_keys = _leaf_keys(OmegaConf.load(LIBRARY_CONF_DIR / "run_keys.yaml"))
     project_file = project_config_file(argv, config_name)
     project = _leaf_keys(OmegaConf.load(project_file)) if project_file.is_file() else run_keys
@@ -107,22 +106,48 @@ def expand_shorthands(argv: Sequence[str], config_name: str = "train") -> list[s
         if eq and "=" in value and not key.startswith("-"):
             arg = with_path_quoted(arg, multirun)
         expanded.append(arg)
-    return _flags_first(expanded)
+    return expanded
 
 
-# Hydra's flags that take no value. Hydra 1.3.8's argparse rejects the overrides after one placed
-# between them ("train.py a=1 -m b=1,2": unrecognized arguments: b=1,2; hydra#3053, fixed by its
-# PR #3133, in no release yet)
+def command_line(argv: Sequence[str], config_name: str = "train") -> list[str]:
+    """An entry point's ``sys.argv`` as Hydra is to read it: its arguments' shorthands expanded
+    (``expand_shorthands``), and Hydra's flags that take no value (``-m``) put before the first
+    override, where Hydra 1.3.8 reads them ("train.py a=1 -m b=1,2" was refused: unrecognized
+    arguments: b=1,2; hydra#3053, fixed by its PR #3133 in no release yet)."""
+    script, *arguments = argv
+    return [script, *_flags_first(expand_shorthands(arguments, config_name))]
+
+
 _VALUELESS_FLAGS = ("-m", "--multirun", "-r", "--run", "--resolve")
+# Hydra's flags whose value is the next argument (unless written --flag=value)
+_VALUED_FLAGS = (
+    *("-c", "--cfg", "-p", "--package", "-cp", "--config-path", "-cn", "--config-name"),
+    *("-cd", "--config-dir", "--experimental-rerun"),
+)
+_INFO_FLAGS, _INFO_CHOICES = (
+    ("-i", "--info"),
+    ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath"),
+)  # (its value optional)
 
 
-def _flags_first(argv: list[str]) -> list[str]:
-    """``argv`` with Hydra's valueless flags moved before its first override (a ``key=value``)."""
-    first = next((i for i, a in enumerate(argv) if "=" in a and not a.startswith("-")), None)
+def _flags_first(arguments: list[str]) -> list[str]:
+    """``arguments`` with the valueless flags after the first override (an argument that is not
+    a flag or a flag's value: ``key=value``, ``+key=...``, ``~key``) moved before it."""
+    first, i = None, 0
+    while i < len(arguments) and first is None:
+        argument = arguments[i]
+        if argument in _VALUED_FLAGS:
+            i += 1  # (its value)
+        elif argument in _INFO_FLAGS and i + 1 < len(arguments):
+            i += arguments[i + 1] in _INFO_CHOICES
+        elif not argument.startswith("-"):
+            first = i
+        i += 1
     if first is None:
-        return argv
-    flags = [a for a in argv[first:] if a in _VALUELESS_FLAGS]
-    return [*argv[:first], *flags, *(a for a in argv[first:] if a not in _VALUELESS_FLAGS)]
+        return arguments
+    after = arguments[first:]
+    flags = [a for a in after if a in _VALUELESS_FLAGS]
+    return [*arguments[:first], *flags, *(a for a in after if a not in _VALUELESS_FLAGS)]
 
 
 def project_config_file(argv: Sequence[str], config_name: str) -> Path:
@@ -235,6 +260,7 @@ _NOT_IN_DEFAULTS = re.compile(
 )
 # why a script's config chooses no option of a group that train.py's does
 UNCHOSEN = {"eval": "eval.py builds the checkpoint's model and data from the config it carries"}
+FROM_THE_CHECKPOINT = ("model", "data")  # the groups eval.py takes from the checkpoint's config
 
 
 def unchosen_group(hydras: str, config_name: str) -> str | None:
@@ -265,10 +291,9 @@ def unknown_keys(config_name: str, overrides: Sequence[str]) -> list[str]:
         if _in_open(cfg, key):
             continue
         group = key.split(".", 1)[0]
-        if group in groups and group not in cfg:  # (eval.py's model.*: never a new key)
-            why = f" ({UNCHOSEN[config_name]})" if config_name in UNCHOSEN else ""
-            lines.append(f"{key}: {config_name}.py chooses no {group}{why}")
-            continue
+        if config_name in UNCHOSEN and group in FROM_THE_CHECKPOINT and group not in cfg:
+            lines.append(f"{key}: {config_name}.py chooses no {group} ({UNCHOSEN[config_name]})")
+            continue  # (eval.py's model.*: not a key to add with +, the checkpoint's config's)
         close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
         hint = f"did you mean {close[0]}?" if close else f"add it with +{key}=... if it is new"
         lines.append(f"{key}: not a key of the config; {hint}")

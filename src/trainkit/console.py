@@ -304,21 +304,31 @@ class ConsoleFormat(logging.Formatter):
         return text if job is None else f"job {job}: {text}"
 
 
+# Set by a sweep job's first process where its launcher runs several jobs at once, inherited by
+# the job's ranks (ddp's, ddp_spawn's, which have no Hydra of their own): the job's number
+SIDE_BY_SIDE_JOB_ENV = "TRAINKIT_SIDE_BY_SIDE_JOB"
+
+
 def side_by_side_job() -> int | None:
     """This sweep job's number where its launcher runs several jobs at once, whose lines share
-    one console (joblib with n_jobs other than 1); None otherwise (a sweep's own lines, one job
-    at a time, a run)."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
+    one console (``mark_side_by_side_job``); None otherwise (a sweep's own lines, one job at a
+    time, a run)."""
+    value = os.environ.get(SIDE_BY_SIDE_JOB_ENV)
+    return int(value) if value else None
 
-    if not HydraConfig.initialized():
-        return None
+
+def mark_side_by_side_job() -> None:
+    """At a sweep job's start, in its first process: whether its launcher runs several jobs at
+    once (joblib, n_jobs other than 1), for this process and the ranks it starts."""
+    from hydra.core.hydra_config import HydraConfig
+
     hydra = HydraConfig.get()
-    if hydra.mode != RunMode.MULTIRUN or hydra.job.get("num") is None:
-        return None
     launcher = hydra.launcher
     parallel = str(launcher.get("_target_", "")).endswith("JoblibLauncher")
-    return hydra.job.num if parallel and launcher.get("n_jobs") != 1 else None
+    if parallel and launcher.get("n_jobs") != 1:
+        os.environ[SIDE_BY_SIDE_JOB_ENV] = str(hydra.job.num)
+    else:
+        os.environ.pop(SIDE_BY_SIDE_JOB_ENV, None)
 
 
 log = logging.getLogger(__name__)

@@ -140,6 +140,16 @@ def stopping_signal(stop: BaseException) -> int | None:
     return None
 
 
+# the running run's stopped() (a picklable callable), innermost last: what a ddp_spawn rank says
+_stopped_lines: list[Callable[[], str]] = []
+
+
+def stopped_line() -> Callable[[], str] | None:
+    """What the run in progress in this process says when a signal stops it, to say in the
+    processes it spawns (``strategies.ddp.SpawnLauncher``); None outside a run."""
+    return _stopped_lines[-1] if _stopped_lines else None
+
+
 @contextlib.contextmanager
 def signal_stops_in_one_line(stopped: Callable[[], str]) -> Iterator[None]:
     """Around a run: a Ctrl-C or a SIGTERM outside the training loop (where
@@ -147,7 +157,9 @@ def signal_stops_in_one_line(stopped: Callable[[], str]) -> Iterator[None]:
     signal and the line ``<SIGNAL>: stopped()`` (what the run had saved): not a
     KeyboardInterrupt's traceback through whatever it interrupted, nor Lightning's exit code 1
     after a Ctrl-C, nor its exit code 0 after a SIGTERM (a scheduler would count the run as
-    done). Its traceback goes to the log file."""
+    done). Its traceback goes to the log file. ``stopped`` is picklable (a module's function, a
+    partial of one): ddp_spawn's ranks say it."""
+    _stopped_lines.append(stopped)
     try:
         yield
     except (KeyboardInterrupt, SystemExit) as stop:
@@ -163,3 +175,5 @@ def signal_stops_in_one_line(stopped: Callable[[], str]) -> Iterator[None]:
         said = first_process() and rank_zero_only.rank == 0  # (a ddp_spawn rank: its own rank)
         (log.warning if said else log.info)("%s: %s", signal.Signals(signum).name, stopped())
         raise SystemExit(128 + signum) from None
+    finally:
+        _stopped_lines.pop()

@@ -157,10 +157,15 @@ def run(cfg: DictConfig) -> dict[str, dict[str, float]]:
         isolated_job(),
         owning_run_dir(cfg),  # (a refusal in it leaves no directory)
         lost_rank_in_one_line(cfg.paths.get("output_dir"), in_multirun()),
-        signal_stops_in_one_line(lambda: "stopped before the evaluation wrote its metrics.json"),
+        signal_stops_in_one_line(evaluation_stopped),
     ):
         cfg.ckpt_path = checkpoint_to_evaluate(cfg)
         return _evaluate(cfg)
+
+
+def evaluation_stopped() -> str:
+    """What an evaluation stopped by a signal says it left."""
+    return "stopped before the evaluation wrote its metrics.json"
 
 
 def _evaluate(cfg: DictConfig) -> dict[str, dict[str, float]]:

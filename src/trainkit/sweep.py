@@ -50,6 +50,7 @@ from trainkit.console import (
     SWEEP_COMMAND_ENV,
     accepted,
     held_until_launched,
+    mark_side_by_side_job,
     shown,
     undo_on_refusal,
 )
@@ -119,6 +120,7 @@ class JobReporter(Callback):
         accepted()  # (a sweep's lines, where its launcher said nothing before its first job)
         if in_multirun():  # read before the job writes anything (the job reads it too)
             self._as_left = job_as_left(Path(HydraConfig.get().runtime.output_dir))
+            mark_side_by_side_job()  # (its lines say its number where jobs run at once)
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         # ddp children run their job in RUN mode, and a SLURM job runs it in each of its tasks:

@@ -1,5 +1,6 @@
 """The training recipe: build every object from the config, fit, test the best checkpoint."""
 
+import functools
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -88,7 +89,7 @@ def run(cfg: DictConfig) -> float | None:
             return left.value  # counted as before; nothing is rewritten
         cfg = continue_job(cfg, left)
     lost_rank = lost_rank_in_one_line(cfg.paths.get("output_dir"), in_multirun())
-    stopped = signal_stops_in_one_line(lambda: saved_by(cfg.paths.output_dir))
+    stopped = signal_stops_in_one_line(functools.partial(saved_by, cfg.paths.output_dir))
     with isolated_job(), owning_run_dir(cfg), lost_rank, stopped:
         return _train_and_test(cfg)
 

@@ -41,12 +41,23 @@ class _EpochLoop(_TrainingEpochLoop):
 
 class _Results(_ResultCollection):
     """Lightning's collection of what ``self.log`` logs, whose results stay where they are when
-    a value is logged on their own device (``_ResultOnItsDevice``)."""
+    a value is logged on their own device (``_ResultOnItsDevice``), and which says nothing of
+    ``sync_dist`` in a process group of one."""
 
     def __setitem__(self, key: str, result: Any) -> None:
         if type(result) is _ResultMetric:  # (made by Lightning's log and load_state_dict)
             result.__class__ = _ResultOnItsDevice
         super().__setitem__(key, result)
+
+    @staticmethod
+    def _get_cache(result: _ResultMetric, on_step: bool) -> Any:
+        # ddp or fsdp on one device: Lightning recommends sync_dist for every epoch value
+        # (logged anywhere, rank_zero_only too), which would change nothing with nothing to
+        # reduce; computed first, as Lightning computes it next, it is not recommended
+        one = dist.is_available() and dist.is_initialized() and dist.get_world_size() == 1
+        if one and not on_step and result.meta.on_epoch and result._computed is None:
+            result.compute()
+        return _ResultCollection._get_cache(result, on_step)
 
 
 class _ResultOnItsDevice(_ResultMetric):
@@ -101,7 +112,7 @@ class _EpochValuesOverAllRanks(_LoggerConnector):
     def epoch_end_reached(self) -> None:
         super().epoch_end_reached()
         results = self.trainer._results
-        if results is None or not dist.is_initialized():
+        if results is None or self.trainer.world_size == 1 or not dist.is_initialized():
             return
         pending = {
             key: value
@@ -111,10 +122,6 @@ class _EpochValuesOverAllRanks(_LoggerConnector):
             and value._computed is None
             and not value.meta.sync.rank_zero_only
         }
-        if self.trainer.world_size == 1:  # (ddp or fsdp on one device): nothing to reduce, and
-            for value in pending.values():  # computed here, not where Lightning would warn
-                value.compute()  # of each to use sync_dist, which would change nothing
-            return
         replicas = data_parallel_group(self.trainer.strategy)
         for key in _on_every_rank(sorted(pending)):
             value = pending[key]

@@ -36,6 +36,7 @@ from trainkit.callbacks import ProfileSteps, RunConfig, StartupTime
 from trainkit.config import (
     CONF_DIR,
     LIBRARY_CONF_DIR,
+    command_line,
     compose_config,
     did_you_mean,
     expand_shorthands,
@@ -727,18 +728,29 @@ def test_a_group_eval_does_not_choose_is_one_line_saying_why(
 
 def test_a_flag_between_overrides_goes_before_them() -> None:
     """Hydra 1.3.8 refuses the overrides after ``-m`` where overrides come before it too
-    (hydra#3053): the flag goes first, the rest as typed; a flag's value stays by its flag."""
-    typed = ["train.py", "data.root=x", "-m", "seed=0,1", "--config-name", "train"]
-    assert expand_shorthands(typed) == [
-        "train.py",
+    (hydra#3053): the flag goes before the first override, the rest as typed; the script's path
+    and a flag's value (which may hold '=') are not overrides."""
+    typed = ["/a=b/train.py", "data.root=x", "-m", "seed=0,1", "--config-name", "train"]
+    assert command_line(typed) == [
+        "/a=b/train.py",
         "-m",
         "data.root=x",
         "seed=0,1",
         "--config-name",
         "train",
     ]
-    assert expand_shorthands(["train.py", "-m", "seed=0,1"]) == ["train.py", "-m", "seed=0,1"]
-    assert expand_shorthands(["train.py", "--cfg", "job"]) == ["train.py", "--cfg", "job"]
+    flag_values = ["train.py", "-cd", "/x=y/conf", "--info", "config", "~callbacks.x", "-m"]
+    assert command_line(flag_values) == [
+        "train.py",
+        "-cd",
+        "/x=y/conf",
+        "--info",
+        "config",
+        "-m",
+        "~callbacks.x",
+    ]
+    for as_typed in (["train.py", "-m", "seed=0,1"], ["train.py", "--cfg", "job", "-m"]):
+        assert command_line(as_typed) == as_typed
 
 
 def test_a_library_key_an_older_train_yaml_lacks_is_typed_with_plus_plus(tmp_path: Path) -> None:

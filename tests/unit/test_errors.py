@@ -3,7 +3,9 @@ errors.lost_rank_in_one_line: which errors become RankLost's line, and what it s
 launch.said_refusals' choice of a rank's refusal over the lines of the ranks that lost it. The
 real collectives (a stopped and a killed rank) are tests/e2e/test_reliability.py's."""
 
+import functools
 import os
+import pickle
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -11,9 +13,11 @@ from types import SimpleNamespace
 import pytest
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from trainkit.errors import lost_rank_in_one_line, signal_stops_in_one_line
+from trainkit.errors import lost_rank_in_one_line, signal_stops_in_one_line, stopped_line
+from trainkit.evaluate import evaluation_stopped
 from trainkit.launch import _refusal_pipes, said_refusals
 from trainkit.refusals import RankLost
+from trainkit.resume import saved_by
 
 GLOO = "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/"
 GLOO_TIMEOUT = (
@@ -128,3 +132,16 @@ def test_another_exit_passes_as_it_is(code: int) -> None:
     with pytest.raises(SystemExit) as ended, signal_stops_in_one_line(lambda: "never said"):
         sys.exit(code)
     assert ended.value.code == code
+
+
+def test_the_runs_stop_line_is_handed_to_spawned_ranks_as_it_is() -> None:
+    """What a run says when a signal stops it is the innermost run's while it runs, and pickles
+    (ddp_spawn's ranks say it: an evaluation's, not a training run's "before this run saved a
+    checkpoint")."""
+    assert stopped_line() is None
+    with signal_stops_in_one_line(functools.partial(saved_by, "/nonexistent")):
+        with signal_stops_in_one_line(evaluation_stopped):
+            handed = pickle.loads(pickle.dumps(stopped_line()))
+            assert handed() == "stopped before the evaluation wrote its metrics.json"
+        assert stopped_line()() == "stopped before this run saved a checkpoint"
+    assert stopped_line() is None

@@ -81,12 +81,17 @@ def test_a_logged_result_stays_where_it_is_and_sums_every_value() -> None:
 
 
 class LogsEpochMeans(BoringModel):
-    """Logs as Lightning's docs write it: an epoch's mean, without ``sync_dist``."""
+    """Logs as Lightning's docs write it: an epoch's mean, without ``sync_dist``, in a step (one
+    with ``rank_zero_only``) and in an epoch's end hook."""
 
     def training_step(self, batch, batch_idx: int):
         out = super().training_step(batch, batch_idx)
         self.log("epoch_mean_of_the_training_loss", out["loss"], on_epoch=True)
+        self.log("rank_zero_only_epoch_mean", out["loss"], on_epoch=True, rank_zero_only=True)
         return out
+
+    def on_train_epoch_end(self) -> None:
+        self.log("logged_at_the_epochs_end", torch.tensor(float(self.current_epoch + 1)))
 
     def validation_step(self, batch, batch_idx: int):
         out = super().validation_step(batch, batch_idx)
@@ -120,7 +125,12 @@ def test_one_process_of_a_distributed_strategy_says_nothing_of_sync_dist(
     one_process = trainer.callback_metrics
     dist.destroy_process_group()
     plain = fit_logging(tmp_path / "plain").callback_metrics
-    for name in ("epoch_mean_of_the_training_loss", "epoch_mean_of_the_validation_loss"):
+    for name in (
+        "epoch_mean_of_the_training_loss",
+        "epoch_mean_of_the_validation_loss",
+        "rank_zero_only_epoch_mean",
+        "logged_at_the_epochs_end",
+    ):
         assert one_process[name] == pytest.approx(plain[name].item(), rel=1e-6), name
 
 

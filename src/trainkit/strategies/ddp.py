@@ -3,11 +3,13 @@ overrides, started by ``trainkit.launch.JobScriptLauncher``."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing
 import os
 import re
 import signal
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -32,6 +34,7 @@ from trainkit.errors import (
     listed,
     lost_rank_in_one_line,
     signal_stops_in_one_line,
+    stopped_line,
 )
 from trainkit.launch import JobScriptLauncher, RankRefused, in_multirun, sigint_ignored
 from trainkit.parallel import LIGHTNING
@@ -197,14 +200,15 @@ class SpawnLauncher(_MultiProcessingLauncher):
         # one failed: that failure says what happened)
         logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
         root = trainer.default_root_dir if trainer is not None else None  # (the run's directory)
-        says = _SaysRefusal(function, refusals, root, in_multirun())
+        stopped = stopped_line() or functools.partial(saved_by, root)  # (the run's own line)
+        says = _SaysRefusal(function, refusals, root, in_multirun(), stopped)
         try:
             # Ctrl-C reaches the ranks too (a terminal's process group): they stop (in training
             # all at one step, saved) and this process ends with their exit code. They inherit
             # the ignoring through their start (a KeyboardInterrupt in multiprocessing's
             # bootstrap is a traceback; a Ctrl-C there is lost) and take it back for their stage
-            # (_SaysRefusal). SIGTERM keeps its default here: passed on, a rank outside training
-            # ends in Lightning's handler with exit 0, and this process would wait for its result
+            # (_SaysRefusal). SIGTERM keeps its default here: this process ends at once, and its
+            # ranks, which a scheduler signals too, each stop as one process would
             with sigint_ignored():
                 return super().launch(says, *args, trainer=trainer, **kwargs)
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as failed:  # (torch's)
@@ -243,9 +247,16 @@ class _SaysRefusal:
     timeout or closed connection: ``errors.lost_rank_in_one_line``, which train.run's is not
     around in a spawned rank)."""
 
-    def __init__(self, function: Any, refusals: Any, output_dir: str | None, in_sweep: bool):
+    def __init__(
+        self,
+        function: Any,
+        refusals: Any,
+        output_dir: str | None,
+        in_sweep: bool,
+        stopped: Callable[[], str],
+    ):
         self.function, self.refusals = function, refusals
-        self.output_dir, self.in_sweep = output_dir, in_sweep
+        self.output_dir, self.in_sweep, self.stopped = output_dir, in_sweep, stopped
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # Ctrl-C, ignored from the rank's start (SpawnLauncher.launch), is Python's again
@@ -255,7 +266,7 @@ class _SaysRefusal:
             with (
                 lost_rank_in_one_line(self.output_dir, self.in_sweep),
                 # (Lightning's handling of Ctrl-C is the launching process's, not a rank's)
-                signal_stops_in_one_line(lambda: saved_by(self.output_dir)),
+                signal_stops_in_one_line(self.stopped),
             ):
                 try:
                     return self.function(*args, **kwargs)
