@@ -383,6 +383,22 @@ def test_joblib_runs_ddp_jobs_in_parallel(joblib_sweep: tuple) -> None:
     assert [value(j["overrides"], "model.optimizer.lr") for j in records] == ["0.001", "0.003"]
 
 
+def test_joblib_runs_ddp_spawn_jobs(sweep_runner) -> None:
+    """ddp_spawn's ranks started from a joblib (loky) worker, whose multiprocessing start method
+    ('loky') a spawned rank cannot set: each job trains on its own two ranks, and the console is
+    the jobs' lines alone (no Lightning warning from a rank started outside an entry point)."""
+    sweep, proc = sweep_runner(
+        "-m", "launcher=joblib", "strategy=ddp_spawn", "devices=2", "seed=0,1",
+        "trainer.limit_train_batches=2",
+    )  # fmt: skip
+    for job in jobs(sweep):
+        assert job["status"] == "completed"
+        check_processes(job, 2)
+    said = [line for line in proc.stdout.splitlines() if "[HYDRA]" not in line]
+    assert said and all(line.startswith(("job 0: ", "job 1: ")) for line in said), said
+    assert "Traceback" not in proc.stderr and "srun" not in proc.stderr, proc.stderr[-3000:]
+
+
 def test_submitit_local_runs_a_ddp_job(sweep_runner) -> None:
     sweep, _ = sweep_runner("-m", "launcher=submitit_local", "strategy=ddp", "devices=2", BATCH)
     (job,) = jobs(sweep)

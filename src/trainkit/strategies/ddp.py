@@ -3,13 +3,14 @@ overrides, started by ``trainkit.launch.JobScriptLauncher``."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import multiprocessing
 import os
 import re
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -26,6 +27,7 @@ from trainkit.console import (
     has_started,
     log_as_rank,
     not_accepted,
+    quiet,
     run_logging,
 )
 from trainkit.errors import (
@@ -209,7 +211,7 @@ class SpawnLauncher(_MultiProcessingLauncher):
             # bootstrap is a traceback; a Ctrl-C there is lost) and take it back for their stage
             # (_SaysRefusal). SIGTERM keeps its default here: this process ends at once, and its
             # ranks, which a scheduler signals too, each stop as one process would
-            with sigint_ignored():
+            with sigint_ignored(), _start_method_a_rank_knows():
                 return super().launch(says, *args, trainer=trainer, **kwargs)
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as failed:  # (torch's)
             said = {}  # each refusing rank's pid: (its line, whether its run started)
@@ -240,6 +242,23 @@ class SpawnLauncher(_MultiProcessingLauncher):
             dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def _start_method_a_rank_knows() -> Iterator[None]:
+    """While the ranks start: multiprocessing's default start method, which each spawned rank
+    sets for itself as this process's, one a plain Python process has. A joblib sweep's worker
+    (loky) has 'loky', which the ranks cannot find ("cannot find context for 'loky'", and the
+    job failed): the platform's default while they start, this process's own again after."""
+    method = multiprocessing.get_start_method(allow_none=True)
+    if method is None or method in multiprocessing.get_all_start_methods():
+        yield
+        return
+    multiprocessing.set_start_method(None, force=True)
+    try:
+        yield
+    finally:
+        multiprocessing.set_start_method(method, force=True)
+
+
 class _SaysRefusal:
     """A spawned rank's function, whose refusal (one of Hydra's compact errors, with whether its
     run had started) also goes to the launching process: that process says it as its own one
@@ -259,6 +278,9 @@ class _SaysRefusal:
         self.output_dir, self.in_sweep, self.stopped = output_dir, in_sweep, stopped
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # the console's filters, before Lightning can warn: a rank whose main module is not an
+        # entry point's (a joblib worker's ranks) has none until its logging is set up
+        quiet()
         # Ctrl-C, ignored from the rank's start (SpawnLauncher.launch), is Python's again
         # while the rank runs its stage, and ignored after it
         signal.signal(signal.SIGINT, signal.default_int_handler)
