@@ -53,9 +53,10 @@ class _Results(_ResultCollection):
     def _get_cache(result: _ResultMetric, on_step: bool) -> Any:
         # ddp or fsdp on one device: Lightning recommends sync_dist for every epoch value
         # (logged anywhere, rank_zero_only too), which would change nothing with nothing to
-        # reduce; computed first, as Lightning computes it next, it is not recommended
-        one = dist.is_available() and dist.is_initialized() and dist.get_world_size() == 1
-        if one and not on_step and result.meta.on_epoch and result._computed is None:
+        # reduce; computed first, as Lightning computes it next, it is not recommended. (Read
+        # for every logged value at every batch's end: the step's reads leave at `on_step`.)
+        epoch_value = not on_step and result.meta.on_epoch and result._computed is None
+        if epoch_value and dist.is_initialized() and dist.get_world_size() == 1:
             result.compute()
         return _ResultCollection._get_cache(result, on_step)
 
