@@ -124,6 +124,17 @@ def alive(pid: int) -> bool:
         return False
 
 
+def in_process_group(pgid: int) -> list[int]:
+    """The running processes (not zombies) of process group ``pgid``."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if fields[0] != "Z" and int(fields[2]) == pgid:
+                members.append(int(stat.parent.name))
+    return members
+
+
 def tree_state(root: Path) -> dict[str, tuple[int, bytes]]:
     """Every file and directory under ``root`` (itself included): its modification time, and a
     file's bytes. Equal states: nothing was created, removed, rewritten or touched."""

@@ -26,6 +26,7 @@ from helpers import (
     PLAIN_CONSOLE,
     ROOT,
     alive,
+    in_process_group,
     ranks_that_joined,
     run_python,
     start_python,
@@ -284,6 +285,13 @@ STOPS = {
         ("strategy=ddp_spawn", "devices=2", "trainer.max_epochs=2"),
         "epoch 1/2 ",
     ),
+    # a SIGTERM to the launching process alone (kill <pid>, timeout, a container's stop), which
+    # ended at once (-15), before its ranks saved (torch SIGINTs a rank whose parent died)
+    "ddp_spawn training, SIGTERM to its launcher": (
+        "SIGTERM",
+        ("strategy=ddp_spawn", "devices=2", "trainer.max_epochs=2"),
+        "epoch 1/2 ",
+    ),
     # a scheduler's SIGTERM to every rank in the test: Lightning's evaluation loop ends it in a
     # SystemExit whose code is 0, which a scheduler or a sweep would count as a finished run
     "ddp test, SIGTERM": (
@@ -326,8 +334,15 @@ def test_a_stop_outside_training_is_one_line_and_its_exit_code_wherever_it_lands
         ):
             assert time.monotonic() < deadline, f"never saw {after!r}"
             time.sleep(0.01)
-        os.killpg(proc.pid, getattr(signal, name))
+        send = os.kill if where.endswith("to its launcher") else os.killpg
+        send(proc.pid, getattr(signal, name))
     output = proc.communicate(timeout=120)[0]
+    deadline = time.monotonic() + 5  # (multiprocessing's resource tracker ends after it)
+    while (left := in_process_group(proc.pid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in left:  # (the test leaves nothing running)
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"{len(left)} processes of the run outlived it: {output[-3000:]}"
     assert proc.returncode == 128 + getattr(signal, name), output[-3000:]
     assert "Traceback" not in output and "KeyboardInterrupt" not in output, output[-3000:]
     (said,) = [line for line in output.splitlines() if name in line]
@@ -358,7 +373,7 @@ def test_a_stop_outside_training_is_one_line_and_its_exit_code_wherever_it_lands
         )
     else:  # (in epoch 2 of 2, of 4 steps: at its end, the ranks agreeing; last.ckpt its)
         assert said == (
-            "warning: SIGINT: stopped at the end of training (step 8), before its test; its "
+            f"warning: {name}: stopped at the end of training (step 8), before its test; its "
             f"checkpoints stay in {checkpoints}; resume with ckpt_path=last"
         )
         assert torch.load(checkpoints / "last.ckpt", weights_only=True)["global_step"] == 8

@@ -10,6 +10,7 @@ import multiprocessing
 import os
 import re
 import signal
+import threading
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -209,9 +210,8 @@ class SpawnLauncher(_MultiProcessingLauncher):
             # all at one step, saved) and this process ends with their exit code. They inherit
             # the ignoring through their start (a KeyboardInterrupt in multiprocessing's
             # bootstrap is a traceback; a Ctrl-C there is lost) and take it back for their stage
-            # (_SaysRefusal). SIGTERM keeps its default here: this process ends at once, and its
-            # ranks, which a scheduler signals too, each stop as one process would
-            with sigint_ignored(), _start_method_a_rank_knows():
+            # (_SaysRefusal). A SIGTERM to this process goes on to them (_sigterm_passed_on)
+            with sigint_ignored(), _sigterm_passed_on(), _start_method_a_rank_knows():
                 return super().launch(says, *args, trainer=trainer, **kwargs)
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as failed:  # (torch's)
             said = {}  # each refusing rank's pid: (its line, whether its run started)
@@ -240,6 +240,30 @@ class SpawnLauncher(_MultiProcessingLauncher):
         if self._start_method != "popen" and dist.is_available() and dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _sigterm_passed_on() -> Iterator[None]:
+    """A SIGTERM to this process alone (``kill <pid>``, ``timeout``, a container's stop) goes on
+    to the ranks it spawned, which stop as a scheduler's SIGTERM stops them (in training at one
+    step, saved), and this process ends after them, with their exit code. By default it ended
+    at once, before they saved (a container's end would kill them), and torch's SIGINT to a
+    rank whose parent died made them say SIGINT. A rank signalled twice (a scheduler signals
+    every process) stops once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # (signals reach the main thread only)
+        return
+
+    def pass_on(signum: int, frame: Any) -> None:
+        for rank in multiprocessing.active_children():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(rank.pid, signum)
+
+    previous = signal.signal(signal.SIGTERM, pass_on)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @contextlib.contextmanager
