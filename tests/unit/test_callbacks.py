@@ -256,6 +256,55 @@ def test_each_epochs_line_names_the_best_so_far_and_a_resume_keeps_it(
     assert resumed.best == (max(values), values.index(max(values)) + 1) != (values[3], 4)
 
 
+class StopAfterFirstEpoch(L.Callback):
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        trainer.should_stop = True
+
+
+# what stops the docs' classifier's 3 epochs early, and the reason the line gives
+STOPPED_BY = {
+    "max_time": (  # (Lightning's Timer, which it adds for max_time: over after the first batch)
+        {"max_time": {"microseconds": 1}},
+        "at step 1, epoch 1 of 3: trainer.max_time was reached (trained 0:00:00)",
+    ),
+    "EarlyStopping": (
+        {"callbacks": [L.pytorch.callbacks.EarlyStopping("val_loss", stopping_threshold=1e9)]},
+        "at step 3, epoch 1 of 3: EarlyStopping: Stopping threshold reached: val_loss = ",
+    ),
+    "should_stop": (
+        {"callbacks": [StopAfterFirstEpoch()]},
+        "at step 3, epoch 1 of 3: the module or a callback set trainer.should_stop",
+    ),
+    "max_time in the last epoch": (
+        {"max_time": {"microseconds": 1}, "max_epochs": 1},
+        "at step 1, epoch 1 of 1: trainer.max_time was reached",
+    ),
+    "max_time spent before": (  # (a resume of a run that spent it: no step taken)
+        {"max_time": {"seconds": 0}},
+        "at step 0, epoch 0 of 3: trainer.max_time was reached (trained 0:00:00)",
+    ),
+    "ran out": ({}, None),
+}
+
+
+@pytest.mark.parametrize("by", list(STOPPED_BY))
+def test_training_stopped_before_its_epochs_ran_out_says_why(
+    by: str, mnist_root: Path, caplog, restore_seed_state
+) -> None:
+    """Lightning says why only in the log file; a run whose epochs ran out says nothing."""
+    caplog.set_level("INFO", logger="trainkit.console")
+    trainer, expected = dict(STOPPED_BY[by][0]), STOPPED_BY[by][1]
+    callbacks = [EpochLines("val_loss", mode="min"), *trainer.pop("callbacks", [])]
+    short = dict(limit_train_batches=3, limit_val_batches=2, num_sanity_val_steps=0)
+    fit_docs_module(mnist_root, callbacks=callbacks, **short, **({"max_epochs": 3} | trainer))
+    said = [m for r in caplog.records if (m := r.getMessage()).startswith("training stopped")]
+    if expected is None:
+        assert said == []
+    else:
+        (line,) = said
+        assert line.startswith(f"training stopped early {expected}"), line
+
+
 def test_the_model_line_names_a_sharded_modules_own_class(free_port: int, caplog) -> None:
     """fsdp's ``fully_shard`` turns the docs' ``LitClassifier`` into an ``FSDPLitClassifier``:
     the console's model line, as the template's summary callback says it at the start of a fit,

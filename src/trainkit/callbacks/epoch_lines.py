@@ -1,10 +1,13 @@
 """A line per epoch on the console: the progress bar redraws in place, and its last screen shows
 the last epoch's values; these lines stay, and say the best so far."""
 
+from datetime import timedelta
 from typing import Any
 
 from lightning.pytorch import Callback
+from lightning.pytorch.callbacks import EarlyStopping, Timer
 
+from trainkit.callbacks.preemption import Preemption
 from trainkit.console import epoch_text, metrics_text, number, say
 
 
@@ -48,6 +51,25 @@ class EpochLines(Callback):
             best = f"  (best {self.monitor} {number(self.best[0])} at epoch {self.best[1]})"
         say("%s  %s%s", epoch_text(trainer), metrics_text(shown), best)
 
+    def on_fit_end(self, trainer, pl_module) -> None:
+        """Where training stopped before its epochs or steps ran out, a line that says why:
+        Lightning says it only in the log file (``Time limit reached``, an EarlyStopping's
+        reason), and the console's last epoch line would read ``epoch 3/10``, then the test. At
+        the fit's end, which a resume whose ``max_time`` was already spent reaches too."""
+        if not trainer.is_global_zero or not trainer.should_stop or _ran_out(trainer):
+            return
+        if any(isinstance(c, Preemption) and c.signum for c in trainer.callbacks):
+            return  # (a signal's stop says its own line)
+        bounded = trainer.max_epochs is not None and trainer.max_epochs > 0
+        of = f" of {trainer.max_epochs}" if bounded else ""
+        say(
+            "training stopped early at step %d, epoch %d%s: %s",
+            trainer.global_step,
+            trainer.current_epoch,
+            of,
+            _why_stopped(trainer),
+        )
+
     def state_dict(self) -> dict[str, Any]:
         return {"best": self.best}
 
@@ -60,3 +82,24 @@ def _float(value: Any) -> float | None:
         return float(value)
     except (TypeError, ValueError, RuntimeError):
         return None
+
+
+def _ran_out(trainer) -> bool:
+    """Whether training ran its ``max_steps``, or to the last batch of its ``max_epochs``
+    (Lightning's -1: unbounded; it counts an epoch stopped part-way as run)."""
+    if 0 <= trainer.max_steps <= trainer.global_step:
+        return True
+    epochs = trainer.max_epochs is not None and 0 <= trainer.max_epochs <= trainer.current_epoch
+    return epochs and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+
+
+def _why_stopped(trainer) -> str:
+    """The callback that set ``trainer.should_stop``, in the words the run's config uses."""
+    for callback in trainer.callbacks:
+        if isinstance(callback, Timer) and (callback.time_remaining() or 0) <= 0:
+            trained = timedelta(seconds=round(callback.time_elapsed()))
+            return f"trainer.max_time was reached (trained {trained})"
+        if isinstance(callback, EarlyStopping) and callback.stopping_reason_message:
+            reason = callback.stopping_reason_message.removesuffix(" Signaling Trainer to stop.")
+            return f"EarlyStopping: {reason}"
+    return "the module or a callback set trainer.should_stop"
