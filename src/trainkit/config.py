@@ -285,9 +285,12 @@ def unknown_keys(config_name: str, overrides: Sequence[str]) -> list[str]:
         return []
     known = set(_keys(cfg))
     lines = []
-    for key, _ in keyed:
+    for key, value in keyed:
         if key in groups or "/" in key or key.startswith("hydra.") or key in known:
             continue  # (a group path: hydra/launcher=...)
+        if key.startswith("trainer.") and (line := set_elsewhere(key[len("trainer.") :], value)):
+            lines.append(line)  # (not "add it with +": the run would replace it)
+            continue
         if _in_open(cfg, key):
             continue
         group = key.split(".", 1)[0]
@@ -298,6 +301,44 @@ def unknown_keys(config_name: str, overrides: Sequence[str]) -> list[str]:
         hint = f"did you mean {close[0]}?" if close else f"add it with +{key}=... if it is new"
         lines.append(f"{key}: not a key of the config; {hint}")
     return lines
+
+
+# Lightning Trainer arguments the run sets from elsewhere: a top-level key that trainer.<key>
+# follows (conf/trainer: `devices: ${devices}`), and what build_trainer builds from its groups
+FOLLOWED_BY_TRAINER = ("accelerator", "devices", "num_nodes", "precision")
+BUILT_FOR_TRAINER = ("strategy", "logger", "callbacks", "plugins")
+
+
+def set_elsewhere(key: str, value: Any = None) -> str | None:
+    """Why ``trainer.<key>`` (lightning-hydra-template's ``trainer.devices=4``,
+    ``trainer.strategy=ddp``) does not set the run's ``<key>``, and what does; None for a key the
+    Trainer takes from ``trainer.*``. Set, it would start ranks the run has not planned for, or be
+    replaced by what the run builds, silently."""
+    if key in FOLLOWED_BY_TRAINER:
+        return (
+            f"trainer.{key}: the run's {key} is the top-level key, which trainer.{key} follows: "
+            f"write {key}={value}"
+        )
+    if key in ("strategy", "logger"):
+        options = sorted(
+            p.stem for d in (CONF_DIR, LIBRARY_CONF_DIR) for p in d.glob(f"{key}/*.yaml")
+        )
+        chosen = value if value in options else "<option>"
+        return (
+            f"trainer.{key}: the run's {key} is its own config group: write {key}={chosen} "
+            f"(its options: {', '.join(options)})"
+        )
+    if key == "callbacks":
+        return (
+            "trainer.callbacks: the run's callbacks are the callbacks group: add one with "
+            "+callbacks.<name>._target_=<class>"
+        )
+    if key == "plugins":
+        return (
+            "trainer.plugins: the run builds the Trainer's plugins itself (its checkpoint "
+            "writing, SLURM's environment, sync_batchnorm=true); precision=... sets the precision"
+        )
+    return None
 
 
 def _in_open(cfg: DictConfig, key: str) -> bool:

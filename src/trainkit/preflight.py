@@ -17,7 +17,7 @@ from torch import nn
 
 from trainkit.build import arguments, launches_others
 from trainkit.callbacks.ema import check_ema
-from trainkit.config import settle
+from trainkit.config import BUILT_FOR_TRAINER, FOLLOWED_BY_TRAINER, set_elsewhere, settle
 from trainkit.data.sharding import check_train_data
 from trainkit.errors import ConfigError
 from trainkit.launch import under_slurm
@@ -281,9 +281,21 @@ def check_profiler(cfg: DictConfig, dims: ParallelDims) -> None:
     )
 
 
+def check_trainer_keys(cfg: DictConfig) -> None:
+    """Refuses ``trainer.devices=4`` (lightning-hydra-template's way) where the run has
+    ``devices=1``: Lightning started 4 ranks of a run that planned, sharded and launched one (the
+    first hung, the others said torchrun's line). So for the other keys trainer.* follows, and
+    ``+trainer.strategy=...`` and the rest that build_trainer replaced, silently."""
+    trainer = cfg.get("trainer") or {}
+    for key in (*FOLLOWED_BY_TRAINER, *BUILT_FOR_TRAINER):
+        if key in trainer and (key in BUILT_FOR_TRAINER or trainer[key] != cfg.get(key)):
+            raise ConfigError(set_elsewhere(key, trainer[key]))
+
+
 def preflight(cfg: DictConfig, training: bool = True) -> ParallelDims:
     """Validates the run's shape and applies process settings; returns its parallel layout.
     ``training=False`` (eval.py) skips what only training needs: full batches."""
+    check_trainer_keys(cfg)
     check_positive(cfg)
     check_torchrun_restarts()
     check_full_checkpoints(cfg)

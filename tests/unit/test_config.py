@@ -657,6 +657,11 @@ def test_an_unknown_key_is_named_with_the_closest_key_the_config_has() -> None:
         "zzz_nothing_like_it: not a key of the config; add it with +zzz_nothing_like_it=... if "
         "it is new",
     ]
+    # Hydra refuses trainer.strategy, and would advise +trainer.strategy, which the run replaces
+    assert unknown_keys("train", ["trainer.strategy=fsdp", "trainer.devices=2"]) == [
+        "trainer.strategy: the run's strategy is its own config group: write strategy=fsdp "
+        "(its options: auto, ddp, ddp_spawn, dp, fsdp, pipeline)"
+    ]  # (trainer.devices is a key: preflight refuses it where it differs from devices)
     assert unknown_keys("eval", ["stage=test", "model.net.hidden=[10]"]) == [
         "stage: not a key of the config; did you mean stages?",
         # (not "add it with +": eval.py refuses any model key, the checkpoint's config decides)

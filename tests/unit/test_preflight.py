@@ -74,6 +74,23 @@ from trainkit.train import build
         ("devices=abc", r"devices=abc: give a count, a list of ids, or auto"),
         ("num_nodes=2", r"num_nodes=2 but this process was not started on 2 nodes.*torchrun"),
         ("accelerator=gpu", r"no CUDA GPU is visible: use accelerator=cpu"),
+        # lightning-hydra-template's way: Lightning started 2 ranks of a run planned for one
+        (
+            "trainer.devices=2",
+            r"^trainer\.devices: the run's devices is the top-level key, .*: "
+            r"write devices=2$",
+        ),
+        ("trainer.precision=bf16-mixed", r"trainer\.precision: .*: write precision=bf16-mixed$"),
+        ("trainer.num_nodes=2", r"trainer\.num_nodes: .*: write num_nodes=2$"),
+        # replaced by what the run builds, silently
+        (
+            "+trainer.strategy=ddp",
+            r"trainer\.strategy: the run's strategy is its own config "
+            r"group: write strategy=ddp \(its options: auto, ddp, ddp_spawn, dp, fsdp, pipeline\)",
+        ),
+        ("+trainer.logger=false", r"trainer\.logger: .*: write logger=<option> \(its options: "),
+        ("+trainer.callbacks=[]", r"trainer\.callbacks: .*\+callbacks\.<name>\._target_="),
+        ("+trainer.plugins=[]", r"trainer\.plugins: the run builds the Trainer's plugins"),
         (
             "+callbacks.last_checkpoint.save_weights_only=true",
             r"callbacks\.last_checkpoint\.save_weights_only=true: such a checkpoint carries no",
