@@ -111,14 +111,13 @@ def expand_shorthands(argv: Sequence[str], config_name: str = "train") -> list[s
 
 def command_line(argv: Sequence[str], config_name: str = "train") -> list[str]:
     """An entry point's ``sys.argv`` as Hydra is to read it: its arguments' shorthands expanded
-    (``expand_shorthands``), and Hydra's flags that take no value (``-m``) put before the first
-    override, where Hydra 1.3.8 reads them ("train.py a=1 -m b=1,2" was refused: unrecognized
-    arguments: b=1,2; hydra#3053, fixed by its PR #3133 in no release yet)."""
+    (``expand_shorthands``), and Hydra's flags put before the overrides, where Hydra 1.3.8 reads
+    them ("train.py a=1 -m b=1,2" or "train.py a=1 --cfg job b=2" was refused: unrecognized
+    arguments: b=...; hydra#3053, fixed by its PR #3133 in no release yet)."""
     script, *arguments = argv
     return [script, *_flags_first(expand_shorthands(arguments, config_name))]
 
 
-_VALUELESS_FLAGS = ("-m", "--multirun", "-r", "--run", "--resolve")
 # Hydra's flags whose value is the next argument (unless written --flag=value)
 _VALUED_FLAGS = (
     *("-c", "--cfg", "-p", "--package", "-cp", "--config-path", "-cn", "--config-name"),
@@ -131,23 +130,20 @@ _INFO_FLAGS, _INFO_CHOICES = (
 
 
 def _flags_first(arguments: list[str]) -> list[str]:
-    """``arguments`` with the valueless flags after the first override (an argument that is not
-    a flag or a flag's value: ``key=value``, ``+key=...``, ``~key``) moved before it."""
-    first, i = None, 0
-    while i < len(arguments) and first is None:
-        argument = arguments[i]
-        if argument in _VALUED_FLAGS:
-            i += 1  # (its value)
-        elif argument in _INFO_FLAGS and i + 1 < len(arguments):
-            i += arguments[i + 1] in _INFO_CHOICES
-        elif not argument.startswith("-"):
-            first = i
-        i += 1
-    if first is None:
-        return arguments
-    after = arguments[first:]
-    flags = [a for a in after if a in _VALUELESS_FLAGS]
-    return [*arguments[:first], *flags, *(a for a in after if a not in _VALUELESS_FLAGS)]
+    """``arguments`` with Hydra's flags (``-m``; a valued flag with its value, which may hold
+    '=') before the overrides (``key=value``, ``+key=...``, ``~key``), each kept in its order."""
+    flags, overrides, i = [], [], 0
+    while i < len(arguments):
+        argument, following = arguments[i], arguments[i + 1 : i + 2]
+        if not argument.startswith("-"):
+            overrides.append(argument)
+            i += 1
+            continue
+        valued = argument in _VALUED_FLAGS
+        valued |= argument in _INFO_FLAGS and bool(following) and following[0] in _INFO_CHOICES
+        flags += arguments[i : i + 1 + valued]
+        i += 1 + valued
+    return [*flags, *overrides]
 
 
 def project_config_file(argv: Sequence[str], config_name: str) -> Path:

@@ -732,18 +732,17 @@ def test_a_group_eval_does_not_choose_is_one_line_saying_why(
 
 
 def test_a_flag_between_overrides_goes_before_them() -> None:
-    """Hydra 1.3.8 refuses the overrides after ``-m`` where overrides come before it too
-    (hydra#3053): the flag goes before the first override, the rest as typed; the script's path
-    and a flag's value (which may hold '=') are not overrides."""
+    """Hydra 1.3.8 refuses the overrides after a flag where overrides come before it too
+    (hydra#3053): the flags go before the overrides, each as typed; the script's path and a
+    flag's value (which may hold '=') are not overrides."""
     typed = ["/a=b/train.py", "data.root=x", "-m", "seed=0,1", "--config-name", "train"]
     assert command_line(typed) == [
         "/a=b/train.py",
-        "-m",
-        "data.root=x",
-        "seed=0,1",
-        "--config-name",
-        "train",
+        *("-m", "--config-name", "train"),
+        *("data.root=x", "seed=0,1"),
     ]
+    printed = ["train.py", "data.root=x", "--cfg", "job", "seed=3", "--info"]
+    assert command_line(printed) == ["train.py", "--cfg", "job", "--info", "data.root=x", "seed=3"]
     flag_values = ["train.py", "-cd", "/x=y/conf", "--info", "config", "~callbacks.x", "-m"]
     assert command_line(flag_values) == [
         "train.py",
