@@ -247,16 +247,29 @@ def read_checkpoint_config(ckpt_path: str | Path, weights_only: bool = True) -> 
     return read_checkpoint(ckpt_path, weights_only)[CONFIG_KEY]
 
 
+def _best_first(path: Path) -> tuple[int, str]:
+    """best.ckpt, then last.ckpt, then the others by name."""
+    return ({"best.ckpt": 0, "last.ckpt": 1}.get(path.name, 2), path.name)
+
+
 def read_checkpoint(ckpt_path: str | Path, weights_only: bool = True) -> dict[str, Any]:
     """A trainkit checkpoint, memory-mapped; a one-line ConfigError where it is not one."""
     path = Path(ckpt_path).expanduser()
     if is_sharded(path):  # its config is in its metadata file
         path = path / SHARDED_META
     if not path.is_file():
+        given = Path(ckpt_path).expanduser()
+        held = sorted({*given.glob("*.ckpt"), *given.glob("checkpoints/*.ckpt")}, key=_best_first)
+        if held:  # (a run's directory, or its checkpoints/)
+            raise ConfigError(
+                f"ckpt_path={ckpt_path} is a directory, not a checkpoint: give one of the "
+                f"checkpoints in it, e.g. ckpt_path={held[0]} ({len(held)} there: "
+                f"{', '.join(p.name for p in held[:4])}{', ...' if len(held) > 4 else ''})"
+            )
         what = (
             f"is a directory without {DCP_INDEX}, not a checkpoint (a sharded one is a directory "
             f"with {DCP_INDEX} and {SHARDED_META})"
-            if Path(ckpt_path).expanduser().is_dir()
+            if given.is_dir()
             else "does not exist"
         )
         raise ConfigError(

@@ -150,6 +150,14 @@ def test_missing_checkpoint(compose, tmp_path: Path) -> None:
     (tmp_path / "a_dir").mkdir()  # it exists: named as what it is, not as missing
     with pytest.raises(ConfigError, match=r"a_dir is a directory without \.metadata, not a check"):
         resume_from(compose(f"ckpt_path={tmp_path / 'a_dir'}"))
+    run = tmp_path / "run"  # a run's directory: its checkpoints named, the best first
+    (run / "checkpoints").mkdir(parents=True)
+    for name in ("epoch3.ckpt", "last.ckpt", "best.ckpt"):
+        (run / "checkpoints" / name).touch()
+    said = rf"ckpt_path={run} is a directory, not a checkpoint: give one of the checkpoints in "
+    said += rf"it, e.g. ckpt_path={run}/checkpoints/best\.ckpt \(3 there: best\.ckpt, last\.ckpt, "
+    with pytest.raises(ConfigError, match=said + r"epoch3\.ckpt\)$"):
+        resume_from(compose(f"ckpt_path={run}"))
 
 
 def test_last_without_an_earlier_run(compose, tmp_path: Path) -> None:
