@@ -458,6 +458,14 @@ def test_a_monitor_without_a_validation_is_refused_naming_monitor_null(compose) 
         ("model.net.hidden=abc", r"model\.net: hidden='abc': give the hidden layers' widths as a"),
         ("model.net.hidden=[512,x]", r"model\.net: hidden=\[512, 'x'\]: give the hidden layers'"),
         ("model.net.hidden=[0]", r"model\.net: MLP sizes must be positive"),
+        ("model.net.hidden=512", r"model\.net: hidden=512: give the hidden layers' widths as a"),
+        # (as a group's option: the task failed at its first configure_optimizers, traceback)
+        (
+            "model.optimizer=sgd",
+            r"model: optimizer='sgd' is not a factory of optimizers: give its class, as "
+            r"conf/model/\*\.yaml does, e\.g\. model\.optimizer\._target_=torch\.optim\.SGD$",
+        ),
+        ("model.scheduler=cosine", r"model: scheduler='cosine' is not a factory of schedulers"),
         ("data.val_size=-3", r"data: data\.val_size must be a positive count or a fraction"),
     ],
 )

@@ -1,5 +1,5 @@
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from torch import nn
 
@@ -22,7 +22,8 @@ class MLP(BlockSequence):
         num_classes: int = 10,
         dropout: float = 0.0,
     ) -> None:
-        if isinstance(hidden, str) or not all(_whole(h) for h in hidden):
+        listed = isinstance(hidden, Iterable) and not isinstance(hidden, str)
+        if not listed or not all(_whole(h) for h in hidden):  # (hidden=512: not a list)
             raise ValueError(
                 f"hidden={hidden!r}: give the hidden layers' widths as a list of whole numbers, "
                 f"e.g. hidden=[512,256] (hidden=[]: no hidden layer)"

@@ -40,6 +40,13 @@ class Task(PipelineTask):
         input_shape: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
+        examples = {"optimizer": "torch.optim.SGD", "scheduler": "torch.optim.lr_scheduler.StepLR"}
+        for name, factory in (("optimizer", optimizer), ("scheduler", scheduler)):
+            if factory is not None and not callable(factory):  # (model.optimizer=sgd)
+                raise TypeError(
+                    f"{name}={factory!r} is not a factory of {name}s: give its class, as "
+                    f"conf/model/*.yaml does, e.g. model.{name}._target_={examples[name]}"
+                )
         # one form, whoever builds the task (a tuple; a list from the config)
         input_shape = tuple(input_shape) if input_shape is not None else None
         # the subclass's __init__ arguments too (Lightning collects every __init__ frame)
