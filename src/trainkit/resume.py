@@ -28,7 +28,12 @@ from trainkit.checkpoint_io import (
     newest_intact,
     read_checkpoint,
 )
-from trainkit.config import expand_shorthands, settle, with_library_defaults
+from trainkit.config import (
+    FOLLOWED_BY_TRAINER,
+    expand_shorthands,
+    settle,
+    with_library_defaults,
+)
 from trainkit.console import SWEEP_COMMAND_ENV, shown
 from trainkit.errors import ConfigError
 from trainkit.launch import in_multirun, launcher_run_id, override_key
@@ -161,6 +166,8 @@ def resumed_config(cfg: DictConfig, path: Path, checkpoint: dict) -> DictConfig:
     kept = {k: _moved(v, there, here) for k, v in _leaves(trained).items()}
     rebuilt = _resolved_leaves(compose(name, overrides=saved))
     own = {override_key(o) for o in typed} | {"paths", "ckpt_path"}
+    # (trainer.devices and the rest follow their top-level key, kept or typed with it)
+    own |= {f"trainer.{key}" for key in FOLLOWED_BY_TRAINER}
     drifted = {
         key: value
         for key, value in rebuilt.items()

@@ -515,8 +515,11 @@ def test_a_resume_continues_its_runs_config_with_the_keys_typed_changed(
     """``ckpt_path=last`` after a run with its own data (from ``TRAINKIT_DATA_DIR``), logger,
     epochs and lr: the resume, without that variable and offline (the default data would need a
     download), and a sweep job resuming the same checkpoint go on with them, changing only what
-    their command lines type, which the first line after the run's names."""
+    their command lines type, which the first line after the run's names. Its precision, which
+    the run settled (16-mixed runs as bf16-mixed on CPU), is kept, and changed where typed: the
+    Trainer's follows it."""
     first = ("logger=csv", "trainer.max_epochs=1", "model.optimizer.lr=0.002", "threads=1")
+    first += ("precision=16-mixed",)
     data = ("data.val_size=200", "data.download=false", "accelerator=cpu")
     proc = train(tmp_path, *data, *first, env={"TRAINKIT_DATA_DIR": str(mnist_root)})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -527,14 +530,17 @@ def test_a_resume_continues_its_runs_config_with_the_keys_typed_changed(
     assert proc.returncode == 0, proc.stderr[-3000:]
     resumed = runs(tmp_path)[-1]
     lines = [line.split(" - ", 1)[-1] for line in proc.stdout.splitlines()]
-    assert lines[1:3] == [
+    assert lines[1] == (
         f"Resuming from {last} with its run's config; changed on this command line: "
-        "trainer.max_epochs=2 (was 1)",
+        "trainer.max_epochs=2 (was 1)"
+    ), lines[:4]
+    assert [line for line in lines if line.startswith("kept the checkpoint's")] == [
+        "kept the checkpoint's precision=bf16-mixed (its command line now gives 16-mixed)",
         f"kept the checkpoint's data.root={mnist_root} (its command line now gives "
         f"{ROOT / 'data'})",
-    ], lines[:4]
+    ]  # (not trainer.precision too, which follows precision)
     sweep = run_python(
-        "train.py", "-m", f"ckpt_path={last}", "model.optimizer.lr=0.001",
+        "train.py", "-m", f"ckpt_path={last}", "model.optimizer.lr=0.001", "precision=32-true",
         f"hydra.sweep.dir={tmp_path / 'sweep'}", log_dir=tmp_path, env=OFFLINE_ENV,
     )  # fmt: skip
     assert sweep.returncode == 0, sweep.stderr[-3000:]
@@ -542,8 +548,10 @@ def test_a_resume_continues_its_runs_config_with_the_keys_typed_changed(
     (job,) = [d for d in (tmp_path / "sweep").iterdir() if d.is_dir()]
 
     kept = yaml.safe_load((trained / "config.yaml").read_text())
+    runs_as = {resumed: "bf16-mixed", job: "32-true"}
     for run_dir, epochs, lr in ((resumed, 2, 0.002), (job, 1, 0.001)):
         config = yaml.safe_load((run_dir / "config.yaml").read_text())
+        assert config["precision"] == config["trainer"]["precision"] == runs_as[run_dir]
         assert config["data"] == kept["data"]  # the run's own MNIST, never the default root
         assert list(config["logger"]) == ["csv"] and (run_dir / "csv" / "metrics.csv").is_file()
         assert not (run_dir / "tensorboard").exists()
