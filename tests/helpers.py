@@ -124,15 +124,23 @@ def alive(pid: int) -> bool:
         return False
 
 
+def children(pid: int) -> list[int]:
+    """The running child processes of ``pid``."""
+    return [p for p in in_process_group(os.getpgid(pid)) if _stat(p)[1] == str(pid)]
+
+
+def _stat(pid: int) -> list[str]:
+    """``/proc/<pid>/stat``'s fields after the command's name: state, parent, process group..."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return ["Z", "0", "0"]
+
+
 def in_process_group(pgid: int) -> list[int]:
     """The running processes (not zombies) of process group ``pgid``."""
-    members = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if fields[0] != "Z" and int(fields[2]) == pgid:
-                members.append(int(stat.parent.name))
-    return members
+    pids = (int(stat.parent.name) for stat in Path("/proc").glob("[0-9]*/stat"))
+    return [pid for pid in pids if (fields := _stat(pid))[0] != "Z" and int(fields[2]) == pgid]
 
 
 def tree_state(root: Path) -> dict[str, tuple[int, bytes]]:

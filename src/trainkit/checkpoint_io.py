@@ -248,8 +248,8 @@ def read_checkpoint_config(ckpt_path: str | Path, weights_only: bool = True) -> 
 
 
 def _best_first(path: Path) -> tuple[int, str]:
-    """best.ckpt, then last.ckpt, then the others by name."""
-    return ({"best.ckpt": 0, "last.ckpt": 1}.get(path.name, 2), path.name)
+    """last.ckpt (a resume's), then best.ckpt (an evaluation's), then the others by name."""
+    return ({"last.ckpt": 0, "best.ckpt": 1}.get(path.name, 2), path.name)
 
 
 def read_checkpoint(ckpt_path: str | Path, weights_only: bool = True) -> dict[str, Any]:
@@ -261,10 +261,11 @@ def read_checkpoint(ckpt_path: str | Path, weights_only: bool = True) -> dict[st
         given = Path(ckpt_path).expanduser()
         held = sorted({*given.glob("*.ckpt"), *given.glob("checkpoints/*.ckpt")}, key=_best_first)
         if held:  # (a run's directory, or its checkpoints/)
+            names = [str(p.relative_to(given)) for p in held]
             raise ConfigError(
                 f"ckpt_path={ckpt_path} is a directory, not a checkpoint: give one of the "
-                f"checkpoints in it, e.g. ckpt_path={held[0]} ({len(held)} there: "
-                f"{', '.join(p.name for p in held[:4])}{', ...' if len(held) > 4 else ''})"
+                f"checkpoints in it ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}), "
+                f"e.g. ckpt_path={given / names[0]}"
             )
         what = (
             f"is a directory without {DCP_INDEX}, not a checkpoint (a sharded one is a directory "

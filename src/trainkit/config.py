@@ -14,7 +14,7 @@ from typing import Any
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 import trainkit.resolvers  # noqa: F401  registers the resolvers that conf/ uses
 from trainkit.overrides import with_path_quoted
@@ -142,6 +142,8 @@ def _flags_first(arguments: list[str]) -> list[str]:
         valued = argument in _VALUED_FLAGS
         valued |= argument in _INFO_FLAGS and bool(following) and following[0] in _INFO_CHOICES
         flags += arguments[i : i + 1 + valued]
+        if argument in _INFO_FLAGS and not valued:  # (its default, or the next override is read
+            flags.append("all")  # as its value once it comes first)
         i += 1 + valued
     return [*flags, *overrides]
 
@@ -313,11 +315,11 @@ def set_elsewhere(key: str, value: Any = None) -> str | None:
     if key in FOLLOWED_BY_TRAINER:
         return (
             f"trainer.{key}: the run's {key} is the top-level key, which trainer.{key} follows: "
-            f"write {key}={value}"
+            f"write {key}={_typed(value)}"
         )
     if key in ("strategy", "logger"):
         options = sorted(
-            p.stem for d in (CONF_DIR, LIBRARY_CONF_DIR) for p in d.glob(f"{key}/*.yaml")
+            {p.stem for d in (CONF_DIR, LIBRARY_CONF_DIR) for p in d.glob(f"{key}/*.yaml")}
         )
         chosen = value if value in options else "<option>"
         return (
@@ -335,6 +337,15 @@ def set_elsewhere(key: str, value: Any = None) -> str | None:
             "writing, SLURM's environment, sync_batchnorm=true); precision=... sets the precision"
         )
     return None
+
+
+def _typed(value: Any) -> str:
+    """``value`` as a command line types it: ``null``, ``true``, ``[0,1]``."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    if isinstance(value, (list, tuple, ListConfig)):
+        return "[" + ",".join(_typed(v) for v in value) + "]"
+    return str(value)
 
 
 def _in_open(cfg: DictConfig, key: str) -> bool:

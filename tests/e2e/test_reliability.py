@@ -26,6 +26,7 @@ from helpers import (
     PLAIN_CONSOLE,
     ROOT,
     alive,
+    children,
     in_process_group,
     ranks_that_joined,
     run_python,
@@ -292,6 +293,12 @@ STOPS = {
         ("strategy=ddp_spawn", "devices=2", "trainer.max_epochs=2"),
         "epoch 1/2 ",
     ),
+    # the same while the ranks start (import), before any handler of theirs: they end by it
+    "ddp_spawn start, SIGTERM to its launcher": (
+        "SIGTERM",
+        ("strategy=ddp_spawn", "devices=2"),
+        "(ranks spawned)",
+    ),
     # a scheduler's SIGTERM to every rank in the test: Lightning's evaluation loop ends it in a
     # SystemExit whose code is 0, which a scheduler or a sweep would count as a finished run
     "ddp test, SIGTERM": (
@@ -328,9 +335,11 @@ def test_a_stop_outside_training_is_one_line_and_its_exit_code_wherever_it_lands
         maps = Path(f"/proc/{proc.pid}/maps")  # (torch loads in main's import of trainkit.train)
         deadline = time.monotonic() + 120
         while proc.poll() is None and not (
-            logged(tmp_path, after)
-            if after != "(torch loading)"
-            else "libtorch" in maps.read_text()
+            "libtorch" in maps.read_text()
+            if after == "(torch loading)"
+            else len(children(proc.pid)) >= 3  # (multiprocessing's resource tracker, 2 ranks)
+            if after == "(ranks spawned)"
+            else logged(tmp_path, after)
         ):
             assert time.monotonic() < deadline, f"never saw {after!r}"
             time.sleep(0.01)
@@ -354,8 +363,8 @@ def test_a_stop_outside_training_is_one_line_and_its_exit_code_wherever_it_lands
     (run,) = made
     assert not (run / "metrics.json").exists()  # (no test was run, or finished)
     checkpoints = run / "checkpoints"
-    if where in ("setup", "ddp start"):
-        assert said == "warning: SIGINT: stopped before this run saved a checkpoint"
+    if where in ("setup", "ddp start", "ddp_spawn start, SIGTERM to its launcher"):
+        assert said == f"warning: {name}: stopped before this run saved a checkpoint"
         assert not checkpoints.exists()
     elif where == "last validation":
         assert said == (

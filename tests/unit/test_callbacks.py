@@ -271,8 +271,8 @@ STOPPED_BY = {
         {"callbacks": [L.pytorch.callbacks.EarlyStopping("val_loss", stopping_threshold=1e9)]},
         "at step 3, epoch 1 of 3: EarlyStopping: Stopping threshold reached: val_loss = ",
     ),
-    "should_stop": (
-        {"callbacks": [StopAfterFirstEpoch()]},
+    "should_stop": (  # (beside a Timer of the user's without a duration, which stops nothing)
+        {"callbacks": [StopAfterFirstEpoch(), L.pytorch.callbacks.Timer()]},
         "at step 3, epoch 1 of 3: the module or a callback set trainer.should_stop",
     ),
     "max_time in the last epoch": (

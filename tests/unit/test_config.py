@@ -17,6 +17,7 @@ import lightning as L
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from hydra._internal.utils import get_args_parser
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import OverrideParseException
 from hydra.utils import instantiate
@@ -742,7 +743,11 @@ def test_a_flag_between_overrides_goes_before_them() -> None:
         *("data.root=x", "seed=0,1"),
     ]
     printed = ["train.py", "data.root=x", "--cfg", "job", "seed=3", "--info"]
-    assert command_line(printed) == ["train.py", "--cfg", "job", "--info", "data.root=x", "seed=3"]
+    printed_as = ["train.py", "--cfg", "job", "--info", "all", "data.root=x", "seed=3"]
+    assert command_line(printed) == printed_as  # (a bare --info first would read data.root=x)
+    for argv in (typed, printed, ["train.py", "seed=3", "-i"]):  # as Hydra's own parser reads
+        read = get_args_parser().parse_args(command_line(argv)[1:])
+        assert read.overrides == [a for a in argv[1:] if "=" in a and "/" not in a], argv
     flag_values = ["train.py", "-cd", "/x=y/conf", "--info", "config", "~callbacks.x", "-m"]
     assert command_line(flag_values) == [
         "train.py",

@@ -6,6 +6,7 @@ from typing import Any
 
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import EarlyStopping, Timer
+from lightning.pytorch.callbacks.early_stopping import EarlyStoppingReason
 
 from trainkit.callbacks.preemption import Preemption
 from trainkit.console import epoch_text, metrics_text, number, say
@@ -96,10 +97,18 @@ def _ran_out(trainer) -> bool:
 def _why_stopped(trainer) -> str:
     """The callback that set ``trainer.should_stop``, in the words the run's config uses."""
     for callback in trainer.callbacks:
-        if isinstance(callback, Timer) and (callback.time_remaining() or 0) <= 0:
+        left = callback.time_remaining() if isinstance(callback, Timer) else None
+        if left is not None and left <= 0:  # (a Timer without a duration stops nothing)
             trained = timedelta(seconds=round(callback.time_elapsed()))
             return f"trainer.max_time was reached (trained {trained})"
-        if isinstance(callback, EarlyStopping) and callback.stopping_reason_message:
+    for callback in trainer.callbacks:
+        # this fit's stop (a resumed checkpoint carries an earlier one), decided on this rank
+        if (
+            isinstance(callback, EarlyStopping)
+            and callback.stopping_reason != EarlyStoppingReason.NOT_STOPPED
+            and callback.stopped_epoch == trainer.current_epoch - 1
+            and callback.stopping_reason_message
+        ):
             reason = callback.stopping_reason_message.removesuffix(" Signaling Trainer to stop.")
             return f"EarlyStopping: {reason}"
     return "the module or a callback set trainer.should_stop"

@@ -44,6 +44,8 @@ from trainkit.parallel import LIGHTNING
 from trainkit.refusals import SIGNAL_EXITS, RankLost
 from trainkit.resume import saved_by
 
+log = logging.getLogger(__name__)
+
 # DDP's error at a forward when the previous backward left parameters without a gradient
 UNFINISHED_REDUCTION = "Expected to have finished reduction in the prior iteration"
 
@@ -218,8 +220,14 @@ class SpawnLauncher(_MultiProcessingLauncher):
             while not refusals.empty():
                 pid, *entry = refusals.get()
                 said[pid] = entry
-            if not said and getattr(failed, "exit_code", None) in SIGNAL_EXITS:
-                raise SystemExit(failed.exit_code) from None  # (stopped by a signal: said)
+            code = getattr(failed, "exit_code", None)
+            if not said and code in SIGNAL_EXITS:
+                raise SystemExit(code) from None  # (stopped by a signal: said)
+            if not said and code in (-signal.SIGTERM, -signal.SIGINT):  # (a rank ended by it
+                # while it started, before any handler: the run's stop line, said here)
+                name = signal.Signals(-code).name
+                log.warning("%s: %s", name, stopped())
+                raise SystemExit(128 - code) from None
             # the rank that failed first raised a bug (torch's traceback of it), not a refusal
             # or a lost rank: the other ranks' lines of losing it would hide it
             raised_a_bug = isinstance(failed, mp.ProcessRaisedException) and (
@@ -255,7 +263,11 @@ def _sigterm_passed_on() -> Iterator[None]:
         return
 
     def pass_on(signum: int, frame: Any) -> None:
-        for rank in multiprocessing.active_children():
+        ranks = multiprocessing.active_children()
+        if not ranks:  # (none started yet, or all ended): the signal is this process's
+            signal.signal(signum, signal.SIG_DFL if previous is None else previous)
+            signal.raise_signal(signum)
+        for rank in ranks:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(rank.pid, signum)
 

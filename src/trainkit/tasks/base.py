@@ -40,12 +40,15 @@ class Task(PipelineTask):
         input_shape: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
-        examples = {"optimizer": "torch.optim.SGD", "scheduler": "torch.optim.lr_scheduler.StepLR"}
+        fixes = {  # (the mlp's config has an optimizer to change; it has no scheduler)
+            "optimizer": "e.g. model.optimizer._target_=torch.optim.SGD",
+            "scheduler": "as conf/model/resnet50.yaml's scheduler is (_partial_: true), or null",
+        }
         for name, factory in (("optimizer", optimizer), ("scheduler", scheduler)):
             if factory is not None and not callable(factory):  # (model.optimizer=sgd)
                 raise TypeError(
-                    f"{name}={factory!r} is not a factory of {name}s: give its class, as "
-                    f"conf/model/*.yaml does, e.g. model.{name}._target_={examples[name]}"
+                    f"{name}={factory!r} is not a factory of {name}s: give its class in the "
+                    f"model's config, {fixes[name]}"
                 )
         # one form, whoever builds the task (a tuple; a list from the config)
         input_shape = tuple(input_shape) if input_shape is not None else None
