@@ -112,29 +112,26 @@ def start_python(
     return subprocess.Popen(_command(argv, log_dir), cwd=cwd, env=_env(env), text=True, **popen)
 
 
-def alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie, not yet reaped by its parent, does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def children(pid: int) -> list[int]:
-    """The running child processes of ``pid``."""
-    return [p for p in in_process_group(os.getpgid(pid)) if _stat(p)[1] == str(pid)]
-
-
 def _stat(pid: int) -> list[str]:
     """``/proc/<pid>/stat``'s fields after the command's name: state, parent, process group..."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return ["Z", "0", "0"]
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, not yet reaped by its parent, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return _stat(pid)[0] != "Z"
+
+
+def children(pid: int) -> list[int]:
+    """The running child processes of ``pid``."""
+    return [p for p in in_process_group(os.getpgid(pid)) if _stat(p)[1] == str(pid)]
 
 
 def in_process_group(pgid: int) -> list[int]:

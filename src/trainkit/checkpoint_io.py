@@ -254,11 +254,10 @@ def _best_first(path: Path) -> tuple[int, str]:
 
 def read_checkpoint(ckpt_path: str | Path, weights_only: bool = True) -> dict[str, Any]:
     """A trainkit checkpoint, memory-mapped; a one-line ConfigError where it is not one."""
-    path = Path(ckpt_path).expanduser()
+    given = path = Path(ckpt_path).expanduser()
     if is_sharded(path):  # its config is in its metadata file
         path = path / SHARDED_META
     if not path.is_file():
-        given = Path(ckpt_path).expanduser()
         held = sorted({*given.glob("*.ckpt"), *given.glob("checkpoints/*.ckpt")}, key=_best_first)
         if held:  # (a run's directory, or its checkpoints/)
             names = [str(p.relative_to(given)) for p in held]
