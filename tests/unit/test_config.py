@@ -3,12 +3,13 @@
 import inspect
 import io
 import json
+import logging
 import math
 import os
 import re
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra._internal.utils import get_args_parser
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.utils import configure_log
 from hydra.errors import OverrideParseException
 from hydra.utils import instantiate
 from lightning.pytorch.accelerators import CPUAccelerator
@@ -44,6 +46,7 @@ from trainkit.config import (
     settle,
     unknown_keys,
 )
+from trainkit.console import ConsoleHandler
 from trainkit.errors import ConfigError
 from trainkit.evaluate import check_data_keys, move_data_dir
 from trainkit.models.blocks import draw_init_seed
@@ -481,6 +484,51 @@ def test_each_rank_of_a_launchers_run_logs_to_its_own_file(
     run = {"runtime": {"output_dir": "/runs/1"}, "job": {"name": "train"}}
     resolved = OmegaConf.create({"hydra": run, "file": as_composed}).file
     assert resolved == f"/runs/1/{log_file}"
+
+
+@pytest.fixture
+def logging_restored() -> Iterator[None]:
+    """Python's logging as it was before the test configured it (handlers, levels, and the
+    loggers a config's ``disable_existing_loggers`` switched off)."""
+    root, loggers = logging.getLogger(), dict(logging.Logger.manager.loggerDict)
+    saved = (root.level, list(root.handlers), list(root.filters))
+    disabled = {name: lg.disabled for name, lg in loggers.items() if isinstance(lg, logging.Logger)}
+    yield
+    for handler in root.handlers:
+        if handler not in saved[1]:
+            handler.close()
+    root.setLevel(saved[0])
+    root.handlers[:], root.filters[:] = saved[1], saved[2]
+    for name, was in disabled.items():
+        logging.getLogger(name).disabled = was
+
+
+HYDRA_LOGGING_OPTIONS = sorted(
+    (group, path.stem)
+    for group in ("job_logging", "hydra_logging")
+    for path in (Path(hydra.__file__).parent / "conf" / "hydra" / group).glob("*.yaml")
+)
+
+
+@pytest.mark.parametrize(("group", "option"), [*HYDRA_LOGGING_OPTIONS, ("job_logging", None)])
+def test_every_logging_option_of_hydras_configures_a_run(
+    logging_restored, tmp_path: Path, group: str, option: str | None
+) -> None:
+    """``hydra/job_logging=stdout`` (or ``disabled``, ``none``, ``default``; and Hydra's own
+    ``hydra_logging`` options) replaces the run's logging whole, as Hydra configures it when a
+    run starts; the run's own (None: no option given) has the console and the log file. (The
+    run's handlers were added to every option: ``stdout`` and ``disabled`` got a log-file handler
+    without a class, and every run with them ended in a traceback.)"""
+    overrides = [f"hydra/{group}={option}"] if option else []
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides, return_hydra_config=True)
+    cfg.hydra.runtime.output_dir, cfg.hydra.job.name = str(tmp_path), "train"
+    configure_log(cfg.hydra[group])  # as Hydra does for a run: raises what the run would
+    if option is None:
+        root = logging.getLogger()
+        assert {type(h) for h in root.handlers} == {ConsoleHandler, logging.FileHandler}
+        logging.getLogger("trainkit.run_dir").info("run: %s", tmp_path)
+        assert "run: " in (tmp_path / "train.log").read_text()
 
 
 # --- model hyperparameters -------------------------------------------------------------------
