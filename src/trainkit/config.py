@@ -218,7 +218,11 @@ def did_you_mean(config_name: str) -> Iterator[None]:
     except SystemExit as stop:
         if stop.code and held.held is not None:
             hydras = "".join(held.held)
-            option = unknown_option(hydras) or unchosen_group(hydras, config_name)
+            option = (
+                unknown_option(hydras)
+                or unchosen_group(hydras, config_name)
+                or added_group(hydras, sys.argv[1:])
+            )
             lines = [option] if option else unknown_keys(config_name, sys.argv[1:])
             said = "".join(f"{line}\n" for line in lines)
             if said and not send_refusal(said):  # (a torchrun worker: once for its ranks)
@@ -269,6 +273,29 @@ def unchosen_group(hydras: str, config_name: str) -> str | None:
         return None
     why = f" ({UNCHOSEN[config_name]})" if config_name in UNCHOSEN else ""
     return f"{found['typed']}: {config_name}.py chooses no {found['group']}{why}"
+
+
+# Hydra's refusals of +group=option (or ++) for a group the config already chooses, whose advice
+# ("use 'override group: option'") is for a defaults list, not a command line
+_ADDED_GROUP = re.compile(
+    r"Multiple values for (?P<a>\S+)\. To override a value use"
+    r"|(?P<b>\S+) appears more than once in the final defaults list"
+    r"|force-add of config groups is not supported: '\+\+(?P<c>[^=']+)="
+)
+
+
+def added_group(hydras: str, overrides: Sequence[str]) -> str | None:
+    """``+strategy=ddp: strategy is a group the run already chooses; write strategy=ddp``, from
+    Hydra's refusal of a group added with ``+`` (as Hydra's docs add ``+experiment=...`` to a
+    config that chooses none), or None."""
+    found = _ADDED_GROUP.search(hydras)
+    if not found:
+        return None
+    group = found["a"] or found["b"] or found["c"]
+    typed = next((o for o in overrides if o.lstrip("+").split("=", 1)[0] == group), None)
+    if typed is None or not typed.startswith("+"):
+        return None
+    return f"{typed}: {group} is a group the run already chooses; write {typed.lstrip('+')}"
 
 
 def unknown_keys(config_name: str, overrides: Sequence[str]) -> list[str]:

@@ -730,8 +730,16 @@ def test_an_unknown_key_is_named_with_the_closest_key_the_config_has() -> None:
         (["hydra/launcher=jobblib"], ["hydra/launcher=jobblib: not an option of hydra/launcher; "
                                       "did you mean joblib? (its options: basic, joblib, "
                                       "submitit_local, submitit_slurm)"]),
+        # Hydra's docs add +experiment=... to a config that chooses none; Hydra's own line here
+        # advises a defaults-list entry ("use 'override experiment: mnist_mlp'")
+        (["+experiment=mnist_mlp"], ["+experiment=mnist_mlp: experiment is a group the run "
+                                     "already chooses; write experiment=mnist_mlp"]),
+        (["+model=mlp"], ["+model=mlp: model is a group the run already chooses; write model=mlp"]),
+        (["++strategy=ddp"], ["++strategy=ddp: strategy is a group the run already chooses; "
+                              "write strategy=ddp"]),
     ],
-    ids=["alone", "another-refusal", "an-unknown-option", "an-unknown-option-of-hydras"],
+    ids=["alone", "another-refusal", "an-unknown-option", "an-unknown-option-of-hydras",
+         "a-chosen-group-added", "a-chosen-group-added-again", "a-chosen-group-force-added"],
 )  # fmt: skip
 def test_a_typo_is_its_line_alone_unless_hydra_refused_something_else(
     typed: list[str],
