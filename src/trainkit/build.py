@@ -18,6 +18,7 @@ import lightning as L
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import get_object, instantiate
+from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, ProgressBar
 from lightning.pytorch.plugins import TorchSyncBatchNorm
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig, OmegaConf
@@ -231,17 +232,30 @@ def build_plugins(cfg: DictConfig, dims: ParallelDims) -> list[Any]:
     return [*plugins, TorchSyncBatchNorm()]
 
 
+# Lightning's Trainer flags that switch a kind of callback off: Lightning refuses the flag beside
+# such a callback (or, for the summary, ignores it), and conf/callbacks has one of each
+SWITCHED_OFF_BY = {
+    "enable_checkpointing": ModelCheckpoint,
+    "enable_progress_bar": ProgressBar,
+    "enable_model_summary": ModelSummary,
+}
+
+
 def build_trainer(
     cfg: DictConfig, dims: ParallelDims, callbacks: Sequence[L.Callback] = ()
 ) -> L.Trainer:
     """The Trainer of ``cfg.trainer`` with the run's strategy, loggers, callbacks
-    (``cfg.callbacks``, then ``callbacks``) and plugins."""
+    (``cfg.callbacks``, then ``callbacks``) and plugins. ``trainer.enable_checkpointing=false``
+    (or ``enable_progress_bar``, ``enable_model_summary``), as Lightning's docs switch a feature
+    off, leaves out the callbacks of that kind."""
+    off = tuple(kind for flag, kind in SWITCHED_OFF_BY.items() if cfg.trainer.get(flag) is False)
+    built = [c for c in build_all(cfg.get("callbacks")) if not isinstance(c, off)]
     return instantiate_config(
         cfg.trainer,
         strategy=build_strategy(cfg, dims),
         logger=build_all(cfg.get("logger")) or False,
         # (RunAccepted first: the run's held console lines, then what its stage says)
-        callbacks=[RunAccepted(), *build_all(cfg.get("callbacks")), *callbacks],
+        callbacks=[RunAccepted(), *built, *callbacks],
         plugins=build_plugins(cfg, dims),
     )
 

@@ -24,7 +24,7 @@ from hydra.core.utils import configure_log
 from hydra.errors import OverrideParseException
 from hydra.utils import instantiate
 from lightning.pytorch.accelerators import CPUAccelerator
-from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint, ModelSummary, ProgressBar
 from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
@@ -238,6 +238,30 @@ def test_group_option_builds(built, output_dir: Path, override: str, check) -> N
 def test_callbacks_none_writes_no_checkpoints(built) -> None:
     _, _, _, trainer = built("callbacks=none")
     assert callbacks_of(trainer, ModelCheckpoint) == []
+
+
+@pytest.mark.parametrize(
+    ("flag", "kind"),
+    [
+        ("enable_checkpointing", ModelCheckpoint),
+        ("enable_progress_bar", ProgressBar),
+        ("enable_model_summary", ModelSummary),
+    ],
+)
+def test_a_trainer_flag_switches_off_the_callbacks_of_its_kind(
+    built, flag: str, kind: type
+) -> None:
+    """``trainer.enable_checkpointing=false`` as Lightning's docs write it: the run has no
+    checkpoint (Lightning refused the flag beside conf/callbacks' ModelCheckpoint, in a Hydra
+    instantiation error; it ignored enable_model_summary=false beside a ModelSummary); the
+    other callbacks stay."""
+    _, _, _, default = built()
+    _, _, _, trainer = built(f"trainer.{flag}=false")
+    assert callbacks_of(default, kind) and not callbacks_of(trainer, kind)
+    left = {type(c) for c in default.callbacks if not isinstance(c, kind)}
+    assert left <= {type(c) for c in trainer.callbacks}
+    if kind is ModelCheckpoint:
+        assert trainer.checkpoint_callback is None  # (train.py tests the final weights)
 
 
 class OwnCallbacks(lightning_docs.LitClassifier):
