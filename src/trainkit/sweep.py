@@ -29,6 +29,7 @@ import shlex
 import shutil
 import sys
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from pickle import UnpicklingError
@@ -112,6 +113,7 @@ class JobReporter(Callback):
         _record_entry_point()
         try:
             check_pruner(config)
+            check_direction(config)
             own_sweep_dir(config)
         except ConfigError as refused:  # Hydra turns a callback's Exception into a warning and
             raise SystemExit(str(refused)) from None  # goes on: the refusal exits, as its line
@@ -276,6 +278,27 @@ def check_pruner(config: DictConfig) -> None:
             f"sweep.pruner prunes the trials of an Optuna search (hparams_search=mnist_optuna, "
             f"hydra.sweeper._target_=hydra_plugins.trainkit_sweeper.{STORED_OPTUNA}); this "
             f"sweep's sweeper is {target or 'none'}: drop sweep.pruner or search with Optuna"
+        )
+
+
+def check_direction(config: DictConfig) -> None:
+    """An Optuna search goes the way its jobs' value improves: a job returns its best
+    ``monitor``, the highest or the lowest as ``monitor_mode`` says. Refused, before any job,
+    where one ``hydra.sweeper.direction`` says otherwise: ``hydra/sweeper=optuna`` (the plugin's
+    default, minimize) searched for the lowest val/acc, silently, while sweep.json named the
+    highest job its best."""
+    direction = config.hydra.sweeper.get("direction")
+    if direction is None or (isinstance(direction, Sequence) and not isinstance(direction, str)):
+        return  # (not Optuna; or several objectives, each a value of its own)
+    direction = getattr(direction, "name", str(direction)).lower()  # (the plugin's enum)
+    mode = config.get("monitor_mode") or "max"
+    wanted = "maximize" if mode == "max" else "minimize"
+    if config.get("monitor") is not None and direction != wanted:
+        raise ConfigError(
+            f"hydra.sweeper.direction={direction}, but each job returns its best "
+            f"{config.monitor}, the {'highest' if mode == 'max' else 'lowest'} "
+            f"(monitor_mode={mode}): the search would look for the worst; add "
+            f"hydra.sweeper.direction={wanted}"
         )
 
 

@@ -23,9 +23,10 @@ from optuna.trial import TrialState
 from trainkit.callbacks.trial_pruning import prunes_epochs
 from trainkit.config import CONF_DIR
 from trainkit.errors import ConfigError
+from trainkit.launch import ENTRY_POINT_ENV
 from trainkit.report import job_numbers, pruned_jobs, unrun_folds
 from trainkit.study import ended_jobs, sweep_pruner, tell, trial_end
-from trainkit.sweep import Pruned, check_pruner
+from trainkit.sweep import JobReporter, Pruned, check_direction, check_pruner
 
 
 @pytest.fixture
@@ -107,6 +108,37 @@ def test_a_pruner_without_an_optuna_search_is_refused() -> None:
     cfg = compose_search("+sweep.pruner={_target_:optuna.pruners.MedianPruner}")
     with pytest.raises(ConfigError, match=r"sweep\.pruner prunes the trials of an Optuna search"):
         check_pruner(cfg)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "refused"),
+    [
+        # Hydra's docs' way: the plugin's default direction, minimize
+        (("hydra/sweeper=optuna",), "direction=minimize, but each job returns its best val/acc, "
+                                    "the highest (monitor_mode=max): the search would look for "
+                                    "the worst; add hydra.sweeper.direction=maximize"),
+        (("hydra/sweeper=optuna", "hydra.sweeper.direction=maximize"), None),
+        (("hparams_search=mnist_optuna",), None),
+        (("hparams_search=mnist_optuna", "monitor=val/loss", "monitor_mode=min"),
+         "add hydra.sweeper.direction=minimize"),
+        (("hydra/sweeper=optuna", "hydra.sweeper.direction=[maximize,minimize]"), None),
+        ((), None),  # a grid
+    ],
+)  # fmt: skip
+def test_an_optuna_search_that_would_look_for_the_worst_is_refused(
+    overrides: tuple[str, ...], refused: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``-m hydra/sweeper=optuna`` searched for the lowest val/acc (Optuna printed it as its best
+    value) while sweep.json named the highest job the best: refused as the sweep starts (by its
+    Hydra callback), with the direction to add."""
+    cfg = compose_search(*overrides)
+    if refused is None:
+        check_direction(cfg)
+        return
+    monkeypatch.setenv(ENTRY_POINT_ENV, sys.argv[0])  # (what the callback records: kept here)
+    with pytest.raises(SystemExit) as stop:
+        JobReporter().on_multirun_start(cfg)
+    assert str(stop.value).startswith("hydra.sweeper.direction=") and refused in str(stop.value)
 
 
 def test_how_a_trials_job_ended() -> None:
