@@ -112,6 +112,7 @@ class JobReporter(Callback):
         collector_resumed()
         _record_entry_point()
         try:
+            check_sweeper(config)
             check_pruner(config)
             check_direction(config)
             own_sweep_dir(config)
@@ -278,6 +279,23 @@ def check_pruner(config: DictConfig) -> None:
             f"sweep.pruner prunes the trials of an Optuna search (hparams_search=mnist_optuna, "
             f"hydra.sweeper._target_=hydra_plugins.trainkit_sweeper.{STORED_OPTUNA}); this "
             f"sweep's sweeper is {target or 'none'}: drop sweep.pruner or search with Optuna"
+        )
+
+
+def check_sweeper(config: DictConfig) -> None:
+    """Refuses the Optuna plugin's own sweeper (``hydra/sweeper=optuna``, or a search config
+    that chooses it, as lightning-hydra-template's do): its study is in memory, so a stopped
+    sweep's command ran new trials as jobs 0, 1... again beside the old ones, and ``n_trials``
+    counted from each launch. The sweeper that keeps its study (trainkit.study) takes the same
+    settings."""
+    target = str(config.hydra.sweeper.get("_target_", ""))
+    if target.endswith("OptunaSweeper") and not target.endswith(STORED_OPTUNA):
+        raise ConfigError(
+            f"hydra.sweeper._target_={target} keeps its Optuna study in memory: a stopped sweep "
+            f"could not continue (its command would start new trials beside the old ones); add "
+            f"hydra.sweeper._target_=hydra_plugins.trainkit_sweeper.{STORED_OPTUNA}, the same "
+            f"sweeper and settings with the study in the sweep directory (as "
+            f"hparams_search=mnist_optuna does)"
         )
 
 

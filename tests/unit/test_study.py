@@ -24,9 +24,9 @@ from trainkit.callbacks.trial_pruning import prunes_epochs
 from trainkit.config import CONF_DIR
 from trainkit.errors import ConfigError
 from trainkit.launch import ENTRY_POINT_ENV
-from trainkit.report import job_numbers, pruned_jobs, unrun_folds
+from trainkit.report import STORED_OPTUNA, job_numbers, pruned_jobs, unrun_folds
 from trainkit.study import ended_jobs, sweep_pruner, tell, trial_end
-from trainkit.sweep import JobReporter, Pruned, check_direction, check_pruner
+from trainkit.sweep import JobReporter, Pruned, check_direction, check_pruner, check_sweeper
 
 
 @pytest.fixture
@@ -110,18 +110,42 @@ def test_a_pruner_without_an_optuna_search_is_refused() -> None:
         check_pruner(cfg)
 
 
+# Hydra's Optuna sweeper (hydra/sweeper=optuna) with the study kept in the sweep directory
+OPTUNA = (
+    "hydra/sweeper=optuna",
+    f"hydra.sweeper._target_=hydra_plugins.trainkit_sweeper.{STORED_OPTUNA}",
+)
+
+
+def test_the_optuna_plugins_own_sweeper_is_refused_naming_the_one_that_continues(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``-m hydra/sweeper=optuna`` kept its study in memory: its sweep's command, run again,
+    started new trials numbered 0, 1... beside the old ones' directories. Refused as the sweep
+    starts, naming the sweeper that keeps the study (which then continues: e2e test_sweep)."""
+    monkeypatch.setenv(ENTRY_POINT_ENV, sys.argv[0])  # (what the callback records: kept here)
+    with pytest.raises(SystemExit) as stop:
+        JobReporter().on_multirun_start(compose_search("hydra/sweeper=optuna"))
+    assert str(stop.value).startswith("hydra.sweeper._target_=hydra_plugins.hydra_optuna_sweeper")
+    assert f"add hydra.sweeper._target_=hydra_plugins.trainkit_sweeper.{STORED_OPTUNA}," in str(
+        stop.value
+    )
+    check_sweeper(compose_search(*OPTUNA))
+    check_sweeper(compose_search("hparams_search=mnist_optuna"))
+
+
 @pytest.mark.parametrize(
     ("overrides", "refused"),
     [
         # Hydra's docs' way: the plugin's default direction, minimize
-        (("hydra/sweeper=optuna",), "direction=minimize, but each job returns its best val/acc, "
-                                    "the highest (monitor_mode=max): the search would look for "
-                                    "the worst; add hydra.sweeper.direction=maximize"),
-        (("hydra/sweeper=optuna", "hydra.sweeper.direction=maximize"), None),
+        ((*OPTUNA,), "direction=minimize, but each job returns its best val/acc, the highest "
+                     "(monitor_mode=max): the search would look for the worst; add "
+                     "hydra.sweeper.direction=maximize"),
+        ((*OPTUNA, "hydra.sweeper.direction=maximize"), None),
         (("hparams_search=mnist_optuna",), None),
         (("hparams_search=mnist_optuna", "monitor=val/loss", "monitor_mode=min"),
          "add hydra.sweeper.direction=minimize"),
-        (("hydra/sweeper=optuna", "hydra.sweeper.direction=[maximize,minimize]"), None),
+        ((*OPTUNA, "hydra.sweeper.direction=[maximize,minimize]"), None),
         ((), None),  # a grid
     ],
 )  # fmt: skip
