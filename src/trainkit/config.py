@@ -115,13 +115,53 @@ def command_line(argv: Sequence[str], config_name: str = "train") -> list[str]:
     them ("train.py a=1 -m b=1,2" or "train.py a=1 --cfg job b=2" was refused: unrecognized
     arguments: b=...; hydra#3053, fixed by its PR #3133 in no release yet)."""
     script, *arguments = argv
+    for i, argument in enumerate(arguments):
+        if i and arguments[i - 1] in _VALUED_FLAGS:
+            continue  # (a flag's value: --config-name test)
+        if line := _lightning_cli_habit(argument, arguments[i + 1 : i + 2], config_name):
+            raise SystemExit(line)
     return [script, *_flags_first(expand_shorthands(arguments, config_name))]
+
+
+# LightningCLI's subcommands: a Hydra override without '=' is refused in Hydra's grammar's words
+_CLI_SUBCOMMANDS = ("fit", "validate", "test", "predict")
+
+
+def _lightning_cli_habit(argument: str, following: list[str], config_name: str) -> str | None:
+    """The line for LightningCLI's way of writing an argument (``fit``, ``--trainer.max_epochs=3``
+    or ``--trainer.max_epochs 3``), where Hydra printed its usage and "unrecognized arguments",
+    or "missing EQUAL"; None for any other argument."""
+    if argument == "fit":
+        return "fit: train.py fits, then tests: leave it out" + (
+            "" if config_name == "train" else f" ({config_name}.py evaluates a checkpoint)"
+        )
+    if argument in _CLI_SUBCOMMANDS:
+        if config_name == "eval":
+            return f"{argument}: eval.py runs the stages of stages=[...]: write stages=[{argument}]"
+        return (
+            f"{argument}: {config_name}.py fits, then tests; a checkpoint's {argument} is "
+            f"eval.py's: python eval.py stages=[{argument}] ckpt_path=..."
+        )
+    key = argument[2:].split("=", 1)[0]
+    if not argument.startswith("--") or argument in _HYDRAS_FLAGS or "." not in key:
+        return None
+    value = "..."
+    if "=" in argument:
+        value = argument.split("=", 1)[1]
+    elif following and "=" not in following[0] and not following[0].startswith("-"):
+        value = following[0]
+    return f"{argument}: {config_name}.py takes Hydra's overrides, without dashes: {key}={value}"
 
 
 # Hydra's flags whose value is the next argument (unless written --flag=value)
 _VALUED_FLAGS = (
     *("-c", "--cfg", "-p", "--package", "-cp", "--config-path", "-cn", "--config-name"),
     *("-cd", "--config-dir", "--experimental-rerun"),
+)
+_HYDRAS_FLAGS = (
+    *("-h", "--help", "--hydra-help", "--version", "-c", "--cfg", "--resolve", "-p", "--package"),
+    *("-r", "--run", "-m", "--multirun", "-sc", "--shell-completion", "-cp", "--config-path"),
+    *("-cn", "--config-name", "-cd", "--config-dir", "--experimental-rerun", "-i", "--info"),
 )
 _INFO_FLAGS, _INFO_CHOICES = (
     ("-i", "--info"),

@@ -812,6 +812,34 @@ def test_a_group_eval_does_not_choose_is_one_line_saying_why(
     ]
 
 
+@pytest.mark.parametrize(
+    ("script", "typed", "line"),
+    [
+        ("train", ["--trainer.max_epochs=3"], "--trainer.max_epochs=3: train.py takes Hydra's "
+                                              "overrides, without dashes: trainer.max_epochs=3"),
+        ("train", ["seed=1", "--trainer.max_epochs", "3"], "without dashes: trainer.max_epochs=3"),
+        ("train", ["--model.optimizer.lr", "seed=1"], "without dashes: model.optimizer.lr=..."),
+        ("train", ["fit", "seed=1"], "fit: train.py fits, then tests: leave it out"),
+        ("train", ["predict"], "python eval.py stages=[predict] ckpt_path=..."),
+        ("eval", ["test", "ckpt_path=x"], "test: eval.py runs the stages of stages=[...]: "
+                                          "write stages=[test]"),
+        ("train", ["--config-name", "test"], None),  # (a flag's value)
+        ("train", ["--cfg", "job", "-m", "seed=1"], None),
+    ],
+)  # fmt: skip
+def test_lightning_clis_way_of_writing_an_argument_is_its_line(
+    script: str, typed: list[str], line: str | None
+) -> None:
+    """LightningCLI's ``fit --trainer.max_epochs=3``: Hydra printed its 8-line usage and
+    "unrecognized arguments", or "missing EQUAL at '<EOF>'" for the subcommand."""
+    if line is None:
+        command_line([f"{script}.py", *typed], script)
+        return
+    with pytest.raises(SystemExit) as stop:
+        command_line([f"{script}.py", *typed], script)
+    assert line in str(stop.value) and "\n" not in str(stop.value)
+
+
 def test_a_flag_between_overrides_goes_before_them() -> None:
     """Hydra 1.3.8 refuses the overrides after a flag where overrides come before it too
     (hydra#3053): the flags go before the overrides, each as typed; the script's path and a
