@@ -382,7 +382,7 @@ def set_elsewhere(key: str, value: Any = None) -> str | None:
     if key in FOLLOWED_BY_TRAINER:
         return (
             f"trainer.{key}: the run's {key} is the top-level key, which trainer.{key} follows: "
-            f"write {key}={_typed(value)}"
+            f"write {key}={typed(value)}"
         )
     if key in ("strategy", "logger"):
         options = sorted(
@@ -406,12 +406,12 @@ def set_elsewhere(key: str, value: Any = None) -> str | None:
     return None
 
 
-def _typed(value: Any) -> str:
+def typed(value: Any) -> str:
     """``value`` as a command line types it: ``null``, ``true``, ``[0,1]``."""
     if value is None or isinstance(value, bool):
         return {None: "null", True: "true", False: "false"}[value]
     if isinstance(value, (list, tuple, ListConfig)):
-        return "[" + ",".join(_typed(v) for v in value) + "]"
+        return "[" + ",".join(typed(v) for v in value) + "]"
     return str(value)
 
 

@@ -17,6 +17,7 @@ import torch
 from hydra.utils import get_object
 from omegaconf import DictConfig
 
+from trainkit.config import typed
 from trainkit.errors import ConfigError
 
 
@@ -29,6 +30,34 @@ def resolve_accelerator(name: str) -> str:
             return "mps"
         return "cpu"
     return "gpu" if name == "cuda" else name
+
+
+def check_accelerator(name: str) -> None:
+    """Refuses an accelerator that Lightning does not know or this machine does not have (it was
+    Lightning's MisconfigurationException, or torch_xla's missing requirement, inside Hydra's
+    instantiation error), naming those it has. ``name`` as ``resolve_accelerator`` gives it; a
+    missing GPU is ``from_config``'s to say (with CUDA_VISIBLE_DEVICES)."""
+    from lightning.pytorch.accelerators import AcceleratorRegistry
+
+    if name in ("cpu", "gpu"):
+        return
+    known = AcceleratorRegistry.available_accelerators()
+    if name not in known:
+        names = ", ".join(sorted({*known, "gpu", "auto"}))
+        raise ConfigError(f"accelerator={name}: not one of Lightning's accelerators ({names})")
+    here = [n for n in sorted(known) if _is_available(AcceleratorRegistry[n]["accelerator"])]
+    if name not in here:
+        raise ConfigError(
+            f"accelerator={name} is not available on this machine (it has {', '.join(here)}): "
+            f"use accelerator=cpu (devices=N then runs N CPU processes)"
+        )
+
+
+def _is_available(accelerator: Any) -> bool:
+    try:
+        return bool(accelerator.is_available())
+    except Exception:  # (XLA's without torch_xla: its missing requirement)
+        return False
 
 
 def device_count(devices: Any, accelerator: str) -> int:
@@ -57,6 +86,11 @@ def device_count(devices: Any, accelerator: str) -> int:
         if devices <= 0:
             raise ConfigError(f"devices={devices}: give a positive count, a list of ids, or auto")
         return devices
+    if accelerator == "cpu":  # (Lightning: "should be an int > 0", naming no fix)
+        raise ConfigError(
+            f"devices={typed(devices)} on accelerator=cpu: give the number of processes, e.g. "
+            f"devices={len(devices)} (a list of ids picks GPUs)"
+        )
     return len(devices)
 
 
@@ -151,6 +185,7 @@ class ParallelDims:
         """Reads ``accelerator``, ``devices``, ``num_nodes`` and the strategy; refuses a layout
         that cannot start here, with the fix."""
         accelerator = resolve_accelerator(cfg.accelerator)
+        check_accelerator(accelerator)
         devices = device_count(cfg.devices, accelerator)
         if cfg.num_nodes < 1:
             raise ConfigError(f"num_nodes={cfg.num_nodes}: must be 1 or more")

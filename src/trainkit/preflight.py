@@ -42,38 +42,36 @@ def lightning_precision(precision: object) -> str:
 
 def check_precision(cfg: DictConfig, accelerator: str) -> None:
     """On CPU, says what really runs: 16-mixed becomes bf16-mixed, 16-true is refused, and bf16
-    without bf16 units is slow (docs/design.md, "Half precision on CPU")."""
-    precision = str(cfg.precision)
-    if (
-        accelerator == "cpu"
-        and precision.startswith("bf16")
-        and has_bf16_units(cpu_flags()) is False
-    ):
-        log.warning(
-            "precision=%s on a CPU without bf16 units (no %s): bf16 is emulated here and will "
-            "likely run slower than 32-true (measured 0.14x on such a CPU); use 32-true unless "
-            "you need bf16 numerics.",
-            precision,
-            "/".join(BF16_FLAGS),
-        )
-    if accelerator != "cpu" or precision in CPU_PRECISIONS:
+    without bf16 units is slow (docs/design.md, "Half precision on CPU"). Lightning's aliases
+    (``bf16``, ``16``, ``32``) are what Lightning reads them as."""
+    if accelerator != "cpu":
         return
-    if precision in ("16-mixed", "16"):
+    typed, precision = str(cfg.precision), lightning_precision(cfg.precision)
+    if precision == "16-mixed":
         log.warning(
             "precision=%s runs as bf16-mixed on CPU: float16 autocast is a GPU feature. "
             "Pass precision=bf16-mixed to say so and silence this.",
-            precision,
+            typed,
         )
         settle(cfg, "precision", "bf16-mixed", "float16 autocast is a GPU feature")
         return
-    if precision in ("16-true",):
+    if precision == "16-true":
         raise ConfigError(
             "precision=16-true is refused on CPU: float16 weights train to NaN there (Adam's "
             "epsilon underflows). Use precision=bf16-true or bf16-mixed"
         )
-    raise ConfigError(
-        f"precision={precision} is not one of {', '.join(CPU_PRECISIONS)}, 16-mixed on CPU"
-    )
+    if precision not in CPU_PRECISIONS:
+        raise ConfigError(
+            f"precision={typed} is not one of {', '.join(CPU_PRECISIONS)}, 16-mixed on CPU"
+        )
+    if precision.startswith("bf16") and has_bf16_units(cpu_flags()) is False:
+        log.warning(
+            "precision=%s on a CPU without bf16 units (no %s): bf16 is emulated here and will "
+            "likely run slower than 32-true (measured 0.14x on such a CPU); use 32-true unless "
+            "you need bf16 numerics.",
+            typed,
+            "/".join(BF16_FLAGS),
+        )
 
 
 def check_strategy(cfg: DictConfig, dims: ParallelDims) -> None:

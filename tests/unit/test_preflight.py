@@ -77,6 +77,11 @@ from trainkit.train import build
         ("devices=abc", r"devices=abc: give a count, a list of ids, or auto"),
         ("num_nodes=2", r"num_nodes=2 but this process was not started on 2 nodes.*torchrun"),
         ("accelerator=gpu", r"no CUDA GPU is visible: use accelerator=cpu"),
+        # Lightning's exceptions (torch_xla's missing requirement for tpu) inside Hydra's lines
+        ("accelerator=mps", r"^accelerator=mps is not available on this machine \(it has cpu"),
+        ("accelerator=tpu", r"^accelerator=tpu is not available on this machine"),
+        ("accelerator=gpux", r"^accelerator=gpux: not one of Lightning's accelerators \(auto, "),
+        ("devices=[0,1]", r"^devices=\[0,1\] on accelerator=cpu: give the number of processes"),
         # lightning-hydra-template's way: Lightning started 2 ranks of a run planned for one
         (
             "trainer.devices=2",
@@ -231,14 +236,19 @@ def test_bf16_units_are_read_from_the_cpu_flags() -> None:
     assert has_bf16_units(set()) is None  # unknown: no warning
 
 
-@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true", "32-true"])
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true", "32-true", "bf16", "bf16-x"])
 def test_bf16_on_a_cpu_without_bf16_units_says_it_will_be_slow(compose, caplog, precision) -> None:
-    """One line, for bf16 only, and only where this machine's CPU lacks the units."""
+    """One line, for bf16 only (``bf16``: Lightning's name for bf16-mixed), and only where this
+    machine's CPU lacks the units; none before a refusal (``bf16-x``: the warning came first)."""
     with caplog.at_level(logging.WARNING, logger="trainkit.preflight"):
-        preflight(compose(f"precision={precision}"))
+        if precision == "bf16-x":
+            with pytest.raises(ConfigError, match=r"^precision=bf16-x is not one of 32-true"):
+                preflight(compose(f"precision={precision}"))
+        else:
+            preflight(compose(f"precision={precision}"))
     warned = [r.getMessage() for r in caplog.records if "without bf16 units" in r.getMessage()]
-    expected = precision.startswith("bf16") and has_bf16_units(cpu_flags()) is False
-    assert len(warned) == int(expected)
+    expected = precision in ("bf16-mixed", "bf16-true", "bf16")
+    assert len(warned) == int(expected and has_bf16_units(cpu_flags()) is False)
     assert all("slower than 32-true" in m and "\n" not in m for m in warned)
 
 
