@@ -305,6 +305,34 @@ def test_training_stopped_before_its_epochs_ran_out_says_why(
         assert line.startswith(f"training stopped early {expected}"), line
 
 
+@pytest.mark.parametrize(("max_epochs", "line"), [(1, True), (2, False)])
+def test_a_resume_with_nothing_left_to_train_says_so(
+    max_epochs: int, line: bool, mnist_root: Path, tmp_path: Path, caplog, restore_seed_state
+) -> None:
+    """``ckpt_path=last trainer.max_epochs=1`` after a run of 1 epoch (or 2 of 1, a finished
+    run resumed): Lightning skips training and says so in the log file only; the console went
+    from the model line to the test. A resume that trains says nothing of the kind."""
+    short = dict(limit_train_batches=3, limit_val_batches=2, num_sanity_val_steps=0)
+    first = fit_docs_module(mnist_root, max_epochs=1, **short)
+    first.save_checkpoint(tmp_path / "last.ckpt")
+    caplog.set_level("INFO", logger="trainkit.console")
+    resumed = quiet_trainer(
+        callbacks=[EpochLines("val_loss", mode="min")], max_epochs=max_epochs, **short
+    )
+    resumed.fit(
+        lightning_docs.LitClassifier(),
+        datamodule=lightning_docs.MNISTDataModule(str(mnist_root), download=False),
+        ckpt_path=tmp_path / "last.ckpt",
+    )
+    said = [m for r in caplog.records if (m := r.getMessage()).startswith("nothing left")]
+    expected = (
+        "nothing left to train: the checkpoint had trained 1 epoch(s), 3 steps, and this run's "
+        "limit is trainer.max_epochs=1: raise it to train on"
+    )
+    assert said == ([expected] if line else [])
+    assert resumed.global_step == (3 if line else 6)
+
+
 def test_the_model_line_names_a_sharded_modules_own_class(free_port: int, caplog) -> None:
     """fsdp's ``fully_shard`` turns the docs' ``LitClassifier`` into an ``FSDPLitClassifier``:
     the console's model line, as the template's summary callback says it at the start of a fit,

@@ -21,6 +21,13 @@ class EpochLines(Callback):
         self.monitor, self.mode = monitor, mode
         self.best: tuple[float, int] | None = None  # (value, epoch counted from 1)
         self._validated_in: int | None = None  # the epoch of the last validation (not sanity)
+        self._trained = True  # whether this fit ran its training loop
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self._trained = False  # (Lightning skips the training loop, and its hooks, when done)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._trained = True
 
     def on_validation_end(self, trainer, pl_module) -> None:
         if not trainer.sanity_checking:
@@ -57,7 +64,12 @@ class EpochLines(Callback):
         Lightning says it only in the log file (``Time limit reached``, an EarlyStopping's
         reason), and the console's last epoch line would read ``epoch 3/10``, then the test. At
         the fit's end, which a resume whose ``max_time`` was already spent reaches too."""
-        if not trainer.is_global_zero or not trainer.should_stop or _ran_out(trainer):
+        if not trainer.is_global_zero:
+            return
+        if not self._trained and trainer.ckpt_path:
+            say("nothing left to train: %s", _nothing_left(trainer))
+            return
+        if not trainer.should_stop or _ran_out(trainer):
             return
         if any(isinstance(c, Preemption) and c.signum for c in trainer.callbacks):
             return  # (a signal's stop says its own line)
@@ -92,6 +104,20 @@ def _ran_out(trainer) -> bool:
         return True
     epochs = trainer.max_epochs is not None and 0 <= trainer.max_epochs <= trainer.current_epoch
     return epochs and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+
+
+def _nothing_left(trainer) -> str:
+    """Why a resume trained nothing: its checkpoint had reached the limit its config now has
+    (``ckpt_path=last trainer.max_epochs=1`` after 2 epochs), which Lightning says in the log file
+    only; the run went on to its test."""
+    if 0 <= trainer.max_steps <= trainer.global_step:
+        limit = f"trainer.max_steps={trainer.max_steps}"
+    else:
+        limit = f"trainer.max_epochs={trainer.max_epochs}"
+    return (
+        f"the checkpoint had trained {trainer.current_epoch} epoch(s), {trainer.global_step} "
+        f"steps, and this run's limit is {limit}: raise it to train on"
+    )
 
 
 def _why_stopped(trainer) -> str:
