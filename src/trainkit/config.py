@@ -17,6 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 import trainkit.resolvers  # noqa: F401  registers the resolvers that conf/ uses
+from trainkit.errors import ConfigError
 from trainkit.overrides import with_path_quoted
 from trainkit.refusals import send_refusal
 
@@ -186,6 +187,20 @@ def _flags_first(arguments: list[str]) -> list[str]:
             flags.append("all")  # as its value once it comes first)
         i += 1 + valued
     return [*flags, *overrides]
+
+
+def check_working_directory(hydra: DictConfig) -> None:
+    """Refuses ``hydra.job.chdir=true`` (Hydra 1.1's default, still a habit), as a run or sweep
+    starts (``sweep.JobReporter``), before Hydra changes directory: a run in its own directory
+    read ``data.root=data/...`` and ``ckpt_path=<relative>`` there (not found; a download into
+    it), resolved ``paths.root_dir`` to it, and printed its paths relative to it (``run: .``)."""
+    if hydra.job.get("chdir"):
+        raise ConfigError(
+            "hydra.job.chdir=true: a run works in the directory it was started from (where "
+            "relative paths such as data.root=data/... are read, by every rank): leave it out, "
+            "and write a file of your own into the run's directory as "
+            "${paths.output_dir}/<name> (trainer.default_root_dir and the loggers already do)"
+        )
 
 
 def project_config_file(argv: Sequence[str], config_name: str) -> Path:

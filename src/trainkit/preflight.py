@@ -290,25 +290,9 @@ def check_trainer_keys(cfg: DictConfig) -> None:
             raise ConfigError(set_elsewhere(key, trainer[key]))
 
 
-def check_working_directory() -> None:
-    """Refuses ``hydra.job.chdir=true`` (Hydra 1.1's default, still a habit): a run in its own
-    directory read ``data.root=data/...`` there (not found, then a download into it), resolved
-    ``paths.root_dir`` to it, and printed its paths relative to it (``run: .``)."""
-    from hydra.core.hydra_config import HydraConfig
-
-    if HydraConfig.initialized() and HydraConfig.get().job.chdir:
-        raise ConfigError(
-            "hydra.job.chdir=true: a run works in the directory it was started from (where "
-            "relative paths such as data.root=data/... are read, by every rank): leave it out, "
-            "and write a file of your own into the run's directory as "
-            "${paths.output_dir}/<name> (trainer.default_root_dir and the loggers already do)"
-        )
-
-
 def preflight(cfg: DictConfig, training: bool = True) -> ParallelDims:
     """Validates the run's shape and applies process settings; returns its parallel layout.
     ``training=False`` (eval.py) skips what only training needs: full batches."""
-    check_working_directory()
     check_trainer_keys(cfg)
     check_positive(cfg)
     check_torchrun_restarts()

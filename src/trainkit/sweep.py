@@ -46,7 +46,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import trainkit.startup  # noqa: F401  first: a joblib worker loads the job from here, not train.py
 from trainkit.checkpoint_io import atomic_write_text, is_checkpoint, saved_step
-from trainkit.config import LAST_SWEEP, project_config_file, settle
+from trainkit.config import LAST_SWEEP, check_working_directory, project_config_file, settle
 from trainkit.console import (
     SWEEP_COMMAND_ENV,
     accepted,
@@ -105,6 +105,10 @@ class SweepTaken(ConfigError):
 class JobReporter(Callback):
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         _record_entry_point()
+        try:
+            check_working_directory(config.hydra)
+        except ConfigError as refused:  # (Hydra would warn and go on: see on_multirun_start)
+            raise SystemExit(str(refused)) from None
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         # the entry point paused the collector for its imports: on again before the sweeper
@@ -112,6 +116,7 @@ class JobReporter(Callback):
         collector_resumed()
         _record_entry_point()
         try:
+            check_working_directory(config.hydra)
             check_sweeper(config)
             check_pruner(config)
             check_direction(config)

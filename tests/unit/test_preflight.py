@@ -12,8 +12,6 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from hydra.core.hydra_config import HydraConfig
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -27,7 +25,6 @@ from myproject.models import MLP
 from myproject.tasks import ImageClassifier
 from trainkit.build import build_datamodule, build_model, model_config
 from trainkit.checkpoint_io import unreadable_hparams
-from trainkit.config import CONF_DIR
 from trainkit.errors import ConfigError
 from trainkit.evaluate import check_stages
 from trainkit.parallel import LIGHTNING, ParallelDims, capabilities
@@ -111,30 +108,6 @@ def test_refused_with_the_key_and_the_fix(compose, override: str, message: str) 
     with pytest.raises(ConfigError, match=message) as err:
         preflight(compose(override))
     assert "\n" not in str(err.value)  # one line
-
-
-@pytest.mark.parametrize("chdir", [True, False])
-def test_a_run_in_its_own_directory_is_refused_with_the_fix(
-    overrides: tuple[str, ...], tmp_path: Path, chdir: bool
-) -> None:
-    """``hydra.job.chdir=true`` (Hydra 1.1's default): the run read ``data.root=data/...`` in
-    its run directory (MNIST not found, a download tried there) and printed ``run: .``."""
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(
-            "train",
-            [*overrides, f"hydra.job.chdir={chdir}", f"hydra.run.dir={tmp_path}"],
-            return_hydra_config=True,
-        )
-    previous = HydraConfig.instance().cfg
-    HydraConfig.instance().set_config(cfg)
-    try:
-        if chdir:
-            with pytest.raises(ConfigError, match=r"^hydra.job.chdir=true: .*: leave it out"):
-                preflight(cfg)
-        else:
-            preflight(cfg)
-    finally:
-        HydraConfig.instance().cfg = previous
 
 
 def test_sizes_that_disagree_with_torchrun_are_refused(compose, monkeypatch) -> None:

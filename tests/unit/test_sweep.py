@@ -33,13 +33,14 @@ from torch.utils.tensorboard.summary import hparams
 
 from helpers import SLURM_TASK
 from trainkit.callbacks import Preemption
-from trainkit.config import CONF_DIR, compose_config
+from trainkit.config import CONF_DIR, check_working_directory, compose_config
 from trainkit.console import SWEEP_COMMAND_ENV
 from trainkit.launch import ENTRY_POINT_ENV, isolated_job, job_command, resume_job_from
 from trainkit.loggers import flat_hparams, log_final
 from trainkit.resolvers import job_dirname
 from trainkit.resume import resume_hint
 from trainkit.sweep import (
+    JobReporter,
     SweepTaken,
     check_same_sweep,
     continuing_command,
@@ -127,6 +128,27 @@ def test_sweep_subdir_is_named_by_what_the_sweep_varies(tmp_path: Path) -> None:
     assert cfg.hydra.sweep.subdir == "3_model.optimizer.lr=0.01,seed=3"
     (tmp_path / "sweep.yaml").write_text("varying: []\n")
     assert cfg.hydra.sweep.subdir == "3"
+
+
+@pytest.mark.parametrize("start", ["on_run_start", "on_multirun_start"])
+@pytest.mark.parametrize("chdir", [True, False])
+def test_a_run_in_its_own_directory_is_refused_as_it_starts(
+    monkeypatch: pytest.MonkeyPatch, start: str, chdir: bool
+) -> None:
+    """``hydra.job.chdir=true`` (Hydra 1.1's default) read ``data.root=data/...`` and a relative
+    ``ckpt_path`` in the run's directory (not found; a download tried there) and printed
+    ``run: .``: refused by the run's (or sweep's) Hydra callback, before Hydra changes
+    directory and before the checkpoint is looked for; a sweep once, not by each job."""
+    monkeypatch.setenv(ENTRY_POINT_ENV, sys.argv[0])  # (what the callback records: kept here)
+    cfg = compose_with_hydra([f"hydra.job.chdir={chdir}"])
+    if not chdir:
+        check_working_directory(cfg.hydra)
+        return
+    with pytest.raises(SystemExit) as stop:
+        getattr(JobReporter(), start)(cfg)
+    assert str(stop.value).startswith("hydra.job.chdir=true: a run works in the directory it "
+                                      "was started from"), stop.value  # fmt: skip
+    assert "leave it out" in str(stop.value)
 
 
 # --------------------------------------------------------------------------------------------
