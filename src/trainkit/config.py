@@ -116,11 +116,17 @@ def command_line(argv: Sequence[str], config_name: str = "train") -> list[str]:
     them ("train.py a=1 -m b=1,2" or "train.py a=1 --cfg job b=2" was refused: unrecognized
     arguments: b=...; hydra#3053, fixed by its PR #3133 in no release yet)."""
     script, *arguments = argv
-    for i, argument in enumerate(arguments):
-        if i and arguments[i - 1] in _VALUED_FLAGS:
-            continue  # (a flag's value: --config-name test)
-        if line := _lightning_cli_habit(argument, arguments[i + 1 : i + 2], config_name):
-            raise SystemExit(line)
+    lines = [
+        line
+        for i, argument in enumerate(arguments)
+        if not (i and arguments[i - 1] in _VALUED_FLAGS)  # (a flag's value: --config-name test)
+        and (line := _lightning_cli_habit(argument, arguments[i + 1 : i + 2], config_name))
+    ]
+    if lines:
+        said = "".join(f"{line}\n" for line in lines)
+        if not send_refusal(said):  # (a torchrun worker: once for its ranks)
+            sys.stderr.write(said)
+        raise SystemExit(1)
     return [script, *_flags_first(expand_shorthands(arguments, config_name))]
 
 
@@ -133,9 +139,9 @@ def _lightning_cli_habit(argument: str, following: list[str], config_name: str) 
     or ``--trainer.max_epochs 3``), where Hydra printed its usage and "unrecognized arguments",
     or "missing EQUAL"; None for any other argument."""
     if argument == "fit":
-        return "fit: train.py fits, then tests: leave it out" + (
-            "" if config_name == "train" else f" ({config_name}.py evaluates a checkpoint)"
-        )
+        if config_name == "train":
+            return "fit: train.py fits, then tests: leave it out"
+        return f"fit: {config_name}.py evaluates a checkpoint (train.py fits): leave it out"
     if argument in _CLI_SUBCOMMANDS:
         if config_name == "eval":
             return f"{argument}: eval.py runs the stages of stages=[...]: write stages=[{argument}]"
@@ -144,8 +150,10 @@ def _lightning_cli_habit(argument: str, following: list[str], config_name: str) 
             f"eval.py's: python eval.py stages=[{argument}] ckpt_path=..."
         )
     key = argument[2:].split("=", 1)[0]
-    if not argument.startswith("--") or argument in _HYDRAS_FLAGS or "." not in key:
+    if not argument.startswith("--") or argument == "--" or key in _HYDRAS_FLAG_NAMES:
         return None
+    if f"--{key}" in _CLI_FLAGS:
+        return f"--{key}: LightningCLI's; with Hydra, {_CLI_FLAGS[f'--{key}']}"
     value = "..."
     if "=" in argument:
         value = argument.split("=", 1)[1]
@@ -159,11 +167,19 @@ _VALUED_FLAGS = (
     *("-c", "--cfg", "-p", "--package", "-cp", "--config-path", "-cn", "--config-name"),
     *("-cd", "--config-dir", "--experimental-rerun"),
 )
+# LightningCLI's own flags, and what Hydra's way of saying the same is
+_CLI_FLAGS = {
+    "--seed_everything": "seed=<n>",
+    "--print_config": "--cfg job (the composed config; add --resolve to resolve it)",
+    "--config": "experiment=<name> (a file of conf/experiment/), or --config-dir=<dir> "
+    "--config-name=<name>",
+}
 _HYDRAS_FLAGS = (
     *("-h", "--help", "--hydra-help", "--version", "-c", "--cfg", "--resolve", "-p", "--package"),
     *("-r", "--run", "-m", "--multirun", "-sc", "--shell-completion", "-cp", "--config-path"),
     *("-cn", "--config-name", "-cd", "--config-dir", "--experimental-rerun", "-i", "--info"),
 )
+_HYDRAS_FLAG_NAMES = {flag[2:] for flag in _HYDRAS_FLAGS if flag.startswith("--")}
 _INFO_FLAGS, _INFO_CHOICES = (
     ("-i", "--info"),
     ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath"),
@@ -276,7 +292,7 @@ def did_you_mean(config_name: str) -> Iterator[None]:
             option = (
                 unknown_option(hydras)
                 or unchosen_group(hydras, config_name)
-                or added_group(hydras, sys.argv[1:])
+                or added_group(hydras, sys.argv[1:], config_name)
             )
             lines = [option] if option else unknown_keys(config_name, sys.argv[1:])
             said = "".join(f"{line}\n" for line in lines)
@@ -339,10 +355,11 @@ _ADDED_GROUP = re.compile(
 )
 
 
-def added_group(hydras: str, overrides: Sequence[str]) -> str | None:
+def added_group(hydras: str, overrides: Sequence[str], config_name: str) -> str | None:
     """``+strategy=ddp: strategy is a group the run already chooses; write strategy=ddp``, from
     Hydra's refusal of a group added with ``+`` (as Hydra's docs add ``+experiment=...`` to a
-    config that chooses none), or None."""
+    config that chooses none), or None: also for ``++group=...`` of a group the script's config
+    does not choose (eval.py's model), which Hydra refuses alike."""
     found = _ADDED_GROUP.search(hydras)
     if not found:
         return None
@@ -350,6 +367,11 @@ def added_group(hydras: str, overrides: Sequence[str]) -> str | None:
     typed = next((o for o in overrides if o.lstrip("+").split("=", 1)[0] == group), None)
     if typed is None or not typed.startswith("+"):
         return None
+    if found["c"]:  # (Hydra refuses every ++group=...: chosen or not)
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            choices = compose(config_name, return_hydra_config=True).hydra.runtime.choices
+        if group not in choices:
+            return None
     return f"{typed}: {group} is a group the run already chooses; write {typed.lstrip('+')}"
 
 

@@ -268,6 +268,17 @@ def hand_over_held() -> list[logging.LogRecord]:
     return records
 
 
+_rank_logging = False  # set where log_as_rank applied the run's logging (a spawned rank)
+
+
+def logging_configured() -> bool:
+    """Whether this process runs with the run's logging config (Hydra's job_logging, whichever
+    option was chosen: ``disabled`` too), as Hydra set it or ``log_as_rank`` in a spawned rank."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return _rank_logging or HydraConfig.initialized()
+
+
 def log_as_rank(config: dict | None, held: list[logging.LogRecord], rank: int) -> None:
     """In a spawned rank: the run's logging (``run_logging``), as in a rank that Hydra starts:
     its own log file beside the run's (``<job>_ddp_process_<rank>.log``; rank 0 the run's own),
@@ -275,6 +286,8 @@ def log_as_rank(config: dict | None, held: list[logging.LogRecord], rank: int) -
     ``held`` lines until the run is accepted; Lightning's own lines sent through them
     (``quiet``). Without it, each rank printed Lightning's INFO lines, model summary included,
     on the console."""
+    global _rank_logging
+    _rank_logging = config is not None
     if config is not None:
         config = {**config, "handlers": {**config.get("handlers", {})}}
         file = config["handlers"].get("file")

@@ -296,8 +296,9 @@ def check_sweeper(config: DictConfig) -> None:
     target = str(config.hydra.sweeper.get("_target_", ""))
     if target.endswith("OptunaSweeper") and not target.endswith(STORED_OPTUNA):
         raise ConfigError(
-            f"hydra.sweeper._target_={target} keeps its Optuna study in memory: a stopped sweep "
-            f"could not continue (its command would start new trials beside the old ones); add "
+            f"hydra.sweeper._target_={target} counts n_trials and numbers its jobs from 0 at "
+            f"each launch (its study in memory, unless given a storage): a stopped sweep could "
+            f"not continue (its command would start new trials beside the old ones); add "
             f"hydra.sweeper._target_=hydra_plugins.trainkit_sweeper.{STORED_OPTUNA}, the same "
             f"sweeper and settings with the study in the sweep directory (as "
             f"hparams_search=mnist_optuna does)"
@@ -311,6 +312,8 @@ def check_direction(config: DictConfig) -> None:
     default, minimize) searched for the lowest val/acc, silently, while sweep.json named the
     highest job its best."""
     direction = config.hydra.sweeper.get("direction")
+    if isinstance(direction, Sequence) and not isinstance(direction, str) and len(direction) == 1:
+        direction = direction[0]  # ([maximize]: one objective)
     if direction is None or (isinstance(direction, Sequence) and not isinstance(direction, str)):
         return  # (not Optuna; or several objectives, each a value of its own)
     direction = getattr(direction, "name", str(direction)).lower()  # (the plugin's enum)

@@ -2,6 +2,7 @@
 writer's shards, the replicas' checksums."""
 
 import io
+import logging
 from pathlib import Path
 
 import lightning as L
@@ -9,16 +10,19 @@ import pytest
 import rich.progress
 import torch
 import torch.distributed as dist
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.callbacks.progress.rich_progress import CustomProgress
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader
 
 import lightning_docs
 from helpers import quiet_trainer
-from trainkit.callbacks import EpochLines, MonitoredMetric, ProgressBar
+from trainkit.callbacks import EpochLines, MonitoredMetric, ProcessInfo, ProgressBar
 from trainkit.callbacks.model_summary import ModelSummary, declared_name
 from trainkit.callbacks.prediction_writer import shard_indices
 from trainkit.callbacks.replicas_agree import checksums, disagreement
+from trainkit.config import CONF_DIR
 from trainkit.console import number
 from trainkit.data.sharding import ShardSampler
 from trainkit.errors import ConfigError
@@ -351,3 +355,33 @@ def test_the_model_line_names_a_sharded_modules_own_class(free_port: int, caplog
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("model: ")]
     assert line.startswith("model: LitClassifier, 50.9 K parameters"), line
     assert declared_name(torch.nn.Linear(1, 1)) == "Linear"
+
+
+@pytest.mark.parametrize("job_logging", ["trainkit", "disabled"])
+def test_a_ranks_process_line_goes_where_the_runs_logging_sends_it(
+    job_logging: str, tmp_path: Path, caplog
+) -> None:
+    """``hydra/job_logging=disabled`` (errors only): ProcessInfo took the root logger's empty
+    handlers for a rank nothing had set up and wrote an INFO train.log into the run. Its own
+    file is for a rank outside any Hydra run (``logging_configured``); in a run, the run's
+    handlers say the line, or say nothing."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", [f"hydra/job_logging={job_logging}"], return_hydra_config=True)
+    previous = HydraConfig.instance().cfg
+    HydraConfig.instance().set_config(cfg)
+    try:
+        with caplog.at_level("INFO", logger="trainkit.callbacks.process_info"):
+            ProcessInfo(["seed=1"], log_dir=str(tmp_path)).setup(None, None, "fit")
+    finally:
+        HydraConfig.instance().cfg = previous
+    assert list(tmp_path.iterdir()) == []
+    assert any(r.getMessage().startswith('process {"rank": 0') for r in caplog.records)
+    HydraConfig.instance().cfg = None
+    ProcessInfo(["seed=1"], log_dir=str(tmp_path)).setup(None, None, "fit")  # (no Hydra run)
+    root = logging.getLogger()
+    ours = [h for h in root.handlers if getattr(h, "baseFilename", "").startswith(str(tmp_path))]
+    for handler in ours:
+        root.removeHandler(handler)
+        handler.close()
+    HydraConfig.instance().cfg = previous
+    assert [p.name for p in tmp_path.iterdir()] == ["train.log"]

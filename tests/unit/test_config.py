@@ -39,6 +39,7 @@ from trainkit.callbacks import ProfileSteps, RunConfig, StartupTime
 from trainkit.config import (
     CONF_DIR,
     LIBRARY_CONF_DIR,
+    added_group,
     command_line,
     compose_config,
     did_you_mean,
@@ -516,15 +517,21 @@ def logging_restored() -> Iterator[None]:
     loggers a config's ``disable_existing_loggers`` switched off)."""
     root, loggers = logging.getLogger(), dict(logging.Logger.manager.loggerDict)
     saved = (root.level, list(root.handlers), list(root.filters))
-    disabled = {name: lg.disabled for name, lg in loggers.items() if isinstance(lg, logging.Logger)}
+    states = {
+        name: (lg.disabled, lg.level, lg.propagate, list(lg.handlers))
+        for name, lg in loggers.items()
+        if isinstance(lg, logging.Logger)
+    }
     yield
     for handler in root.handlers:
         if handler not in saved[1]:
             handler.close()
     root.setLevel(saved[0])
     root.handlers[:], root.filters[:] = saved[1], saved[2]
-    for name, was in disabled.items():
-        logging.getLogger(name).disabled = was
+    for name, (disabled, level, propagate, handlers) in states.items():
+        logger = logging.getLogger(name)
+        logger.disabled, logger.propagate, logger.handlers[:] = disabled, propagate, handlers
+        logger.setLevel(level)
 
 
 HYDRA_LOGGING_OPTIONS = sorted(
@@ -793,6 +800,16 @@ def test_a_typo_is_its_line_alone_unless_hydra_refused_something_else(
         assert lines[0].startswith(said[0]), lines
 
 
+def test_a_force_added_group_is_told_to_drop_the_plus_only_where_the_config_chooses_it() -> None:
+    """Hydra refuses every ``++group=...`` alike; eval.yaml chooses no model, and eval.py refuses
+    ``model=mlp``: Hydra's own line stays there (it said "write model=mlp")."""
+    hydras = "force-add of config groups is not supported: '++{}'"
+    assert added_group(hydras.format("model=mlp"), ["++model=mlp"], "eval") is None
+    assert added_group(hydras.format("model=mlp"), ["++model=mlp"], "train") == (
+        "++model=mlp: model is a group the run already chooses; write model=mlp"
+    )
+
+
 def test_a_group_eval_does_not_choose_is_one_line_saying_why(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -823,12 +840,18 @@ def test_a_group_eval_does_not_choose_is_one_line_saying_why(
         ("train", ["predict"], "python eval.py stages=[predict] ckpt_path=..."),
         ("eval", ["test", "ckpt_path=x"], "test: eval.py runs the stages of stages=[...]: "
                                           "write stages=[test]"),
+        ("train", ["--seed=1"], "--seed=1: train.py takes Hydra's overrides, without dashes: "
+                                "seed=1"),
+        ("train", ["--seed_everything=1"], "--seed_everything: LightningCLI's; with Hydra, seed="),
+        ("train", ["--print_config"], "--print_config: LightningCLI's; with Hydra, --cfg job"),
+        ("train", ["--config", "a.yaml"], "--config: LightningCLI's; with Hydra, experiment="),
         ("train", ["--config-name", "test"], None),  # (a flag's value)
+        ("train", ["--cfg=job", "--info=all", "--resolve"], None),  # (Hydra's flags)
         ("train", ["--cfg", "job", "-m", "seed=1"], None),
     ],
 )  # fmt: skip
 def test_lightning_clis_way_of_writing_an_argument_is_its_line(
-    script: str, typed: list[str], line: str | None
+    script: str, typed: list[str], line: str | None, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """LightningCLI's ``fit --trainer.max_epochs=3``: Hydra printed its 8-line usage and
     "unrecognized arguments", or "missing EQUAL at '<EOF>'" for the subcommand."""
@@ -837,7 +860,21 @@ def test_lightning_clis_way_of_writing_an_argument_is_its_line(
         return
     with pytest.raises(SystemExit) as stop:
         command_line([f"{script}.py", *typed], script)
-    assert line in str(stop.value) and "\n" not in str(stop.value)
+    assert stop.value.code == 1
+    (said,) = capsys.readouterr().err.splitlines()
+    assert line in said
+
+
+def test_every_lightning_cli_argument_gets_its_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """All at once, in their order: not one per attempt."""
+    with pytest.raises(SystemExit):
+        command_line(["train.py", "fit", "--trainer.max_epochs=3", "--seed=1", "data.x=1"])
+    assert capsys.readouterr().err.splitlines() == [
+        "fit: train.py fits, then tests: leave it out",
+        "--trainer.max_epochs=3: train.py takes Hydra's overrides, without dashes: "
+        "trainer.max_epochs=3",
+        "--seed=1: train.py takes Hydra's overrides, without dashes: seed=1",
+    ]
 
 
 def test_a_flag_between_overrides_goes_before_them() -> None:

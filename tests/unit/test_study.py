@@ -146,6 +146,7 @@ def test_the_optuna_plugins_own_sweeper_is_refused_naming_the_one_that_continues
         (("hparams_search=mnist_optuna", "monitor=val/loss", "monitor_mode=min"),
          "add hydra.sweeper.direction=minimize"),
         ((*OPTUNA, "hydra.sweeper.direction=[maximize,minimize]"), None),
+        ((*OPTUNA, "hydra.sweeper.direction=[minimize]"), "add hydra.sweeper.direction=maximize"),
         ((), None),  # a grid
     ],
 )  # fmt: skip

@@ -7,6 +7,8 @@ from pathlib import Path
 import lightning as L
 import torch.distributed as dist
 
+from trainkit.console import logging_configured
+
 log = logging.getLogger(__name__)
 LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's file format
 
@@ -27,7 +29,7 @@ class ProcessInfo(L.Callback):
         grouped = dist.is_available() and dist.is_initialized()
         rank = dist.get_rank() if grouped else 0
         root = logging.getLogger()
-        if self.log_dir and not root.handlers:  # a spawned rank: nothing set logging up
+        if self.log_dir and not logging_configured():  # (a rank outside a Hydra run)
             name = f"{self.job}.log" if rank == 0 else f"{self.job}_ddp_process_{rank}.log"
             handler = logging.FileHandler(Path(self.log_dir) / name)
             handler.setFormatter(logging.Formatter(LOG_FORMAT))
