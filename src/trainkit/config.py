@@ -174,12 +174,11 @@ _CLI_FLAGS = {
     "--config": "experiment=<name> (a file of conf/experiment/), or --config-dir=<dir> "
     "--config-name=<name>",
 }
-_HYDRAS_FLAGS = (
-    *("-h", "--help", "--hydra-help", "--version", "-c", "--cfg", "--resolve", "-p", "--package"),
-    *("-r", "--run", "-m", "--multirun", "-sc", "--shell-completion", "-cp", "--config-path"),
-    *("-cn", "--config-name", "-cd", "--config-dir", "--experimental-rerun", "-i", "--info"),
-)
-_HYDRAS_FLAG_NAMES = {flag[2:] for flag in _HYDRAS_FLAGS if flag.startswith("--")}
+# Hydra's long flags, by name (its argument parser's: tests/unit/test_config.py checks them)
+_HYDRAS_FLAG_NAMES = {
+    *("help", "hydra-help", "version", "cfg", "resolve", "package", "run", "multirun", "info"),
+    *("shell-completion", "config-path", "config-name", "config-dir", "experimental-rerun"),
+}
 _INFO_FLAGS, _INFO_CHOICES = (
     ("-i", "--info"),
     ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath"),

@@ -312,10 +312,12 @@ def check_direction(config: DictConfig) -> None:
     default, minimize) searched for the lowest val/acc, silently, while sweep.json named the
     highest job its best."""
     direction = config.hydra.sweeper.get("direction")
-    if isinstance(direction, Sequence) and not isinstance(direction, str) and len(direction) == 1:
-        direction = direction[0]  # ([maximize]: one objective)
-    if direction is None or (isinstance(direction, Sequence) and not isinstance(direction, str)):
-        return  # (not Optuna; or several objectives, each a value of its own)
+    if isinstance(direction, Sequence) and not isinstance(direction, str):
+        if len(direction) != 1:
+            return  # (several objectives, each a value of its own)
+        direction = direction[0]
+    if direction is None:
+        return  # (not Optuna)
     direction = getattr(direction, "name", str(direction)).lower()  # (the plugin's enum)
     mode = config.get("monitor_mode") or "max"
     wanted = "maximize" if mode == "max" else "minimize"

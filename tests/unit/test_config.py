@@ -30,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
 import lightning_docs
+import trainkit.config as config_module
 from helpers import SLURM_TASK, TORCHRUN_WORKER
 from myproject.data import MNISTDataModule
 from myproject.models import MLP
@@ -863,6 +864,13 @@ def test_lightning_clis_way_of_writing_an_argument_is_its_line(
     assert stop.value.code == 1
     (said,) = capsys.readouterr().err.splitlines()
     assert line in said
+
+
+def test_hydras_own_long_flags_are_never_taken_for_lightning_clis() -> None:
+    """The names ``_lightning_cli_habit`` lets through are those of Hydra's argument parser."""
+    parser = get_args_parser()
+    flags = {s[2:] for a in parser._actions for s in a.option_strings if s.startswith("--")}
+    assert flags == config_module._HYDRAS_FLAG_NAMES
 
 
 def test_every_lightning_cli_argument_gets_its_line(capsys: pytest.CaptureFixture[str]) -> None:
