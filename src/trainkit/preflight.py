@@ -46,12 +46,12 @@ def check_precision(cfg: DictConfig, accelerator: str) -> None:
     (``bf16``, ``16``, ``32``) are what Lightning reads them as."""
     if accelerator != "cpu":
         return
-    typed, precision = str(cfg.precision), lightning_precision(cfg.precision)
+    given, precision = str(cfg.precision), lightning_precision(cfg.precision)
     if precision == "16-mixed":
         log.warning(
             "precision=%s runs as bf16-mixed on CPU: float16 autocast is a GPU feature. "
             "Pass precision=bf16-mixed to say so and silence this.",
-            typed,
+            given,
         )
         settle(cfg, "precision", "bf16-mixed", "float16 autocast is a GPU feature")
         return
@@ -62,14 +62,14 @@ def check_precision(cfg: DictConfig, accelerator: str) -> None:
         )
     if precision not in CPU_PRECISIONS:
         raise ConfigError(
-            f"precision={typed} is not one of {', '.join(CPU_PRECISIONS)}, 16-mixed on CPU"
+            f"precision={given} is not one of {', '.join(CPU_PRECISIONS)}, 16-mixed on CPU"
         )
     if precision.startswith("bf16") and has_bf16_units(cpu_flags()) is False:
         log.warning(
             "precision=%s on a CPU without bf16 units (no %s): bf16 is emulated here and will "
             "likely run slower than 32-true (measured 0.14x on such a CPU); use 32-true unless "
             "you need bf16 numerics.",
-            typed,
+            given,
             "/".join(BF16_FLAGS),
         )
 

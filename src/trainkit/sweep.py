@@ -29,7 +29,7 @@ import shlex
 import shutil
 import sys
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from pickle import UnpicklingError
@@ -102,27 +102,33 @@ class SweepTaken(ConfigError):
     """The sweep directory holds another sweep, or another launch of this one is running there."""
 
 
+@contextlib.contextmanager
+def _refusal_exits() -> Iterator[None]:
+    """Hydra turns a callback's Exception into a warning and goes on: a refusal exits, as its
+    line."""
+    try:
+        yield
+    except ConfigError as refused:
+        raise SystemExit(str(refused)) from None
+
+
 class JobReporter(Callback):
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         _record_entry_point()
-        try:
+        with _refusal_exits():
             check_working_directory(config.hydra)
-        except ConfigError as refused:  # (Hydra would warn and go on: see on_multirun_start)
-            raise SystemExit(str(refused)) from None
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         # the entry point paused the collector for its imports: on again before the sweeper
         # composes every job (where the jobs run in other processes, main() never runs here)
         collector_resumed()
         _record_entry_point()
-        try:
+        with _refusal_exits():
             check_working_directory(config.hydra)
             check_sweeper(config)
             check_pruner(config)
             check_direction(config)
             own_sweep_dir(config)
-        except ConfigError as refused:  # Hydra turns a callback's Exception into a warning and
-            raise SystemExit(str(refused)) from None  # goes on: the refusal exits, as its line
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         accepted()  # (a sweep's lines, where its launcher said nothing before its first job)

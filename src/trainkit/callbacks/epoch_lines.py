@@ -97,10 +97,15 @@ def _float(value: Any) -> float | None:
         return None
 
 
+def _steps_ran_out(trainer) -> bool:
+    """Whether training reached its ``max_steps`` (Lightning's -1: unbounded)."""
+    return 0 <= trainer.max_steps <= trainer.global_step
+
+
 def _ran_out(trainer) -> bool:
     """Whether training ran its ``max_steps``, or to the last batch of its ``max_epochs``
     (Lightning's -1: unbounded; it counts an epoch stopped part-way as run)."""
-    if 0 <= trainer.max_steps <= trainer.global_step:
+    if _steps_ran_out(trainer):
         return True
     epochs = trainer.max_epochs is not None and 0 <= trainer.max_epochs <= trainer.current_epoch
     return epochs and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
@@ -110,7 +115,7 @@ def _nothing_left(trainer) -> str:
     """Why a resume trained nothing: its checkpoint had reached the limit its config now has
     (``ckpt_path=last trainer.max_epochs=1`` after 2 epochs), which Lightning says in the log file
     only; the run went on to its test."""
-    if 0 <= trainer.max_steps <= trainer.global_step:
+    if _steps_ran_out(trainer):
         limit = f"trainer.max_steps={trainer.max_steps}"
     else:
         limit = f"trainer.max_epochs={trainer.max_epochs}"
